@@ -1,0 +1,716 @@
+"""The communicator: bootstrap, symmetric heap, one-sided puts/gets, signals.
+
+Legend: PE = a process of the group, ``W`` = world size, ``pe`` in [0, W).
+
+Memory model (OpenSHMEM 1.5 section 9 / NVSHMEM, restated for the shm backend):
+
+* ``put``/``get`` are *blocking* one-sided copies: when ``put`` returns, the
+  bytes have been written into the target's memory and the source buffer may
+  be reused; they are not guaranteed visible to the target *in order* with
+  respect to other words until a release operation follows (a signal update,
+  ``fence``, ``quiet`` or ``barrier``).
+* ``put_signal`` writes the data, then updates the signal word with release
+  semantics: a PE that observes the new signal value with ``signal_wait_until``
+  or ``signal_fetch`` (acquire) also observes the data.
+* ``signal_op`` is an atomic (set or add) on one 64-bit word with release
+  semantics; ``signal_fetch`` and ``signal_wait_until`` load with acquire.
+* ``fence`` orders this PE's earlier puts before its later puts to every PE;
+  ``quiet`` completes all of them (both are a full fence here, since puts on
+  this backend complete before they return).
+* ``barrier`` is a full fence on every PE plus a rendezvous: whatever any PE
+  wrote before it is visible to every PE after it.
+
+Every wait is bounded (``timeout`` per call, the communicator's default when
+None) and raises :class:`asap_comm.TimeoutError`; a wait that can no longer be
+satisfied because a PE died (or closed) raises :class:`asap_comm.PeerFailure`
+within about 20 ms of the death.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import secrets
+import threading
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from ._native import _C
+from .errors import CommError, PeerFailure, TimeoutError
+from .mailbox import Mailbox
+
+__all__ = ["Communicator", "init"]
+
+_OPS = {"set": 0, "add": 1}
+_CMPS = {"==": 0, "!=": 1, ">": 2, ">=": 3, "<": 4, "<=": 5}
+_U64_MAX = (1 << 64) - 1
+_ALIGN = 64
+_DEFAULT_CHUNK = 64 << 20
+_FAST_CACHE_MAX = 4096
+_COPY_WITH_TORCH = 1 << 20  # contiguous copies this large use torch's multithreaded copy_
+
+_ids = itertools.count(1)
+_registry: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+_registry_lock = threading.Lock()
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class _Chunk:
+    """One segment of every PE's symmetric heap (all PEs have the same chunks)."""
+
+    index: int
+    size: int
+    used: int
+    local: object  # _C.Mapping of this PE
+    peers: list  # _C.Mapping per PE (local one included)
+    deltas: list  # peer base - local base, per PE
+    base: int  # local base address
+    u8: list  # per PE: lazily created torch.uint8 tensor over the mapping
+
+
+@dataclass
+class _Alloc:
+    chunk: _Chunk
+    offset: int
+    nbytes: int
+
+
+class Communicator:
+    """A group of PEs sharing a symmetric heap. Create with :func:`asap_comm.init`.
+
+    Attributes: ``rank``, ``world_size``, ``timeout`` (default wait bound in
+    seconds), ``id`` (the handle that ``torch.ops.asap_comm.*`` take as
+    ``comm``).
+    """
+
+    def __init__(self, rank: int, world_size: int, store, *, timeout: float,
+                 heap_chunk_bytes: int, shm_prefix: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = float(timeout)
+        self.id = next(_ids)
+        self._store = store
+        self._chunk_bytes = heap_chunk_bytes
+        self._shm_prefix = shm_prefix
+        self._closed = False
+        self._chunks: list[_Chunk] = []
+        self._allocs: dict[int, _Alloc] = {}  # storage data_ptr -> allocation
+        self._fast: dict[int, tuple] = {}  # id(symmetric tensor) -> validated info (holds the tensor)
+        self._src_fast: dict[int, tuple] = {}  # data_ptr -> (source tensor, facts) seen by put_signal
+        self._linked: list[str] = []  # segment names this PE created and has not unlinked
+        self._epoch = 0
+        self._group = _C.Group(rank, world_size)
+        self._ghandle = self._group.handle
+        self._pid = os.getpid()
+        self._prefix = ""
+        try:
+            self._bootstrap()
+        except BaseException:
+            self._teardown()
+            raise
+        with _registry_lock:
+            _registry[self.id] = self
+        self._finalizer = weakref.finalize(self, Communicator._finalize, self._ctrl_local, self._linked)
+
+    # ------------------------------------------------------------------ setup
+    def _new_name(self) -> str:
+        return f"/{self._shm_prefix}{secrets.token_hex(16)}"
+
+    def _store_get(self, key: str) -> str:
+        try:
+            return self._store.get(self._prefix + key).decode()
+        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
+            raise TimeoutError(f"init: waiting for store key {key!r} failed: {e}") from None
+
+    def _store_rendezvous(self, key: str) -> None:
+        n = self._store.add(self._prefix + key, 1)
+        if n == self.world_size:
+            self._store.set(self._prefix + key + "/done", "1")
+        try:
+            self._store.wait([self._prefix + key + "/done"], timedelta(seconds=self.timeout))
+        except Exception as e:
+            raise TimeoutError(f"init: rendezvous {key!r} did not complete within {self.timeout} s "
+                               f"({n}/{self.world_size} PEs arrived when this PE did): {e}") from None
+
+    def _bootstrap(self) -> None:
+        joined = self._store.add("asap/join", 1)
+        self._prefix = f"asap/{(joined - 1) // self.world_size}/"
+        name = self._new_name()
+        self._ctrl_map = _C.create_segment(name, _C.CTRL_BYTES)
+        self._linked.append(name)
+        self._ctrl_local = self._ctrl_map.addr
+        _C.ctrl_init(self._ctrl_local, self.rank, self._pid)
+        self._store.set(self._prefix + f"ctrl/{self.rank}", name)
+        self._ctrl_maps = []
+        for pe in range(self.world_size):
+            if pe == self.rank:
+                mp = self._ctrl_map
+            else:
+                peer_name = self._store_get(f"ctrl/{pe}")
+                mp = _C.map_segment(peer_name, _C.CTRL_BYTES)
+                if not _C.ctrl_check(mp.addr, pe):
+                    raise CommError(f"init: control segment of PE {pe} is not initialised")
+            self._ctrl_maps.append(mp)
+            self._group.set_peer(pe, mp.addr, _C.ctrl_pid(mp.addr))
+        self._ctrl = [mp.addr for mp in self._ctrl_maps]
+        self._store_rendezvous("ctrl_mapped")
+        self._unlink_own()
+        self.barrier()
+
+    def _unlink_own(self) -> None:
+        while self._linked:
+            _C.unlink_segment(self._linked.pop())
+
+    @staticmethod
+    def _finalize(ctrl_addr, linked) -> None:
+        # Runs at garbage collection or interpreter exit if close() was not called.
+        for name in linked:
+            _C.unlink_segment(name)
+        linked.clear()
+
+    def _teardown(self) -> None:
+        self._unlink_own()
+        self._chunks = []
+        self._allocs = {}
+        self._fast = {}
+        self._src_fast = {}
+
+    def close(self) -> None:
+        """Leave the group (local, not collective; idempotent).
+
+        Marks this PE closed so that peers waiting on it get ``PeerFailure``
+        instead of a hang, and drops the mappings. Symmetric tensors that the
+        caller still holds stay valid memory (their mapping lives as long as
+        they do) but no peer writes into them any more.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            _C.fence()
+            if getattr(self, "_ctrl_local", None) is not None:
+                _C.ctrl_set_state(self._ctrl_local, _C.STATE_CLOSED)
+        finally:
+            self._teardown()
+            self._ctrl_maps = []
+            self._store = None
+            with _registry_lock:
+                _registry.pop(self.id, None)
+            self._finalizer.detach()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Communicator(rank={self.rank}, world_size={self.world_size}, backend='shm', {state})"
+
+    # ------------------------------------------------------------ checks
+    def _check_open(self, fn: str) -> None:
+        if self._closed:
+            raise CommError(f"{fn}: the communicator is closed")
+
+    def _check_pe(self, fn: str, pe) -> int:
+        if isinstance(pe, bool) or not isinstance(pe, int):
+            raise TypeError(f"{fn}: pe must be an int, got {type(pe).__name__}")
+        if not 0 <= pe < self.world_size:
+            raise ValueError(f"{fn}: pe={pe} is out of range [0, {self.world_size})")
+        return pe
+
+    def _timeout(self, fn: str, timeout) -> float:
+        if timeout is None:
+            return self.timeout
+        try:
+            t = float(timeout)
+        except (TypeError, ValueError):
+            raise TypeError(f"{fn}: timeout must be a number of seconds or None, got {timeout!r}") from None
+        if not t >= 0 or math.isinf(t):
+            raise ValueError(f"{fn}: timeout must be finite and >= 0, got {timeout!r}")
+        return t
+
+    def _alloc_of(self, fn: str, name: str, t) -> _Alloc:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        a = self._allocs.get(t.untyped_storage().data_ptr())
+        if a is None:
+            raise ValueError(f"{fn}: {name} (shape {tuple(t.shape)}, dtype {t.dtype}) is not a symmetric "
+                             "tensor of this communicator; allocate it with comm.empty/zeros/signals")
+        return a
+
+    def _info(self, fn: str, name: str, t, symmetric: bool) -> tuple:
+        """Validated, cached facts about a tensor for the fast path.
+
+        (tensor, data_ptr, nbytes, dtype, contiguous, shape, deltas|None, numel, stride0)
+        The tensor is held so its id cannot be reused while cached; symmetric
+        storage cannot be resized, so the cached layout stays true for it.
+        """
+        self._check_open(fn)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{fn}: {name} is on {t.device}; the shm backend moves CPU tensors only")
+        deltas = None
+        if symmetric:
+            deltas = self._alloc_of(fn, name, t).chunk.deltas
+        info = (t, t.data_ptr(), t.nbytes, t.dtype, t.is_contiguous(), tuple(t.shape), deltas, t.numel(),
+                t.stride(0) if t.dim() == 1 else 0)
+        if symmetric:
+            if len(self._fast) >= _FAST_CACHE_MAX:
+                self._fast.clear()
+            self._fast[id(t)] = info
+        return info
+
+    def _sig_addr(self, fn: str, sig, idx) -> tuple:
+        """(info, address of word idx on this PE) for a signal array."""
+        g = self._fast.get(id(sig)) or self._info(fn, "sig", sig, symmetric=True)
+        if g[3] is not torch.uint64 or g[8] == 0:
+            raise ValueError(f"{fn}: sig must be a 1-D torch.uint64 symmetric tensor (comm.signals(n)), "
+                             f"got dtype {g[3]} shape {g[5]}")
+        if isinstance(idx, bool) or not isinstance(idx, int):
+            raise TypeError(f"{fn}: idx must be an int, got {type(idx).__name__}")
+        if not 0 <= idx < g[7]:
+            raise ValueError(f"{fn}: idx={idx} is out of range [0, {g[7]}) of the signal array")
+        return g, g[1] + idx * 8 * g[8]
+
+    @staticmethod
+    def _check_value(fn: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{fn}: value must be an int, got {type(value).__name__}")
+        if not 0 <= value <= _U64_MAX:
+            raise ValueError(f"{fn}: value={value} does not fit an unsigned 64-bit signal word")
+        return value
+
+    # ------------------------------------------------------------ symmetric heap
+    def _grow(self, min_bytes: int) -> _Chunk:
+        size = max(self._chunk_bytes, _round_up(min_bytes, 1 << 21))
+        index = len(self._chunks)
+        name = self._new_name()
+        local = _C.create_segment(name, size)
+        self._linked.append(name)
+        try:
+            self._store.set(self._prefix + f"chunk/{index}/{self.rank}", f"{name}:{size}")
+            peers = []
+            for pe in range(self.world_size):
+                if pe == self.rank:
+                    peers.append(local)
+                    continue
+                peer_name, peer_size = self._store_get(f"chunk/{index}/{pe}").rsplit(":", 1)
+                if int(peer_size) != size:
+                    raise CommError(f"alloc: PE {pe} created heap chunk {index} with {peer_size} bytes, "
+                                    f"this PE with {size}: collective calls were made in a different order")
+                peers.append(_C.map_segment(peer_name, size))
+            self.barrier()  # every PE has mapped every chunk
+        finally:
+            self._unlink_own()
+        deltas = [mp.addr - local.addr for mp in peers]
+        chunk = _Chunk(index, size, 0, local, peers, deltas, local.addr, [None] * self.world_size)
+        self._chunks.append(chunk)
+        return chunk
+
+    def _alloc(self, fn: str, nbytes: int) -> _Alloc:
+        self._check_open(fn)
+        need = _round_up(max(nbytes, 1), _ALIGN)
+        for chunk in self._chunks:
+            if chunk.size - chunk.used >= need:
+                break
+        else:
+            chunk = self._grow(need)
+        a = _Alloc(chunk, chunk.used, need)
+        chunk.used += need
+        return a
+
+    def _tensor_of(self, a: _Alloc, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = math.prod(shape)
+        raw = torch.frombuffer(a.chunk.local, dtype=torch.uint8, count=a.nbytes, offset=a.offset)
+        t = raw[: numel * itemsize].view(dtype).view(shape)
+        self._allocs[t.untyped_storage().data_ptr()] = a
+        return t
+
+    @staticmethod
+    def _shape(fn: str, shape) -> tuple:
+        if isinstance(shape, int):
+            shape = (shape,)
+        try:
+            shape = tuple(int(s) for s in shape)
+        except TypeError:
+            raise TypeError(f"{fn}: shape must be an int or a sequence of ints, got {shape!r}") from None
+        if any(s < 0 for s in shape):
+            raise ValueError(f"{fn}: shape {shape} has a negative dimension")
+        return shape
+
+    def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Collective: a symmetric tensor, uninitialised (zero on first use).
+
+        Every PE must call it with the same shape and dtype in the same order.
+        Returns once every PE's copy exists, so peers may put into it at once.
+        """
+        shape = self._shape("empty", shape)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"empty: dtype must be a torch.dtype, got {dtype!r}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        a = self._alloc("empty", math.prod(shape) * itemsize)
+        t = self._tensor_of(a, shape, dtype)
+        self.barrier()
+        return t
+
+    def zeros(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Collective: a symmetric tensor filled with zeros on every PE.
+
+        On return every PE's copy is zeroed (a barrier follows the fill).
+        """
+        shape = self._shape("zeros", shape)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"zeros: dtype must be a torch.dtype, got {dtype!r}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        a = self._alloc("zeros", math.prod(shape) * itemsize)
+        t = self._tensor_of(a, shape, dtype)
+        t.view(-1).view(torch.uint8).zero_() if t.numel() else None
+        self.barrier()
+        return t
+
+    def signals(self, n: int) -> torch.Tensor:
+        """Collective: ``n`` zeroed uint64 signal words, a 1-D symmetric tensor ``[n]``."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"signals: n must be an int, got {type(n).__name__}")
+        if n <= 0:
+            raise ValueError(f"signals: n={n} must be positive")
+        return self.zeros((n,), torch.uint64)
+
+    def mailbox(self, slot_bytes: int, num_slots: int) -> Mailbox:
+        """Collective: one bounded MPSC inbox per PE (see :class:`asap_comm.Mailbox`).
+
+        ``slot_bytes``: the largest payload one message may carry;
+        ``num_slots``: how many messages an inbox holds before senders wait.
+        """
+        for nm, v in (("slot_bytes", slot_bytes), ("num_slots", num_slots)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"mailbox: {nm} must be an int, got {type(v).__name__}")
+            if v <= 0:
+                raise ValueError(f"mailbox: {nm}={v} must be positive")
+        nbytes = _C.mailbox_bytes(slot_bytes, num_slots)
+        a = self._alloc("mailbox", nbytes)
+        base = a.chunk.base + a.offset
+        _C.mailbox_init(base, slot_bytes, num_slots)
+        buf = torch.frombuffer(a.chunk.local, dtype=torch.uint8, count=a.nbytes, offset=a.offset)
+        self._allocs[buf.untyped_storage().data_ptr()] = a
+        box = Mailbox(self, buf, base, a.chunk.deltas, slot_bytes, num_slots)
+        self.barrier()
+        return box
+
+    # ------------------------------------------------------------ remote views
+    def _peer_u8(self, chunk: _Chunk, pe: int) -> torch.Tensor:
+        t = chunk.u8[pe]
+        if t is None:
+            t = torch.frombuffer(chunk.peers[pe], dtype=torch.uint8)
+            chunk.u8[pe] = t
+        return t
+
+    def _remote_view(self, t: torch.Tensor, a: _Alloc, pe: int) -> torch.Tensor:
+        """``t`` (a view of a symmetric allocation) as the same bytes on PE ``pe``."""
+        itemsize = t.element_size()
+        typed = self._peer_u8(a.chunk, pe)[a.offset: a.offset + a.nbytes].view(t.dtype)
+        return typed.as_strided(t.shape, t.stride(), a.offset // itemsize + t.storage_offset())
+
+    def _check_pair(self, fn: str, dst, src) -> None:
+        for nm, t in (("dst", dst), ("src", src)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{fn}: {nm} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device.type != "cpu":
+                raise ValueError(f"{fn}: {nm} is on {t.device}; the shm backend moves CPU tensors only")
+        if dst.dtype != src.dtype:
+            raise ValueError(f"{fn}: dtype mismatch: dst {dst.dtype} vs src {src.dtype}")
+        if dst.shape != src.shape:
+            raise ValueError(f"{fn}: shape mismatch: dst {tuple(dst.shape)} vs src {tuple(src.shape)}")
+
+    def _copy(self, dst_t, dst_addr, src_t, src_addr, nbytes, contiguous, view_fn) -> None:
+        if contiguous and nbytes < _COPY_WITH_TORCH:
+            _C.copy(dst_addr, src_addr, nbytes)
+        else:
+            view_fn()
+
+    # ------------------------------------------------------------ one-sided ops
+    def put(self, dst: torch.Tensor, src: torch.Tensor, pe: int) -> None:
+        """Write ``src`` into the bytes that ``dst`` names on PE ``pe``.
+
+        ``dst``: a symmetric tensor or any view of one (slices, odd offsets,
+        strides); ``src``: any CPU tensor of the same shape and dtype.
+        Ordering: blocking; on return the data is in ``pe``'s memory and
+        ``src`` may be reused. Visible to ``pe`` in order only after a later
+        release (``put_signal``/``signal_op``/``fence``/``quiet``/``barrier``).
+        """
+        self._check_open("put")
+        pe = self._check_pe("put", pe)
+        a = self._alloc_of("put", "dst", dst)
+        self._check_pair("put", dst, src)
+        if dst.numel() == 0:
+            return
+        if dst.is_contiguous() and src.is_contiguous() and dst.nbytes < _COPY_WITH_TORCH:
+            _C.copy(dst.data_ptr() + a.chunk.deltas[pe], src.data_ptr(), dst.nbytes)
+        else:
+            self._remote_view(dst, a, pe).copy_(src)
+
+    def get(self, dst: torch.Tensor, src: torch.Tensor, pe: int) -> None:
+        """Read the bytes that ``src`` (a symmetric tensor or view) names on PE ``pe`` into ``dst``.
+
+        Ordering: blocking; on return ``dst`` holds the values. To read what
+        ``pe`` published, first observe its signal (acquire), then ``get``.
+        """
+        self._check_open("get")
+        pe = self._check_pe("get", pe)
+        a = self._alloc_of("get", "src", src)
+        self._check_pair("get", dst, src)
+        if dst.numel() == 0:
+            return
+        if dst.is_contiguous() and src.is_contiguous() and dst.nbytes < _COPY_WITH_TORCH:
+            _C.copy(dst.data_ptr(), src.data_ptr() + a.chunk.deltas[pe], dst.nbytes)
+        else:
+            dst.copy_(self._remote_view(src, a, pe))
+
+    def put_signal(self, dst: torch.Tensor, src: torch.Tensor, pe: int, sig: torch.Tensor, idx: int,
+                   value: int, op: str = "set") -> None:
+        """``put(dst, src, pe)`` then ``signal_op(sig, idx, value, op, pe)``.
+
+        Ordering: the data is visible on ``pe`` before the signal is: a PE that
+        observes the new signal value (acquire) observes all of ``dst``.
+        ``op``: ``"set"`` stores ``value``; ``"add"`` adds it (mod 2**64).
+        """
+        fast = self._fast
+        d = fast.get(id(dst))
+        g = fast.get(id(sig))
+        if (d is not None and g is not None and src.__class__ is torch.Tensor and pe.__class__ is int
+                and idx.__class__ is int and value.__class__ is int and d[4] and g[8] == 1
+                and 0 <= pe < self.world_size and 0 <= idx < g[7] and 0 <= value <= _U64_MAX
+                and op in _OPS and d[2] < _COPY_WITH_TORCH):
+            sp = src.data_ptr()
+            s = self._src_fast.get(sp)
+            if s is not None and s[0] is src:
+                # Same source tensor object at the same address as last time.
+                if s[2] == d[2] and s[3] is d[3] and s[5] == d[5]:
+                    _C.put_signal(d[1] + d[6][pe], sp, d[2], g[1] + idx * 8 + g[6][pe], value, _OPS[op],
+                                  self._ctrl[pe])
+                    return
+        self._put_signal_slow(dst, src, pe, sig, idx, value, op)
+
+    def _put_signal_slow(self, dst, src, pe, sig, idx, value, op) -> None:
+        self._check_open("put_signal")
+        pe = self._check_pe("put_signal", pe)
+        if op not in _OPS:
+            raise ValueError(f"put_signal: op must be 'set' or 'add', got {op!r}")
+        value = self._check_value("put_signal", value)
+        d = self._info("put_signal", "dst", dst, symmetric=True)
+        self._check_pair("put_signal", dst, src)
+        g, _ = self._sig_addr("put_signal", sig, idx)
+        if src.is_contiguous() and d[4] and d[2] < _COPY_WITH_TORCH:
+            # Remember this source by address (bounded; the tensor is held so
+            # the address cannot be recycled while the entry exists).
+            if src.__class__ is torch.Tensor:
+                if len(self._src_fast) >= _FAST_CACHE_MAX:
+                    self._src_fast.clear()
+                self._src_fast[src.data_ptr()] = (src, src.data_ptr(), src.nbytes, src.dtype, True,
+                                                  tuple(src.shape))
+            _C.put_signal(d[1] + d[6][pe], src.data_ptr(), d[2], g[1] + idx * 8 * g[8] + g[6][pe], value,
+                          _OPS[op], self._ctrl[pe])
+        else:
+            self.put(dst, src, pe)
+            _C.signal_update(g[1] + idx * 8 * g[8] + g[6][pe], value, _OPS[op], self._ctrl[pe])
+
+    def signal_op(self, sig: torch.Tensor, idx: int, value: int, op: str, pe: int) -> int:
+        """Atomically update word ``idx`` of ``sig`` on PE ``pe``; returns its previous value.
+
+        ``op``: ``"set"`` or ``"add"`` (wraps mod 2**64). Ordering: release:
+        every put this PE issued before is visible to whoever observes the
+        new value. Wakes ``pe`` only if it sleeps in a wait.
+        """
+        self._check_open("signal_op")
+        if op not in _OPS:
+            raise ValueError(f"signal_op: op must be 'set' or 'add', got {op!r}")
+        pe = self._check_pe("signal_op", pe)
+        value = self._check_value("signal_op", value)
+        g, addr = self._sig_addr("signal_op", sig, idx)
+        return _C.signal_update(addr + g[6][pe], value, _OPS[op], self._ctrl[pe])
+
+    def signal_fetch(self, sig: torch.Tensor, idx: int) -> int:
+        """Atomic (acquire) read of this PE's word ``idx`` of ``sig``."""
+        self._check_open("signal_fetch")
+        _, addr = self._sig_addr("signal_fetch", sig, idx)
+        return _C.load(addr)
+
+    def signal_wait_until(self, sig: torch.Tensor, idx: int, cmp: str, value: int, timeout=None) -> int:
+        """Wait until ``sig[idx] <cmp> value`` holds on this PE; returns the value seen.
+
+        ``cmp``: one of ``== != > >= < <=``. Ordering: acquire: data put
+        before the signal that satisfied the wait is visible on return.
+        Spins briefly, then sleeps on a futex. Raises ``TimeoutError`` after
+        ``timeout`` s (default: the communicator's), ``PeerFailure`` if a PE
+        died (or every other PE closed) meanwhile.
+        """
+        g = self._fast.get(id(sig))
+        if (g is not None and g[8] == 1 and idx.__class__ is int and value.__class__ is int
+                and 0 <= idx < g[7] and 0 <= value <= _U64_MAX and timeout is None):
+            c = _CMPS.get(cmp)
+            if c is not None:
+                try:
+                    return _C.wait_until(g[1] + idx * 8, c, value, self._ctrl_local, self.timeout,
+                                         self._ghandle, -1)
+                except (TimeoutError, PeerFailure) as e:
+                    raise self._wait_error("signal_wait_until", f"sig[{idx}] {cmp} {value}", e) from None
+        return self._signal_wait_slow(sig, idx, cmp, value, timeout)
+
+    def _signal_wait_slow(self, sig, idx, cmp, value, timeout) -> int:
+        self._check_open("signal_wait_until")
+        c = _CMPS.get(cmp) if isinstance(cmp, str) else None
+        if c is None:
+            raise ValueError(f"signal_wait_until: cmp must be one of {list(_CMPS)}, got {cmp!r}")
+        value = self._check_value("signal_wait_until", value)
+        t = self._timeout("signal_wait_until", timeout)
+        _, addr = self._sig_addr("signal_wait_until", sig, idx)
+        try:
+            return _C.wait_until(addr, c, value, self._ctrl_local, t, self._ghandle, -1)
+        except (TimeoutError, PeerFailure) as e:
+            raise self._wait_error("signal_wait_until", f"sig[{idx}] {cmp} {value}", e) from None
+
+    @staticmethod
+    def _wait_error(fn: str, what: str, e: Exception) -> Exception:
+        if isinstance(e, PeerFailure):
+            return PeerFailure(f"{fn}: waiting for {what}: {e}", pe=e.pe, reason=e.reason)
+        return TimeoutError(f"{fn}: waiting for {what}: {e}")
+
+    def fence(self) -> None:
+        """Order: this PE's puts issued before reach every PE before those issued after."""
+        self._check_open("fence")
+        _C.fence()
+
+    def quiet(self) -> None:
+        """Complete: every put this PE issued is in its target's memory on return."""
+        self._check_open("quiet")
+        _C.fence()
+
+    def barrier(self, timeout=None) -> None:
+        """Collective rendezvous and full fence: writes of every PE before it are visible to all after it.
+
+        Raises ``PeerFailure`` if a PE died or closed before arriving.
+        """
+        self._check_open("barrier")
+        t = self._timeout("barrier", timeout)
+        if self.world_size == 1:
+            _C.fence()
+            return
+        self._epoch += 1
+        k = self._epoch
+        ctrl0 = self._ctrl[0]
+        arrive = ctrl0 + _C.BARRIER_ARRIVE_OFFSET
+        gen = ctrl0 + _C.BARRIER_GEN_OFFSET
+        if _C.signal_update(arrive, 1, 1, ctrl0) == k * self.world_size - 1:
+            _C.signal_update(gen, k, 0, ctrl0)
+            return
+        try:
+            _C.wait_until(gen, _CMPS[">="], k, ctrl0, t, self._ghandle, _C.DEP_ALL)
+        except (TimeoutError, PeerFailure) as e:
+            raise self._wait_error("barrier", f"barrier #{k}", e) from None
+
+    # ------------------------------------------------------------ liveness
+    def peer_alive(self, pe: int) -> bool:
+        """True while PE ``pe`` is running and has not closed."""
+        self._check_open("peer_alive")
+        pe = self._check_pe("peer_alive", pe)
+        return self._group.check(pe) is None
+
+
+def _env_int(name: str, fn: str) -> int:
+    v = os.environ.get(name)
+    if v is None:
+        raise ValueError(f"{fn}: {name.lower()} not given and ${name} is not set "
+                         "(pass it, or start the processes with torchrun or asap_comm.launch)")
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{fn}: ${name}={v!r} is not an integer") from None
+
+
+def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_addr: "str | None" = None,
+         master_port: "int | None" = None, backend: str = "shm", timeout: float = 30.0, store=None,
+         heap_chunk_bytes: "int | None" = None, shm_prefix: "str | None" = None) -> Communicator:
+    """Join (collectively) a group of ``world_size`` PEs on this host.
+
+    ``rank``/``world_size``/``master_addr``/``master_port`` default to
+    ``$RANK``/``$WORLD_SIZE``/``$MASTER_ADDR``/``$MASTER_PORT`` as torchrun
+    sets them. Bootstraps through a ``torch.distributed.TCPStore`` (rank 0
+    hosts it unless torchrun's agent does, or ``store`` is given).
+    ``timeout`` is the default bound of every wait, in seconds.
+    ``heap_chunk_bytes``: symmetric heap growth step (default 64 MiB, env
+    ``ASAP_HEAP_CHUNK_BYTES``); segments are sparse, so untouched bytes cost
+    nothing. Returns a :class:`Communicator` (also a context manager).
+    """
+    if backend != "shm":
+        raise ValueError(f"init: backend={backend!r} is not available; built backends: ['shm'] "
+                         "(cuda, npu and inter-node are planned, see DESIGN.md)")
+    rank = _env_int("RANK", "init") if rank is None else rank
+    world_size = _env_int("WORLD_SIZE", "init") if world_size is None else world_size
+    for nm, v in (("rank", rank), ("world_size", world_size)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"init: {nm} must be an int, got {type(v).__name__}")
+    if world_size < 1:
+        raise ValueError(f"init: world_size={world_size} must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"init: rank={rank} is out of range [0, {world_size})")
+    t = float(timeout)
+    if not t > 0 or math.isinf(t):
+        raise ValueError(f"init: timeout={timeout!r} must be a finite number of seconds > 0")
+    if heap_chunk_bytes is None:
+        heap_chunk_bytes = int(os.environ.get("ASAP_HEAP_CHUNK_BYTES", _DEFAULT_CHUNK))
+    if heap_chunk_bytes < 4096:
+        raise ValueError(f"init: heap_chunk_bytes={heap_chunk_bytes} must be >= 4096")
+    heap_chunk_bytes = _round_up(heap_chunk_bytes, 4096)
+    if shm_prefix is None:
+        shm_prefix = os.environ.get("ASAP_SHM_PREFIX", "asap-")
+    if "/" in shm_prefix or len(shm_prefix) > 64:
+        raise ValueError(f"init: shm_prefix={shm_prefix!r} must not contain '/' and be at most 64 chars")
+    if store is None:
+        addr = master_addr if master_addr is not None else os.environ.get("MASTER_ADDR")
+        port = master_port if master_port is not None else os.environ.get("MASTER_PORT")
+        if addr is None or port is None:
+            raise ValueError("init: master_addr/master_port not given and $MASTER_ADDR/$MASTER_PORT not set")
+        try:
+            port = int(port)
+        except ValueError:
+            raise ValueError(f"init: master_port={port!r} is not an integer") from None
+        from torch.distributed import TCPStore
+
+        is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        try:
+            store = TCPStore(addr, port, world_size if is_master else None, is_master,
+                             timedelta(seconds=t), wait_for_workers=False)
+        except Exception as e:
+            raise CommError(f"init: cannot {'host' if is_master else 'reach'} the TCPStore at "
+                            f"{addr}:{port}: {e}") from None
+    return Communicator(rank, world_size, store, timeout=t, heap_chunk_bytes=heap_chunk_bytes,
+                        shm_prefix=shm_prefix)
+
+
+def _by_id(comm_id: int) -> Communicator:
+    """The communicator an op refers to: ``comm_id`` or, for -1, the newest open one."""
+    with _registry_lock:
+        if comm_id == -1:
+            live = [c for c in _registry.values() if not c.closed]
+            if not live:
+                raise CommError("asap_comm op: no open communicator in this process (call asap_comm.init)")
+            return max(live, key=lambda c: c.id)
+        c = _registry.get(comm_id)
+    if c is None or c.closed:
+        raise CommError(f"asap_comm op: communicator id {comm_id} is unknown or closed")
+    return c

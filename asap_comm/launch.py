@@ -1,0 +1,166 @@
+"""One-host launcher: run ``fn(comm, *args)`` in ``world_size`` fresh processes."""
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import time
+import traceback
+from multiprocessing.connection import wait as mp_wait
+
+from .errors import LaunchError, PeerFailure, TimeoutError
+
+__all__ = ["launch"]
+
+
+def _child(fn, rank, world_size, port, args, conn, shm_prefix, comm_timeout):
+    # Runs in a spawned process.
+    from torch.distributed import TCPStore
+
+    from .comm import init
+
+    try:
+        store = TCPStore("127.0.0.1", port, None, False, __import__("datetime").timedelta(seconds=comm_timeout))
+        with init(rank, world_size, store=store, timeout=comm_timeout, shm_prefix=shm_prefix) as comm:
+            result = fn(comm, *args)
+        conn.send(("ok", result))
+    except BaseException as e:  # report everything, KeyboardInterrupt included
+        try:
+            conn.send(("err", type(e).__name__, str(e), traceback.format_exc(), isinstance(e, PeerFailure)))
+        except Exception:
+            pass
+        conn.close()
+        os._exit(1)
+    conn.close()
+
+
+def _cleanup_segments(prefix: str) -> list[str]:
+    left = glob.glob(f"/dev/shm/{prefix}*")
+    for path in left:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return left
+
+
+def _stop(procs, grace: float = 2.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(grace)
+
+
+def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: float = 30.0) -> list:
+    """Run ``fn(comm, *args)`` on ``world_size`` PEs of one host; return their results by rank.
+
+    Each PE is a fresh process (multiprocessing ``spawn``), so ``fn`` and
+    ``args`` must be picklable (``fn`` defined at module level). The store is
+    hosted by this process on a free 127.0.0.1 port. If any rank raises or
+    dies, the others are stopped and :class:`asap_comm.LaunchError` is raised
+    with that rank's traceback (the root cause is preferred over the
+    ``PeerFailure`` it caused elsewhere). If the ranks are not done within
+    ``timeout`` seconds they are killed and ``asap_comm.TimeoutError`` is
+    raised. ``comm_timeout`` is each communicator's default wait bound.
+    Shared-memory segments of the run are removed whatever happens.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"launch: world_size must be an int, got {type(world_size).__name__}")
+    if world_size < 1:
+        raise ValueError(f"launch: world_size={world_size} must be >= 1")
+    if not callable(fn):
+        raise TypeError(f"launch: fn must be callable, got {type(fn).__name__}")
+    if not timeout > 0:
+        raise ValueError(f"launch: timeout={timeout!r} must be > 0")
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world_size, True, timedelta(seconds=comm_timeout), wait_for_workers=False)
+    prefix = f"asap-{secrets.token_hex(6)}-"
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    try:
+        for rank in range(world_size):
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, name=f"asap-pe{rank}",
+                            args=(fn, rank, world_size, store.port, args, w, prefix, comm_timeout), daemon=True)
+            p.start()
+            w.close()
+            procs.append(p)
+            conns.append(r)
+        return _collect(procs, conns, timeout)
+    finally:
+        _stop(procs)
+        for c in conns:
+            c.close()
+        _cleanup_segments(prefix)
+        del store
+
+
+def _collect(procs, conns, timeout: float) -> list:
+    n = len(procs)
+    results: list = [None] * n
+    done = [False] * n
+    failures = []  # (priority, order, LaunchError)
+    deadline = time.monotonic() + timeout
+    grace_end = None
+    while not all(done):
+        now = time.monotonic()
+        if grace_end is not None and now >= grace_end:
+            break
+        if now >= deadline:
+            late = [r for r in range(n) if not done[r]]
+            raise TimeoutError(f"launch: ranks {late} did not finish within {timeout} s; all ranks were killed")
+        limit = min(deadline, grace_end or deadline) - now
+        waitables = {}
+        for r in range(n):
+            if not done[r]:
+                waitables[conns[r]] = r
+                waitables[procs[r].sentinel] = r
+        ready = mp_wait(list(waitables), timeout=min(limit, 0.5))
+        for obj in ready:
+            r = waitables[obj]
+            if done[r]:
+                continue
+            msg = None
+            if conns[r].poll():
+                try:
+                    msg = conns[r].recv()
+                except (EOFError, OSError):
+                    msg = None
+            elif obj is conns[r]:
+                continue  # spurious
+            if msg is None:
+                procs[r].join(1.0)
+                if procs[r].exitcode is None and obj is not procs[r].sentinel:
+                    continue
+                code = procs[r].exitcode
+                how = f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 \
+                    else f"exited with code {code}"
+                failures.append((0, len(failures), LaunchError(
+                    f"launch: rank {r} {how} without reporting a result", rank=r, exitcode=code)))
+                done[r] = True
+            elif msg[0] == "ok":
+                results[r] = msg[1]
+                done[r] = True
+            else:
+                _, name, text, tb, is_peer = msg
+                prio = 2 if is_peer else 1
+                failures.append((prio, len(failures), LaunchError(
+                    f"launch: rank {r} raised {name}: {text}\n--- traceback of rank {r} ---\n{tb}",
+                    rank=r, remote_traceback=tb)))
+                done[r] = True
+            if failures and grace_end is None:
+                grace_end = time.monotonic() + 0.5  # let the root cause arrive
+    if failures:
+        raise min(failures, key=lambda f: (f[0], f[1]))[2]
+    return results

@@ -1,0 +1,193 @@
+// asap_comm CPU shared-memory backend: the one interface between the Python
+// runtime (kernels/bindings.cpp) and the native code.
+//
+// Everything here works on raw addresses inside POSIX shared-memory mappings.
+// Words that more than one process touches are accessed only through
+// std::atomic_ref with explicit memory orders; nothing relies on x86 TSO.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace asap {
+
+// ---------------------------------------------------------------------------
+// Segments
+// ---------------------------------------------------------------------------
+
+// An owned mmap of a shared-memory object. Unmapped in the destructor, so the
+// mapping lives exactly as long as the Python object (and every torch tensor
+// created over its buffer) that owns it.
+class Mapping {
+ public:
+  Mapping(void* addr, size_t size) : addr_(addr), size_(size) {}
+  ~Mapping();
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  uintptr_t addr() const { return reinterpret_cast<uintptr_t>(addr_); }
+  size_t size() const { return size_; }
+  void* ptr() const { return addr_; }
+
+ private:
+  void* addr_;
+  size_t size_;
+};
+
+// Creates a new segment (O_EXCL, mode 0600), sizes it and maps it. Throws
+// std::runtime_error with errno text on failure; on failure nothing is left.
+Mapping* create_segment(const std::string& name, size_t size);
+// Maps an existing segment created by a peer; checks that its size matches.
+Mapping* map_segment(const std::string& name, size_t size);
+// shm_unlink; returns false (no throw) if the name was already gone.
+bool unlink_segment(const std::string& name);
+
+// ---------------------------------------------------------------------------
+// Per-PE control block (first bytes of each PE's control segment)
+// ---------------------------------------------------------------------------
+
+constexpr uint64_t kCtrlMagic = 0x41534150434f4d31ull;  // "ASAPCOM1"
+enum PeState : uint32_t { kStateInit = 0, kStateAlive = 1, kStateClosed = 2 };
+
+struct alignas(64) Ctrl {
+  uint64_t magic;
+  uint32_t pid;
+  uint32_t rank;
+  uint32_t state;  // PeState, atomic access only
+  uint32_t pad0[11];
+  // Futex word: bumped by anyone who changes a word in this PE's memory that a
+  // sleeper may be waiting for, but only when `sleepers` is non-zero.
+  alignas(64) uint32_t futex_seq;
+  alignas(64) uint32_t sleepers;
+  // Central barrier (used on PE 0 only): cumulative arrivals and generation.
+  alignas(64) uint64_t barrier_arrive;
+  alignas(64) uint64_t barrier_gen;
+};
+static_assert(sizeof(Ctrl) <= 4096, "control block must fit in one page");
+
+// ---------------------------------------------------------------------------
+// Group: liveness of the peers
+// ---------------------------------------------------------------------------
+
+// Which peers a wait depends on.
+constexpr int kDepAny = -1;  // any peer may satisfy it: fails if a peer died,
+                             // or if every other peer has closed or died
+constexpr int kDepAll = -2;  // every peer must act (barrier): fails if any
+                             // peer died or closed
+
+class Group {
+ public:
+  Group(int rank, int world_size);
+  ~Group();
+  void set_peer(int pe, uintptr_t ctrl_addr, int pid);
+  // Returns -1 if the wait may go on, else the PE whose death or close makes
+  // it hopeless; *why is set to "died" or "closed".
+  int check(int dep, const char** why) const;
+  bool is_dead(int pe) const;
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+  Ctrl* ctrl(int pe) const { return ctrl_[pe]; }
+
+ private:
+  int rank_, world_;
+  std::vector<Ctrl*> ctrl_;
+  std::vector<int> pid_;
+  std::vector<int> pidfd_;
+};
+
+// ---------------------------------------------------------------------------
+// Waiting and waking
+// ---------------------------------------------------------------------------
+
+enum Cmp : int { kEq = 0, kNe = 1, kGt = 2, kGe = 3, kLt = 4, kLe = 5 };
+inline bool cmp_ok(uint64_t v, int cmp, uint64_t ref) {
+  switch (cmp) {
+    case kEq: return v == ref;
+    case kNe: return v != ref;
+    case kGt: return v > ref;
+    case kGe: return v >= ref;
+    case kLt: return v < ref;
+    default:  return v <= ref;
+  }
+}
+
+enum WaitStatus : int { kWaitOk = 0, kWaitTimeout = 1, kWaitPeer = 2, kWaitInterrupted = 3 };
+
+struct WaitResult {
+  int status;
+  uint64_t value;  // last value seen
+  int pe;          // failing PE for kWaitPeer
+  const char* why;
+};
+
+// Waits until cmp(*addr, value) holds (acquire load). `owner` is the control
+// block of the PE whose memory holds *addr (its futex is where wakers ring).
+// Spins for spin_ns, then sleeps on the futex in slices, checking liveness of
+// the peers named by `dep` and the deadline. Must be called with the GIL
+// held; releases it while sleeping. Python signals (Ctrl-C) are honoured.
+WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner,
+                      double timeout_s, const Group* group, int dep);
+
+// Wakes sleepers of `owner` if there are any. Must follow (in program order)
+// the seq_cst store/RMW that changed the awaited word.
+void wake_if_sleeping(Ctrl* owner);
+
+// Signal update with release semantics for everything written before it
+// (implemented seq_cst so the sleeper check cannot be reordered before it).
+// op: 0 = set, 1 = add. Returns the previous value.
+uint64_t signal_update(uint64_t* addr, uint64_t value, int op, Ctrl* owner);
+
+// Copy helper that releases the GIL for large sizes.
+void copy_bytes(void* dst, const void* src, size_t n);
+
+// Spin budget before sleeping (ns); configurable via ASAP_SPIN_NS.
+int64_t spin_budget_ns();
+
+// ---------------------------------------------------------------------------
+// Mailbox: bounded MPSC ring living in the consumer's symmetric memory.
+// ---------------------------------------------------------------------------
+// Layout of one inbox (the same on every PE):
+//   [MailboxHeader (128 B)] [slot 0] [slot 1] ... [slot num_slots-1]
+// slot = [SlotHeader (128 B)] [payload: slot_bytes, padded to 64 B]
+// Per-slot sequence numbers (Vyukov's bounded queue): slot i starts with
+// seq = i; a producer that owns position p writes slot p % n and publishes
+// seq = p + 1 (release); the consumer releases it with seq = p + n.
+
+constexpr uint32_t kSlotMagic = 0x4d424f58;  // "MBOX"
+constexpr int kMaxDims = 8;
+
+struct alignas(64) MailboxHeader {
+  uint64_t tail;  // next position to reserve (producers CAS it)
+  uint64_t pad0[7];
+  uint64_t head;  // next position to consume (consumer only)
+  uint64_t pad1[7];
+};
+static_assert(sizeof(MailboxHeader) == 128, "mailbox header size");
+
+struct alignas(64) SlotHeader {
+  uint64_t seq;
+  uint32_t magic;
+  uint32_t src;
+  int64_t tag;
+  uint64_t nbytes;
+  uint32_t dtype;
+  uint32_t ndim;
+  int64_t shape[kMaxDims];
+  uint64_t pad[2];
+};
+static_assert(sizeof(SlotHeader) == 128, "slot header size");
+
+constexpr size_t kMailboxHeaderBytes = sizeof(MailboxHeader);
+constexpr size_t kSlotHeaderBytes = sizeof(SlotHeader);
+inline size_t slot_stride(size_t slot_bytes) {
+  return kSlotHeaderBytes + ((slot_bytes + 63) / 64) * 64;
+}
+inline size_t mailbox_bytes(size_t slot_bytes, size_t num_slots) {
+  return kMailboxHeaderBytes + num_slots * slot_stride(slot_bytes);
+}
+
+void mailbox_init(uintptr_t base, size_t slot_bytes, size_t num_slots);
+
+}  // namespace asap

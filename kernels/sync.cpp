@@ -1,0 +1,232 @@
+// Liveness, futex wait/wake, signals, copies.
+#include <Python.h>
+
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <linux/futex.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "asap_shm.hpp"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define ASAP_CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define ASAP_CPU_RELAX() asm volatile("yield" ::: "memory")
+#else
+#define ASAP_CPU_RELAX() std::atomic_signal_fence(std::memory_order_seq_cst)
+#endif
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+
+namespace asap {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+template <typename T>
+inline std::atomic_ref<T> A(T& x) {
+  return std::atomic_ref<T>(x);
+}
+
+int futex_wait(uint32_t* addr, uint32_t expected, int64_t ns) {
+  struct timespec ts;
+  ts.tv_sec = ns / 1000000000;
+  ts.tv_nsec = ns % 1000000000;
+  // Shared (not PRIVATE) futex: the word lives in a MAP_SHARED mapping.
+  return static_cast<int>(syscall(SYS_futex, addr, FUTEX_WAIT, expected, &ts, nullptr, 0));
+}
+
+void futex_wake_all(uint32_t* addr) { syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0); }
+
+// Liveness of a pid without a pidfd: exists and is not a zombie.
+bool pid_alive_procfs(int pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE* f = fopen(path, "r");
+  if (f == nullptr) return false;
+  char buf[512];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char* rp = strrchr(buf, ')');  // comm may contain spaces or parens
+  if (rp == nullptr || rp[1] == 0 || rp[2] == 0) return true;
+  char state = rp[2];
+  return state != 'Z' && state != 'X';
+}
+
+constexpr int64_t kSliceNs = 20 * 1000 * 1000;  // futex slice: liveness/deadline/signals
+
+}  // namespace
+
+int64_t spin_budget_ns() {
+  static const int64_t v = [] {
+    const char* s = std::getenv("ASAP_SPIN_NS");
+    if (s == nullptr || *s == 0) return int64_t{50000};
+    long long x = std::atoll(s);
+    return static_cast<int64_t>(x < 0 ? 0 : x);
+  }();
+  return v;
+}
+
+Group::Group(int rank, int world_size)
+    : rank_(rank), world_(world_size), ctrl_(world_size, nullptr), pid_(world_size, 0), pidfd_(world_size, -1) {}
+
+Group::~Group() {
+  for (int fd : pidfd_)
+    if (fd >= 0) close(fd);
+}
+
+void Group::set_peer(int pe, uintptr_t ctrl_addr, int pid) {
+  ctrl_[pe] = reinterpret_cast<Ctrl*>(ctrl_addr);
+  pid_[pe] = pid;
+  if (pe != rank_ && pid > 0) {
+    if (pidfd_[pe] >= 0) close(pidfd_[pe]);
+    pidfd_[pe] = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+    // pidfd_open may be unavailable (old kernel, seccomp): fall back to procfs.
+  }
+}
+
+bool Group::is_dead(int pe) const {
+  if (pe == rank_) return false;
+  if (pidfd_[pe] >= 0) {
+    struct pollfd p = {pidfd_[pe], POLLIN, 0};
+    int r = poll(&p, 1, 0);
+    return r > 0;  // readable once the process has terminated (zombie included)
+  }
+  return pid_[pe] > 0 && !pid_alive_procfs(pid_[pe]);
+}
+
+int Group::check(int dep, const char** why) const {
+  auto closed = [&](int pe) { return A(ctrl_[pe]->state).load(std::memory_order_acquire) == kStateClosed; };
+  if (dep >= 0) {
+    if (dep == rank_) return -1;
+    if (closed(dep)) { *why = "closed"; return dep; }
+    if (is_dead(dep)) { *why = "died"; return dep; }
+    return -1;
+  }
+  int gone = 0, first_closed = -1;
+  for (int pe = 0; pe < world_; ++pe) {
+    if (pe == rank_) continue;
+    if (closed(pe)) {
+      ++gone;
+      if (first_closed < 0) first_closed = pe;
+      if (dep == kDepAll) { *why = "closed"; return pe; }
+      continue;
+    }
+    if (is_dead(pe)) { *why = "died"; return pe; }
+  }
+  if (dep == kDepAny && world_ > 1 && gone == world_ - 1) {
+    *why = "closed (every other PE has closed)";
+    return first_closed;
+  }
+  return -1;
+}
+
+void wake_if_sleeping(Ctrl* owner) {
+  if (A(owner->sleepers).load(std::memory_order_seq_cst) != 0) {
+    A(owner->futex_seq).fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&owner->futex_seq);
+  }
+}
+
+uint64_t signal_update(uint64_t* addr, uint64_t value, int op, Ctrl* owner) {
+  uint64_t old;
+  if (op == 0) {
+    old = A(*addr).exchange(value, std::memory_order_seq_cst);
+  } else {
+    old = A(*addr).fetch_add(value, std::memory_order_seq_cst);
+  }
+  wake_if_sleeping(owner);
+  return old;
+}
+
+void copy_bytes(void* dst, const void* src, size_t n) {
+  if (n >= (size_t{1} << 16)) {
+    Py_BEGIN_ALLOW_THREADS std::memcpy(dst, src, n);
+    Py_END_ALLOW_THREADS
+  } else {
+    std::memcpy(dst, src, n);
+  }
+}
+
+WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner, double timeout_s,
+                      const Group* group, int dep) {
+  uint64_t* w = const_cast<uint64_t*>(addr);
+  uint64_t v = A(*w).load(std::memory_order_acquire);
+  if (cmp_ok(v, cmp, value)) return {kWaitOk, v, -1, nullptr};
+
+  const auto start = Clock::now();
+  const int64_t timeout_ns = timeout_s <= 0 ? 0
+                             : timeout_s > 1e9 ? INT64_MAX / 4
+                                               : static_cast<int64_t>(timeout_s * 1e9);
+  auto elapsed_ns = [&] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+  };
+
+  // Phase 1: spin (GIL held: the caller asked to wait, nobody else in this
+  // process can do its work for it in a few microseconds).
+  const int64_t spin_ns = std::min(spin_budget_ns(), timeout_ns);
+  for (uint32_t i = 1;; ++i) {
+    ASAP_CPU_RELAX();
+    v = A(*w).load(std::memory_order_acquire);
+    if (cmp_ok(v, cmp, value)) return {kWaitOk, v, -1, nullptr};
+    if ((i & 63) == 0 && elapsed_ns() >= spin_ns) break;
+  }
+
+  // Phase 2: sleep on the owner's futex in slices.
+  WaitResult res{kWaitTimeout, v, -1, nullptr};
+  for (;;) {
+    int64_t left = timeout_ns - elapsed_ns();
+    const char* why = nullptr;
+    int bad = group != nullptr ? group->check(dep, &why) : -1;
+    v = A(*w).load(std::memory_order_acquire);
+    if (cmp_ok(v, cmp, value)) return {kWaitOk, v, -1, nullptr};
+    if (bad >= 0) return {kWaitPeer, v, bad, why};
+    if (left <= 0) return {kWaitTimeout, v, -1, nullptr};
+    if (PyErr_CheckSignals() != 0) return {kWaitInterrupted, v, -1, nullptr};
+
+    int64_t slice = std::min(left, kSliceNs);
+    bool done = false;
+    Py_BEGIN_ALLOW_THREADS
+    A(owner->sleepers).fetch_add(1, std::memory_order_seq_cst);
+    uint32_t seq = A(owner->futex_seq).load(std::memory_order_seq_cst);
+    v = A(*w).load(std::memory_order_seq_cst);
+    if (cmp_ok(v, cmp, value)) {
+      done = true;
+    } else {
+      futex_wait(&owner->futex_seq, seq, slice);
+    }
+    A(owner->sleepers).fetch_sub(1, std::memory_order_seq_cst);
+    Py_END_ALLOW_THREADS
+    if (done) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      return {kWaitOk, v, -1, nullptr};
+    }
+  }
+  return res;
+}
+
+void mailbox_init(uintptr_t base, size_t slot_bytes, size_t num_slots) {
+  auto* h = reinterpret_cast<MailboxHeader*>(base);
+  std::memset(h, 0, sizeof *h);
+  const size_t stride = slot_stride(slot_bytes);
+  for (size_t i = 0; i < num_slots; ++i) {
+    auto* s = reinterpret_cast<SlotHeader*>(base + kMailboxHeaderBytes + i * stride);
+    std::memset(s, 0, sizeof *s);
+    A(s->seq).store(i, std::memory_order_relaxed);
+  }
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+}  // namespace asap
