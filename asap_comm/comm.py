@@ -193,6 +193,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        self._group.mark_closed()
         try:
             _C.fence()
             if getattr(self, "_ctrl_local", None) is not None:
@@ -589,6 +590,48 @@ class Communicator:
         if isinstance(e, PeerFailure):
             return PeerFailure(f"{fn}: waiting for {what}: {e}", pe=e.pe, reason=e.reason)
         return TimeoutError(f"{fn}: waiting for {what}: {e}")
+
+    def prepare_put_signal(self, dst: torch.Tensor, src: torch.Tensor, pe: int, sig: torch.Tensor, idx: int,
+                           op: str = "set"):
+        """Validate a ``put_signal`` once; return a callable ``f(value)`` that performs it.
+
+        The persistent-request form of :meth:`put_signal` (MPI_Send_init /
+        MPI_Start): every check happens here, the call only copies and
+        signals, so it is the lowest-latency path from Python. The handle
+        holds ``dst``, ``src`` and ``sig``; it reads ``src``'s bytes at call
+        time, so refill ``src`` in place between calls (do not resize or
+        ``set_`` it). Same ordering as ``put_signal``. Raises ``CommError``
+        if called after ``close()``.
+        """
+        self._check_open("prepare_put_signal")
+        pe = self._check_pe("prepare_put_signal", pe)
+        if op not in _OPS:
+            raise ValueError(f"prepare_put_signal: op must be 'set' or 'add', got {op!r}")
+        d = self._info("prepare_put_signal", "dst", dst, symmetric=True)
+        self._check_pair("prepare_put_signal", dst, src)
+        if not (d[4] and src.is_contiguous()):
+            raise ValueError("prepare_put_signal: dst and src must be contiguous "
+                             f"(dst strides {dst.stride()}, src strides {src.stride()})")
+        g, addr = self._sig_addr("prepare_put_signal", sig, idx)
+        keep = (dst, src, sig, self._alloc_of("", "", dst).chunk.peers[pe],
+                self._alloc_of("", "", sig).chunk.peers[pe], self._group)
+        return _C.make_put_signal(d[1] + d[6][pe], src.data_ptr(), d[2], addr + g[6][pe], _OPS[op], self._ctrl[pe],
+                                  self._ghandle, keep)
+
+    def prepare_signal_wait(self, sig: torch.Tensor, idx: int, cmp: str, timeout=None):
+        """Validate a ``signal_wait_until`` once; return ``f(value) -> int`` that performs it.
+
+        Same semantics, ordering and errors as :meth:`signal_wait_until` with
+        the given ``timeout`` (default: the communicator's).
+        """
+        self._check_open("prepare_signal_wait")
+        c = _CMPS.get(cmp) if isinstance(cmp, str) else None
+        if c is None:
+            raise ValueError(f"prepare_signal_wait: cmp must be one of {list(_CMPS)}, got {cmp!r}")
+        t = self._timeout("prepare_signal_wait", timeout)
+        _, addr = self._sig_addr("prepare_signal_wait", sig, idx)
+        return _C.make_wait(addr, c, self._ctrl_local, t, self._ghandle, -1, (sig, self._group),
+                            f"signal_wait_until: waiting for sig[{idx}] {cmp} value")
 
     def fence(self) -> None:
         """Order: this PE's puts issued before reach every PE before those issued after."""

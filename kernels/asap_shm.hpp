@@ -89,8 +89,12 @@ class Group {
   int rank() const { return rank_; }
   int world_size() const { return world_; }
   Ctrl* ctrl(int pe) const { return ctrl_[pe]; }
+  // Set by Communicator.close(): prepared operations refuse to run after it.
+  void mark_closed() { closed_.store(true, std::memory_order_relaxed); }
+  bool closed() const { return closed_.load(std::memory_order_relaxed); }
 
  private:
+  std::atomic<bool> closed_{false};
   int rank_, world_;
   std::vector<Ctrl*> ctrl_;
   std::vector<int> pid_;

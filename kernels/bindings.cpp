@@ -14,6 +14,7 @@
 #include <string>
 
 #include "asap_shm.hpp"
+#include "prepared.hpp"
 
 namespace py = pybind11;
 using namespace asap;
@@ -40,23 +41,7 @@ inline uint64_t U(PyObject* o) { return PyLong_AsUnsignedLongLong(o); }
 inline int64_t I(PyObject* o) { return PyLong_AsLongLong(o); }
 inline bool failed() { return PyErr_Occurred() != nullptr; }
 
-PyObject* raise_wait(const WaitResult& r, double timeout) {
-  if (r.status == kWaitInterrupted) return nullptr;  // KeyboardInterrupt etc. already set
-  if (r.status == kWaitPeer) {
-    std::string msg = "PE " + std::to_string(r.pe) + " " + r.why + " while waited on";
-    PyObject* exc = PyObject_CallFunction(g_peer_failure, "sis", msg.c_str(), r.pe, r.why);
-    if (exc != nullptr) {
-      PyErr_SetObject(g_peer_failure, exc);
-      Py_DECREF(exc);
-    }
-    return nullptr;
-  }
-  char buf[160];
-  snprintf(buf, sizeof buf, "timed out after %.3g s (last value seen: %llu)", timeout,
-           static_cast<unsigned long long>(r.value));
-  PyErr_SetString(g_timeout_error, buf);
-  return nullptr;
-}
+PyObject* raise_wait(const WaitResult& r, double timeout) { return raise_wait_error(r, timeout, nullptr); }
 
 // put_signal(dst, src, nbytes, sig, value, op, owner_ctrl) -> None
 PyObject* fc_put_signal(PyObject*, PyObject* const* a, Py_ssize_t n) {
@@ -284,9 +269,43 @@ PyMethodDef g_fast_methods[] = {
      "mbox_recv(base, num_slots, slot_bytes, world, owner_ctrl, timeout_s, group) -> tuple | None"},
     {"mbox_release", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_mbox_release)), METH_FASTCALL,
      "mbox_release(base, num_slots, slot_bytes, pos, owner_ctrl)"},
+    {"make_put_signal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(asap::make_put_signal)),
+     METH_FASTCALL, "make_put_signal(dst, src, nbytes, sig, op, owner_ctrl, group, keep) -> PreparedPutSignal"},
+    {"make_wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(asap::make_wait)), METH_FASTCALL,
+     "make_wait(addr, cmp, owner_ctrl, timeout_s, group, dep, keep, what) -> PreparedWait"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
+
+namespace asap {
+
+PyObject* comm_error_type() { return g_comm_error; }
+
+PyObject* raise_wait_error(const WaitResult& r, double timeout, PyObject* what) {
+  if (r.status == kWaitInterrupted) return nullptr;  // KeyboardInterrupt etc. already set
+  std::string prefix;
+  if (what != nullptr) {
+    const char* w = PyUnicode_AsUTF8(what);
+    if (w != nullptr) prefix = std::string(w) + ": ";
+    PyErr_Clear();
+  }
+  if (r.status == kWaitPeer) {
+    std::string msg = prefix + "PE " + std::to_string(r.pe) + " " + r.why + " while waited on";
+    PyObject* exc = PyObject_CallFunction(g_peer_failure, "sis", msg.c_str(), r.pe, r.why);
+    if (exc != nullptr) {
+      PyErr_SetObject(g_peer_failure, exc);
+      Py_DECREF(exc);
+    }
+    return nullptr;
+  }
+  char buf[160];
+  snprintf(buf, sizeof buf, "timed out after %.3g s (last value seen: %llu)", timeout,
+           static_cast<unsigned long long>(r.value));
+  PyErr_SetString(g_timeout_error, (prefix + buf).c_str());
+  return nullptr;
+}
+
+}  // namespace asap
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "asap_comm native core (CPU shared-memory backend)";
@@ -309,6 +328,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<int, int>(), py::arg("rank"), py::arg("world_size"))
       .def("set_peer", &Group::set_peer, py::arg("pe"), py::arg("ctrl_addr"), py::arg("pid"))
       .def("is_dead", &Group::is_dead, py::arg("pe"))
+      .def("mark_closed", &Group::mark_closed)
       .def("check",
            [](const Group& g, int dep) -> py::object {
              const char* why = nullptr;
@@ -368,4 +388,5 @@ PYBIND11_MODULE(_C, m) {
   });
 
   if (PyModule_AddFunctions(m.ptr(), g_fast_methods) != 0) throw py::error_already_set();
+  if (!register_prepared_types(m.ptr())) throw py::error_already_set();
 }
