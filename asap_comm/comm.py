@@ -297,7 +297,7 @@ class Communicator:
 
     # ------------------------------------------------------------ symmetric heap
     def _grow(self, min_bytes: int) -> _Chunk:
-        size = max(self._chunk_bytes, _round_up(min_bytes, 1 << 21))
+        size = max(self._chunk_bytes, _round_up(min_bytes, 4096))
         index = len(self._chunks)
         name = self._new_name()
         local = _C.create_segment(name, size)

@@ -194,4 +194,28 @@ inline size_t mailbox_bytes(size_t slot_bytes, size_t num_slots) {
 
 void mailbox_init(uintptr_t base, size_t slot_bytes, size_t num_slots);
 
+// Sends one message (blocking while the ring is full, bounded by timeout_s;
+// dst_pe is the consumer, whose death or close ends the wait). On success
+// value = the position taken.
+WaitResult ring_send(uintptr_t base, size_t nslots, size_t slot_bytes, Ctrl* owner, uint32_t src_pe, int64_t tag,
+                     uint32_t dtype, int ndim, const int64_t* dims, const void* payload, size_t nbytes,
+                     double timeout_s, const Group* group, int dst_pe);
+
+struct RecvResult {
+  WaitResult wait;
+  bool empty;  // poll found nothing
+  uint64_t pos;
+  uint32_t src, dtype, ndim;
+  int64_t tag;
+  uint64_t nbytes;
+  int64_t dims[kMaxDims];
+  uintptr_t payload;
+  char error[160];  // non-empty: the header failed validation (slot already released)
+};
+// Takes the next message (timeout_s < 0: never wait). The header is copied
+// and bounds-checked before anything uses it.
+RecvResult ring_recv(uintptr_t base, size_t nslots, size_t slot_bytes, uint32_t world, Ctrl* owner, double timeout_s,
+                     const Group* group, const uint64_t* itemsizes, uint32_t num_dtypes);
+void ring_release(uintptr_t base, size_t nslots, size_t slot_bytes, uint64_t pos, Ctrl* owner);
+
 }  // namespace asap

@@ -13,6 +13,7 @@ PyObject* comm_error_type();
 PyObject* raise_wait_error(const WaitResult& r, double timeout, PyObject* what);
 
 bool register_prepared_types(PyObject* module);
+bool register_inbox_types(PyObject* module);  // inbox_py.cpp
 PyObject* make_put_signal(PyObject*, PyObject* const* a, Py_ssize_t n);
 PyObject* make_wait(PyObject*, PyObject* const* a, Py_ssize_t n);
 

@@ -217,16 +217,4 @@ WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner
   return res;
 }
 
-void mailbox_init(uintptr_t base, size_t slot_bytes, size_t num_slots) {
-  auto* h = reinterpret_cast<MailboxHeader*>(base);
-  std::memset(h, 0, sizeof *h);
-  const size_t stride = slot_stride(slot_bytes);
-  for (size_t i = 0; i < num_slots; ++i) {
-    auto* s = reinterpret_cast<SlotHeader*>(base + kMailboxHeaderBytes + i * stride);
-    std::memset(s, 0, sizeof *s);
-    A(s->seq).store(i, std::memory_order_relaxed);
-  }
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-}
-
 }  // namespace asap

@@ -1,0 +1,213 @@
+"""ASAP side of the suite. Each ``*_pe`` function runs on every PE under ``asap_comm.launch`` (2 PEs).
+
+PE 0 times and checks; PE 1 answers. Every function returns a dict with
+``samples_ns`` (PE 0: ns per iteration of each timed batch, or per transfer)
+and ``bad`` (how many checks failed on that PE).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import asap_comm
+from _common import BatchPlan, digest, time_batches, time_each
+
+PEER = (1, 0)  # PEER[rank]: the other PE of the pair
+
+
+def words(t: torch.Tensor) -> memoryview:
+    """A writable int64 memoryview over a contiguous int64 CPU tensor (fast element access from Python)."""
+    return memoryview(t.numpy()).cast("B").cast("q")
+
+
+# --------------------------------------------------------------------------- ping-pong
+def _initiator(send, wait, tx: memoryview, rx: memoryview):
+    """PE 0's batch: write the counter into the payload, send it, wait for the echo, check signal and payload."""
+
+    def batch(first: int, n: int) -> int:
+        bad = 0
+        for i in range(first, first + n):
+            tx[0] = i
+            send(i)
+            if wait(i) != i or rx[0] != i:
+                bad += 1
+        return bad
+
+    return batch
+
+
+def _responder(send, wait):
+    """PE 1's batch: wait for the counter and echo back the observed value with the received payload."""
+
+    def batch(first: int, n: int) -> int:
+        for i in range(first, first + n):
+            send(wait(i))
+        return 0
+
+    return batch
+
+
+def _prepared_handles(comm, dst, src, sig):
+    """(send, wait) through ``prepare_put_signal`` / ``prepare_signal_wait``."""
+    return comm.prepare_put_signal(dst, src, PEER[comm.rank], sig, 0), comm.prepare_signal_wait(sig, 0, ">=")
+
+
+def _generic_handles(comm, dst, src, sig):
+    """(send, wait) through ``comm.put_signal`` / ``comm.signal_wait_until``."""
+    return (functools.partial(comm.put_signal, dst, src, PEER[comm.rank], sig, 0),
+            functools.partial(comm.signal_wait_until, sig, 0, ">="))
+
+
+def _torch_ops_handles(comm, dst, src, sig):
+    """(send, wait) through ``torch.ops.asap_comm.put_signal`` / ``signal_wait_until`` (wait result as int)."""
+    put_signal, wait_until = torch.ops.asap_comm.put_signal, torch.ops.asap_comm.signal_wait_until
+    peer, cid = PEER[comm.rank], comm.id
+    return (lambda v: put_signal(dst, src, peer, sig, 0, v, "set", cid),
+            lambda v: int(wait_until(sig, 0, ">=", v, None, cid)))
+
+
+PINGPONG_PATHS = {"prepared": _prepared_handles, "generic": _generic_handles, "torch_ops": _torch_ops_handles}
+
+
+def _pingpong(comm, plan: BatchPlan, make_handles) -> dict:
+    """One 8-byte put_signal ping-pong: PE 0 sends counter ``i`` (payload and signal), PE 1 echoes both.
+
+    PE 1 replies with its receive buffer as the source, so PE 0's check of the
+    echoed payload and signal value covers both directions.
+    """
+    rx_t = comm.zeros((1,), torch.int64)  # payload lands here on each PE
+    sig = comm.signals(1)
+    if comm.rank == 0:
+        tx_t = torch.zeros(1, dtype=torch.int64)
+        send, wait = make_handles(comm, rx_t, tx_t, sig)
+        batch = _initiator(send, wait, words(tx_t), words(rx_t))
+    else:
+        send, wait = make_handles(comm, rx_t, rx_t, sig)
+        batch = _responder(send, wait)
+    comm.barrier()
+    samples, bad = time_batches(batch, plan)
+    comm.barrier()
+    return {"samples_ns": samples, "bad": bad}
+
+
+def pingpong_pe(comm, plan: BatchPlan, paths: tuple) -> dict:
+    """Run the ping-pong through each API path in ``paths`` (keys of PINGPONG_PATHS); results by path."""
+    return {path: _pingpong(comm, plan, PINGPONG_PATHS[path]) for path in paths}
+
+
+# --------------------------------------------------------------------------- put bandwidth
+def pattern(numel: int, seed: int = 1234) -> torch.Tensor:
+    """A reproducible float32 test pattern of ``numel`` elements."""
+    return torch.rand(numel, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+
+
+def put_bandwidth_pe(comm, nbytes: int, iters: int, warmup: int) -> dict:
+    """PE 0 puts ``nbytes`` of float32 into PE 1's symmetric tensor; the baseline is a local ``copy_``.
+
+    Each iteration stamps the iteration number into element 0 (untimed),
+    then times ``comm.put`` and a local ``dst.copy_(src)`` of the same source,
+    alternating their order so neither always finds the source cache-warm.
+    Returns, on PE 0, ``samples_ns`` (put) and ``copy_samples_ns``; on every
+    PE the blake2b ``digest`` of what it holds after the last iteration
+    (PE 0: the source, PE 1: the received tensor) and ``bad`` (PE 0: the
+    local copy differs from the source).
+    """
+    dst = comm.zeros((nbytes // 4,), torch.float32)
+    result = {"samples_ns": [], "copy_samples_ns": [], "bad": 0, "threads": torch.get_num_threads()}
+    if comm.rank == 0:
+        src = pattern(dst.numel())
+        local = torch.empty_like(src)
+
+        def put():
+            comm.put(dst, src, 1)
+
+        def copy():
+            local.copy_(src)
+
+        for _ in range(warmup):
+            put()
+            copy()
+        for k in range(iters):
+            src[0] = float(k)
+            first, second = (put, copy) if k % 2 == 0 else (copy, put)
+            t_first, t_second = time_each(first), time_each(second)
+            t_put, t_copy = (t_first, t_second) if k % 2 == 0 else (t_second, t_first)
+            result["samples_ns"].append(t_put)
+            result["copy_samples_ns"].append(t_copy)
+        result["bad"] = int(not torch.equal(local, src))
+        result["digest"] = digest(src.numpy())
+    comm.barrier()  # release: every put is visible on PE 1 after this
+    if comm.rank == 1:
+        result["digest"] = digest(dst.numpy())
+    return result
+
+
+# --------------------------------------------------------------------------- mailbox round trip
+class _WordViews:
+    """Cached ``words()`` views of the tensors a mailbox hands out (it reuses one tensor object per slot)."""
+
+    def __init__(self) -> None:
+        self._cache: dict = {}
+
+    def __call__(self, t: torch.Tensor) -> memoryview:
+        entry = self._cache.get(id(t))
+        if entry is None or entry[0] is not t:
+            entry = self._cache[id(t)] = (t, words(t))
+        return entry[1]
+
+
+def _mailbox_initiator(box, tx: torch.Tensor):
+    """PE 0's batch: send counter ``i`` (tag and first/last payload word), receive the echo, check it."""
+    send, recv, tx_words, view = box.send, box.recv, words(tx), _WordViews()
+    last = tx.numel() - 1
+
+    def batch(first: int, n: int) -> int:
+        bad = 0
+        for i in range(first, first + n):
+            tx_words[0] = i
+            tx_words[last] = i
+            send(1, tx, i)
+            m = recv()
+            w = view(m.tensor)
+            if m.tag != i or m.src != 1 or w[0] != i or w[last] != i:
+                bad += 1
+            m.release()
+        return bad
+
+    return batch
+
+
+def _mailbox_responder(box):
+    """PE 1's batch: receive, check the tag, send the same payload and tag back, release the slot."""
+    send, recv = box.send, box.recv
+
+    def batch(first: int, n: int) -> int:
+        bad = 0
+        for i in range(first, first + n):
+            m = recv()
+            if m.tag != i:
+                bad += 1
+            send(0, m.tensor, m.tag)
+            m.release()
+        return bad
+
+    return batch
+
+
+def mailbox_pe(comm, plan: BatchPlan, nbytes: int, num_slots: int) -> dict:
+    """Mailbox round trips of ``nbytes``-byte int64 messages (PE 0 -> PE 1 -> PE 0)."""
+    box = comm.mailbox(nbytes, num_slots)
+    if comm.rank == 0:
+        batch = _mailbox_initiator(box, torch.zeros(nbytes // 8, dtype=torch.int64))
+    else:
+        batch = _mailbox_responder(box)
+    comm.barrier()
+    samples, bad = time_batches(batch, plan)
+    comm.barrier()
+    return {"samples_ns": samples, "bad": bad}
+
+
+def launch(fn, *args, timeout: float) -> list:
+    """``asap_comm.launch(fn, 2, *args)``: the per-PE results, bounded by ``timeout`` seconds."""
+    return asap_comm.launch(fn, 2, *args, timeout=timeout)

@@ -1,0 +1,462 @@
+// Python types for mailboxes: _C.Inbox (the base class of asap_comm.Mailbox)
+// and _C.Message. The per-message path (send, recv, poll, release) runs here
+// without Python bytecode; anything irregular (wrong types, non-contiguous or
+// non-CPU tensors, keyword arguments, values out of range) is handed to the
+// Python subclass's _send_checked, which validates and raises the documented
+// errors, so error messages live in one place.
+#include <Python.h>
+#include <structmember.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "asap_shm.hpp"
+#include "prepared.hpp"
+
+namespace asap {
+
+namespace {
+
+PyObject* g_tensor_type = nullptr;          // torch.Tensor
+std::vector<PyObject*> g_dtypes;            // wire code -> torch.dtype
+std::vector<uint64_t> g_itemsize;           // wire code -> bytes
+PyObject *s_dtype, *s_is_cpu, *s_is_contiguous, *s_shape, *s_data_ptr, *s_send_checked, *s_make_view;
+PyObject* g_message_type = nullptr;
+
+struct Inbox {
+  PyObject_HEAD
+  uintptr_t base;
+  size_t nslots, slot_bytes;
+  uint32_t world, rank;
+  const Group* group;
+  double timeout;
+  std::vector<uintptr_t>* remote;  // per PE: address of that PE's inbox in this process
+  std::vector<Ctrl*>* ctrl;        // per PE: control block
+  PyObject* keep;                  // Group object and mappings
+  // per-slot cache of the tensor view of the last message in that slot
+  std::vector<PyObject*>* view;
+  std::vector<PyObject*>* view_shape;
+  std::vector<uint32_t>* view_dtype;
+};
+
+struct Message {
+  PyObject_HEAD
+  PyObject* src;
+  PyObject* tag;
+  PyObject* tensor;
+  Inbox* box;  // NULL once released
+  uint64_t pos;
+};
+
+// ------------------------------------------------------------------ Message
+void release_message(Message* m) {
+  Inbox* box = m->box;
+  if (box == nullptr) return;
+  if (!box->group->closed()) ring_release(box->base, box->nslots, box->slot_bytes, m->pos, (*box->ctrl)[box->rank]);
+  m->box = nullptr;
+  Py_DECREF(reinterpret_cast<PyObject*>(box));
+  Py_CLEAR(m->tensor);
+}
+
+PyObject* message_release(PyObject* self, PyObject*) {
+  release_message(reinterpret_cast<Message*>(self));
+  Py_RETURN_NONE;
+}
+PyObject* message_enter(PyObject* self, PyObject*) {
+  Py_INCREF(self);
+  return self;
+}
+PyObject* message_exit(PyObject* self, PyObject* const*, Py_ssize_t) {
+  release_message(reinterpret_cast<Message*>(self));
+  Py_RETURN_FALSE;
+}
+PyObject* message_released(PyObject* self, void*) {
+  return PyBool_FromLong(reinterpret_cast<Message*>(self)->box == nullptr);
+}
+PyObject* message_repr(PyObject* self) {
+  auto* m = reinterpret_cast<Message*>(self);
+  if (m->tensor == nullptr) return PyUnicode_FromFormat("Message(src=%S, tag=%S, released)", m->src, m->tag);
+  PyObject* dt = PyObject_GetAttr(m->tensor, s_dtype);
+  PyObject* sh = PyObject_GetAttr(m->tensor, s_shape);
+  PyObject* r = (dt && sh) ? PyUnicode_FromFormat("Message(src=%S, tag=%S, dtype=%S, shape=%S)", m->src, m->tag, dt, sh)
+                           : nullptr;
+  Py_XDECREF(dt);
+  Py_XDECREF(sh);
+  return r;
+}
+void message_dealloc(PyObject* self) {
+  auto* m = reinterpret_cast<Message*>(self);
+  PyTypeObject* tp = Py_TYPE(self);
+  // A message dropped without release() keeps its slot until the consumer
+  // releases it; the garbage collector releasing it silently would hide a
+  // bug, but leaking the slot forever would wedge producers. Release it.
+  release_message(m);
+  Py_XDECREF(m->src);
+  Py_XDECREF(m->tag);
+  tp->tp_free(self);
+  Py_DECREF(tp);
+}
+
+PyMethodDef message_methods[] = {
+    {"release", message_release, METH_NOARGS, "Give the slot back to producers (idempotent)."},
+    {"__enter__", message_enter, METH_NOARGS, nullptr},
+    {"__exit__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(message_exit)), METH_FASTCALL, nullptr},
+    {nullptr, nullptr, 0, nullptr}};
+PyMemberDef message_members[] = {
+    {"src", T_OBJECT, offsetof(Message, src), READONLY, "sending PE (int)"},
+    {"tag", T_OBJECT, offsetof(Message, tag), READONLY, "tag given to send (int)"},
+    {"tensor", T_OBJECT, offsetof(Message, tensor), READONLY,
+     "zero-copy view into the inbox slot (same dtype and shape as sent); None once released"},
+    {nullptr, 0, 0, 0, nullptr}};
+PyGetSetDef message_getset[] = {{"released", message_released, nullptr, "True once release() ran", nullptr},
+                                {nullptr, nullptr, nullptr, nullptr, nullptr}};
+PyType_Slot message_slots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(message_dealloc)},
+    {Py_tp_methods, message_methods},
+    {Py_tp_members, message_members},
+    {Py_tp_getset, message_getset},
+    {Py_tp_repr, reinterpret_cast<void*>(message_repr)},
+    {Py_tp_doc, const_cast<char*>(
+                    "A received message: src, tag, tensor (a zero-copy view into the inbox, valid until "
+                    "release()). Use as a context manager or call release(); until then the slot is not reused.")},
+    {0, nullptr}};
+PyType_Spec message_spec = {"asap_comm.Message", sizeof(Message), 0, Py_TPFLAGS_DEFAULT, message_slots};
+
+// ------------------------------------------------------------------ Inbox
+int inbox_init(PyObject* self_, PyObject* args, PyObject*) {
+  auto* self = reinterpret_cast<Inbox*>(self_);
+  unsigned long long base, group;
+  PyObject *remote, *ctrl, *keep;
+  Py_ssize_t nslots, slot_bytes;
+  unsigned int world, rank;
+  double timeout;
+  if (!PyArg_ParseTuple(args, "KOOnnIIKdO", &base, &remote, &ctrl, &nslots, &slot_bytes, &world, &rank, &group,
+                        &timeout, &keep))
+    return -1;
+  if (!PyList_Check(remote) || !PyList_Check(ctrl) || PyList_GET_SIZE(remote) != world ||
+      PyList_GET_SIZE(ctrl) != world || nslots <= 0 || slot_bytes <= 0 || rank >= world) {
+    PyErr_SetString(PyExc_ValueError, "Inbox: inconsistent geometry");
+    return -1;
+  }
+  self->base = base;
+  self->nslots = static_cast<size_t>(nslots);
+  self->slot_bytes = static_cast<size_t>(slot_bytes);
+  self->world = world;
+  self->rank = rank;
+  self->group = reinterpret_cast<const Group*>(group);
+  self->timeout = timeout;
+  self->remote = new std::vector<uintptr_t>(world);
+  self->ctrl = new std::vector<Ctrl*>(world);
+  for (unsigned i = 0; i < world; ++i) {
+    (*self->remote)[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(remote, i));
+    (*self->ctrl)[i] = reinterpret_cast<Ctrl*>(PyLong_AsUnsignedLongLong(PyList_GET_ITEM(ctrl, i)));
+  }
+  if (PyErr_Occurred()) return -1;
+  self->view = new std::vector<PyObject*>(self->nslots, nullptr);
+  self->view_shape = new std::vector<PyObject*>(self->nslots, nullptr);
+  self->view_dtype = new std::vector<uint32_t>(self->nslots, 0);
+  Py_INCREF(keep);
+  Py_XSETREF(self->keep, keep);
+  return 0;
+}
+
+void inbox_clear_views(Inbox* self) {
+  if (self->view == nullptr) return;
+  for (auto& p : *self->view) Py_CLEAR(p);
+  for (auto& p : *self->view_shape) Py_CLEAR(p);
+}
+
+void inbox_dealloc(PyObject* self_) {
+  auto* self = reinterpret_cast<Inbox*>(self_);
+  PyTypeObject* tp = Py_TYPE(self_);
+  inbox_clear_views(self);
+  delete self->view;
+  delete self->view_shape;
+  delete self->view_dtype;
+  delete self->remote;
+  delete self->ctrl;
+  Py_CLEAR(self->keep);
+  tp->tp_free(self_);
+  Py_DECREF(tp);
+}
+
+PyObject* call_slow(PyObject* self, PyObject* name, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  // self._send_checked(*args, **kw) with the caller's exact arguments.
+  const Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  const Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  std::vector<PyObject*> stack(static_cast<size_t>(1 + n + nk));
+  stack[0] = self;
+  for (Py_ssize_t i = 0; i < n + nk; ++i) stack[static_cast<size_t>(1 + i)] = args[i];
+  return PyObject_VectorcallMethod(name, stack.data(), static_cast<size_t>(1 + n), kwnames);
+}
+
+bool exact_int(PyObject* o) { return PyLong_CheckExact(o); }
+
+PyObject* inbox_send(PyObject* self_, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  auto* self = reinterpret_cast<Inbox*>(self_);
+  auto slow = [&] { return call_slow(self_, s_send_checked, args, static_cast<size_t>(nargs), kwnames); };
+  if (kwnames != nullptr || nargs < 2 || nargs > 3 || self->group->closed()) return slow();
+  PyObject *pe_o = args[0], *t = args[1];
+  if (!exact_int(pe_o) || Py_TYPE(t) != reinterpret_cast<PyTypeObject*>(g_tensor_type)) return slow();
+  int overflow = 0;
+  const long long pe = PyLong_AsLongLongAndOverflow(pe_o, &overflow);
+  if (overflow || pe < 0 || pe >= self->world) return slow();
+  long long tag = 0;
+  if (nargs == 3) {
+    if (!exact_int(args[2])) return slow();
+    tag = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+    if (overflow) return slow();
+  }
+  // Tensor facts, straight from its attributes.
+  PyObject* dt = PyObject_GetAttr(t, s_dtype);
+  if (dt == nullptr) return nullptr;
+  uint32_t code = 0;
+  while (code < g_dtypes.size() && g_dtypes[code] != dt) ++code;
+  Py_DECREF(dt);
+  if (code == g_dtypes.size()) return slow();
+  PyObject* cpu = PyObject_GetAttr(t, s_is_cpu);
+  if (cpu == nullptr) return nullptr;
+  Py_DECREF(cpu);
+  if (cpu != Py_True) return slow();
+  PyObject* contig = PyObject_CallMethodNoArgs(t, s_is_contiguous);
+  if (contig == nullptr) return nullptr;
+  Py_DECREF(contig);
+  if (contig != Py_True) return slow();
+  PyObject* shape = PyObject_GetAttr(t, s_shape);
+  if (shape == nullptr) return nullptr;
+  const Py_ssize_t ndim = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : kMaxDims + 1;
+  if (ndim > kMaxDims) {
+    Py_DECREF(shape);
+    return slow();
+  }
+  int64_t dims[kMaxDims];
+  unsigned __int128 nbytes = g_itemsize[code];
+  for (Py_ssize_t i = 0; i < ndim; ++i) {
+    dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+    nbytes *= static_cast<uint64_t>(dims[i]);
+    if (nbytes > self->slot_bytes) nbytes = static_cast<unsigned __int128>(self->slot_bytes) + 1;
+  }
+  Py_DECREF(shape);
+  if (PyErr_Occurred()) return nullptr;
+  if (nbytes > self->slot_bytes) return slow();
+  PyObject* ptr_o = PyObject_CallMethodNoArgs(t, s_data_ptr);
+  if (ptr_o == nullptr) return nullptr;
+  const uintptr_t ptr = PyLong_AsUnsignedLongLong(ptr_o);
+  Py_DECREF(ptr_o);
+  if (PyErr_Occurred()) return nullptr;
+  WaitResult r = ring_send((*self->remote)[pe], self->nslots, self->slot_bytes, (*self->ctrl)[pe], self->rank, tag,
+                           code, static_cast<int>(ndim), dims, reinterpret_cast<const void*>(ptr),
+                           static_cast<size_t>(nbytes), self->timeout, self->group, static_cast<int>(pe));
+  if (r.status == kWaitOk) Py_RETURN_NONE;
+  PyObject* what = PyUnicode_FromFormat("send: waiting for a free slot in PE %lld's inbox", pe);
+  raise_wait_error(r, self->timeout, what);
+  Py_XDECREF(what);
+  return nullptr;
+}
+
+PyObject* make_message(Inbox* self, const RecvResult& r) {
+  if (r.error[0]) {
+    PyErr_Format(comm_error_type(), "mailbox: corrupt message header at position %llu: %s",
+                 static_cast<unsigned long long>(r.pos), r.error);
+    return nullptr;
+  }
+  const size_t slot = r.pos % self->nslots;
+  PyObject* tensor = (*self->view)[slot];
+  bool hit = false;
+  if (tensor != nullptr && (*self->view_dtype)[slot] == r.dtype) {
+    PyObject* cached = (*self->view_shape)[slot];
+    if (PyTuple_GET_SIZE(cached) == static_cast<Py_ssize_t>(r.ndim)) {
+      hit = true;
+      for (uint32_t i = 0; i < r.ndim && hit; ++i)
+        hit = PyLong_AsLongLong(PyTuple_GET_ITEM(cached, i)) == r.dims[i];
+    }
+  }
+  if (hit) {
+    Py_INCREF(tensor);
+  } else {
+    PyObject* shape = PyTuple_New(r.ndim);
+    if (shape == nullptr) return nullptr;
+    for (uint32_t i = 0; i < r.ndim; ++i) PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(r.dims[i]));
+    tensor = PyObject_CallMethod(reinterpret_cast<PyObject*>(self), "_make_view", "nIOK", static_cast<Py_ssize_t>(slot),
+                                 r.dtype, shape, static_cast<unsigned long long>(r.nbytes));
+    if (tensor == nullptr) {
+      Py_DECREF(shape);
+      ring_release(self->base, self->nslots, self->slot_bytes, r.pos, (*self->ctrl)[self->rank]);
+      return nullptr;
+    }
+    Py_XSETREF((*self->view)[slot], tensor);
+    Py_INCREF(tensor);
+    Py_XSETREF((*self->view_shape)[slot], shape);
+    (*self->view_dtype)[slot] = r.dtype;
+  }
+  auto* tp = reinterpret_cast<PyTypeObject*>(g_message_type);
+  auto* m = reinterpret_cast<Message*>(tp->tp_alloc(tp, 0));
+  if (m == nullptr) {
+    Py_DECREF(tensor);
+    return nullptr;
+  }
+  m->src = PyLong_FromUnsignedLong(r.src);
+  m->tag = PyLong_FromLongLong(r.tag);
+  m->tensor = tensor;
+  m->pos = r.pos;
+  Py_INCREF(self);
+  m->box = self;
+  return reinterpret_cast<PyObject*>(m);
+}
+
+PyObject* closed_error(const char* fn) {
+  PyErr_Format(comm_error_type(), "%s: the communicator is closed", fn);
+  return nullptr;
+}
+
+PyObject* inbox_recv(PyObject* self_, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  auto* self = reinterpret_cast<Inbox*>(self_);
+  PyObject* t_o = nullptr;
+  const Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  if (nargs > 1 || nargs + nk > 1) {
+    PyErr_SetString(PyExc_TypeError, "recv: takes at most one argument (timeout)");
+    return nullptr;
+  }
+  if (nargs == 1) t_o = args[0];
+  if (nk == 1) {
+    if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "timeout") != 0) {
+      PyErr_Format(PyExc_TypeError, "recv: unexpected keyword argument %R", PyTuple_GET_ITEM(kwnames, 0));
+      return nullptr;
+    }
+    t_o = args[0];
+  }
+  if (self->group->closed()) return closed_error("recv");
+  double timeout = self->timeout;
+  if (t_o != nullptr && t_o != Py_None) {
+    if (PyBool_Check(t_o) || !(PyFloat_Check(t_o) || PyLong_Check(t_o))) {
+      PyErr_Format(PyExc_TypeError, "recv: timeout must be a number of seconds or None, got %R", t_o);
+      return nullptr;
+    }
+    timeout = PyFloat_AsDouble(t_o);
+    if (PyErr_Occurred()) return nullptr;
+    if (!(timeout >= 0) || std::isinf(timeout)) {
+      PyErr_Format(PyExc_ValueError, "recv: timeout must be finite and >= 0, got %R", t_o);
+      return nullptr;
+    }
+  }
+  RecvResult r = ring_recv(self->base, self->nslots, self->slot_bytes, self->world, (*self->ctrl)[self->rank], timeout,
+                           self->group, g_itemsize.data(), static_cast<uint32_t>(g_itemsize.size()));
+  if (r.wait.status != kWaitOk) {
+    PyObject* what = PyUnicode_FromString("recv: waiting for a message");
+    raise_wait_error(r.wait, timeout, what);
+    Py_XDECREF(what);
+    return nullptr;
+  }
+  return make_message(self, r);
+}
+
+PyObject* inbox_poll(PyObject* self_, PyObject*) {
+  auto* self = reinterpret_cast<Inbox*>(self_);
+  if (self->group->closed()) return closed_error("poll");
+  RecvResult r = ring_recv(self->base, self->nslots, self->slot_bytes, self->world, (*self->ctrl)[self->rank], -1.0,
+                           self->group, g_itemsize.data(), static_cast<uint32_t>(g_itemsize.size()));
+  if (r.empty) Py_RETURN_NONE;
+  return make_message(self, r);
+}
+
+// _ring_send(pe, ptr, nbytes, dtype_code, shape, tag, timeout): the raw send
+// for the validated slow path.
+PyObject* inbox_ring_send(PyObject* self_, PyObject* const* a, Py_ssize_t n) {
+  auto* self = reinterpret_cast<Inbox*>(self_);
+  if (n != 7) {
+    PyErr_SetString(PyExc_TypeError, "_ring_send: expected 7 arguments");
+    return nullptr;
+  }
+  const long long pe = PyLong_AsLongLong(a[0]);
+  const uintptr_t ptr = PyLong_AsUnsignedLongLong(a[1]);
+  const uint64_t nbytes = PyLong_AsUnsignedLongLong(a[2]);
+  const unsigned long code = PyLong_AsUnsignedLong(a[3]);
+  const long long tag = PyLong_AsLongLong(a[5]);
+  const double timeout = PyFloat_AsDouble(a[6]);
+  if (PyErr_Occurred()) return nullptr;
+  if (pe < 0 || pe >= self->world || nbytes > self->slot_bytes || code >= g_dtypes.size() || !PyTuple_Check(a[4]) ||
+      PyTuple_GET_SIZE(a[4]) > kMaxDims) {
+    PyErr_SetString(PyExc_ValueError, "_ring_send: arguments out of range");
+    return nullptr;
+  }
+  int64_t dims[kMaxDims];
+  const int ndim = static_cast<int>(PyTuple_GET_SIZE(a[4]));
+  for (int i = 0; i < ndim; ++i) dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(a[4], i));
+  if (PyErr_Occurred()) return nullptr;
+  WaitResult r = ring_send((*self->remote)[pe], self->nslots, self->slot_bytes, (*self->ctrl)[pe], self->rank, tag,
+                           static_cast<uint32_t>(code), ndim, dims, reinterpret_cast<const void*>(ptr), nbytes,
+                           timeout, self->group, static_cast<int>(pe));
+  if (r.status == kWaitOk) Py_RETURN_NONE;
+  PyObject* what = PyUnicode_FromFormat("send: waiting for a free slot in PE %lld's inbox", pe);
+  raise_wait_error(r, timeout, what);
+  Py_XDECREF(what);
+  return nullptr;
+}
+
+PyMethodDef inbox_methods[] = {
+    {"send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(inbox_send)), METH_FASTCALL | METH_KEYWORDS,
+     "send(pe, tensor, tag=0, timeout=None)\n--\n\nCopy `tensor` into PE `pe`'s inbox as one message (see Mailbox)."},
+    {"recv", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(inbox_recv)), METH_FASTCALL | METH_KEYWORDS,
+     "recv(timeout=None)\n--\n\nWait (bounded) for the next message of this PE's inbox (see Mailbox)."},
+    {"poll", inbox_poll, METH_NOARGS, "poll()\n--\n\nThe next message if one is ready, else None; never waits."},
+    {"_ring_send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(inbox_ring_send)), METH_FASTCALL,
+     nullptr},
+    {nullptr, nullptr, 0, nullptr}};
+PyMemberDef inbox_members[] = {
+    {"slot_bytes", T_PYSSIZET, offsetof(Inbox, slot_bytes), READONLY, "largest payload of one message, bytes"},
+    {"num_slots", T_PYSSIZET, offsetof(Inbox, nslots), READONLY, "messages an inbox holds before senders wait"},
+    {nullptr, 0, 0, 0, nullptr}};
+PyType_Slot inbox_slots[] = {{Py_tp_dealloc, reinterpret_cast<void*>(inbox_dealloc)},
+                             {Py_tp_init, reinterpret_cast<void*>(inbox_init)},
+                             {Py_tp_new, reinterpret_cast<void*>(PyType_GenericNew)},
+                             {Py_tp_methods, inbox_methods},
+                             {Py_tp_members, inbox_members},
+                             {0, nullptr}};
+PyType_Spec inbox_spec = {"asap_comm._C.Inbox", sizeof(Inbox), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+                          inbox_slots};
+
+PyObject* set_tensor_info(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 3 || !PyList_Check(a[1]) || !PyList_Check(a[2]) || PyList_GET_SIZE(a[1]) != PyList_GET_SIZE(a[2])) {
+    PyErr_SetString(PyExc_TypeError, "_set_tensor_info(tensor_type, dtypes, itemsizes)");
+    return nullptr;
+  }
+  Py_INCREF(a[0]);
+  Py_XSETREF(g_tensor_type, a[0]);
+  g_dtypes.clear();
+  g_itemsize.clear();
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(a[1]); ++i) {
+    PyObject* d = PyList_GET_ITEM(a[1], i);
+    Py_INCREF(d);  // dtypes are immortal singletons in torch; keep them anyway
+    g_dtypes.push_back(d);
+    g_itemsize.push_back(PyLong_AsUnsignedLongLong(PyList_GET_ITEM(a[2], i)));
+  }
+  if (PyErr_Occurred()) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef module_methods[] = {
+    {"_set_tensor_info", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(set_tensor_info)),
+     METH_FASTCALL, "Register torch.Tensor and the mailbox dtype table."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
+bool register_inbox_types(PyObject* module) {
+  s_dtype = PyUnicode_InternFromString("dtype");
+  s_is_cpu = PyUnicode_InternFromString("is_cpu");
+  s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+  s_shape = PyUnicode_InternFromString("shape");
+  s_data_ptr = PyUnicode_InternFromString("data_ptr");
+  s_send_checked = PyUnicode_InternFromString("_send_checked");
+  s_make_view = PyUnicode_InternFromString("_make_view");
+  g_message_type = PyType_FromSpec(&message_spec);
+  PyObject* inbox = PyType_FromSpec(&inbox_spec);
+  if (g_message_type == nullptr || inbox == nullptr) return false;
+  Py_INCREF(g_message_type);
+  if (PyModule_AddObject(module, "Message", g_message_type) != 0) return false;
+  if (PyModule_AddObject(module, "Inbox", inbox) != 0) return false;
+  return PyModule_AddFunctions(module, module_methods) == 0;
+}
+
+}  // namespace asap

@@ -1,0 +1,263 @@
+"""Cheapest tier: one PE in this process. Argument checking, errors, timeouts,
+mailbox header validation, torch ops registration. No spawn."""
+import builtins
+
+import pytest
+import torch
+
+import asap_comm
+from asap_comm import CommError, PeerFailure
+
+
+def test_init_argument_errors(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match=r"init: rank not given and \$RANK is not set"):
+        asap_comm.init()
+    with pytest.raises(ValueError, match=r"init: rank=3 is out of range \[0, 2\)"):
+        asap_comm.init(3, 2, master_addr="127.0.0.1", master_port=0)
+    with pytest.raises(ValueError, match="backend='nccl' is not available"):
+        asap_comm.init(0, 1, backend="nccl")
+    with pytest.raises(ValueError, match="timeout"):
+        asap_comm.init(0, 1, master_addr="127.0.0.1", master_port=0, timeout=-1)
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        asap_comm.init(0, 1)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "0")
+    with asap_comm.init(timeout=5.0) as comm:  # everything from the environment, as torchrun sets it
+        assert (comm.rank, comm.world_size) == (0, 1)
+    assert comm.closed
+
+
+def test_symmetric_alloc_and_self_put_get(comm1):
+    x = comm1.zeros((5, 7), torch.float32)
+    assert x.shape == (5, 7) and x.dtype == torch.float32 and bool((x == 0).all())
+    e = comm1.empty((3,), torch.int64)
+    assert e.shape == (3,)
+    src = torch.arange(21, dtype=torch.float32).view(3, 7)
+    comm1.put(x[1:4], src, 0)
+    assert torch.equal(x[1:4], src)
+    out = torch.empty(2, 3)
+    comm1.get(out, x[1:3, 2:5], 0)
+    assert torch.equal(out, src[0:2, 2:5])
+    z = comm1.zeros((0, 4), torch.float16)  # zero-size is allowed and a no-op to move
+    comm1.put(z, torch.empty(0, 4, dtype=torch.float16), 0)
+
+
+def test_heap_grows_beyond_one_chunk(monkeypatch):
+    with asap_comm.init(0, 1, master_addr="127.0.0.1", master_port=0, timeout=5.0,
+                        heap_chunk_bytes=1 << 16) as comm:
+        a = comm.zeros((1 << 15,), torch.uint8)        # fits chunk 0
+        b = comm.zeros((3 << 16,), torch.uint8)        # needs a bigger chunk
+        c = comm.zeros((100,), torch.float64)
+        assert len(comm._chunks) >= 2
+        for t, v in ((a, 1), (b, 2), (c, 3)):
+            comm.put(t, torch.full_like(t, v), 0)
+        assert int(a.sum()) == a.numel() and int(b.sum()) == 2 * b.numel() and float(c.sum()) == 300.0
+
+
+def _bad_inputs(comm):
+    """(description, callable, exception type, message regex)"""
+    x = comm.zeros((4, 4), torch.float32)
+    sig = comm.signals(2)
+    box = comm.mailbox(64, 2)
+    plain = torch.zeros(4, 4)
+    return [
+        ("put: non-symmetric dst", lambda: comm.put(plain, torch.ones(4, 4), 0), ValueError,
+         r"put: dst .* is not a symmetric tensor"),
+        ("put: dtype mismatch", lambda: comm.put(x, torch.ones(4, 4, dtype=torch.float64), 0), ValueError,
+         r"put: dtype mismatch: dst torch.float32 vs src torch.float64"),
+        ("put: past the end (shape mismatch)", lambda: comm.put(x[2:], torch.ones(4, 4), 0), ValueError,
+         r"put: shape mismatch: dst \(2, 4\) vs src \(4, 4\)"),
+        ("put: unknown PE", lambda: comm.put(x, torch.ones(4, 4), 5), ValueError,
+         r"put: pe=5 is out of range \[0, 1\)"),
+        ("put: PE not an int", lambda: comm.put(x, torch.ones(4, 4), "0"), TypeError, r"put: pe must be an int"),
+        ("put: src not a tensor", lambda: comm.put(x, [1.0] * 16, 0), TypeError, r"put: src must be a torch.Tensor"),
+        ("get: non-symmetric src", lambda: comm.get(plain, plain, 0), ValueError, r"get: src .* not a symmetric"),
+        ("put_signal: bad op", lambda: comm.put_signal(x, torch.ones(4, 4), 0, sig, 0, 1, op="mul"), ValueError,
+         r"put_signal: op must be 'set' or 'add', got 'mul'"),
+        ("put_signal: signal index out of range", lambda: comm.put_signal(x, torch.ones(4, 4), 0, sig, 2, 1),
+         ValueError, r"put_signal: idx=2 is out of range \[0, 2\)"),
+        ("put_signal: sig not a signal array", lambda: comm.put_signal(x, torch.ones(4, 4), 0, x, 0, 1),
+         ValueError, r"put_signal: sig must be a 1-D torch.uint64"),
+        ("put_signal: negative value", lambda: comm.put_signal(x, torch.ones(4, 4), 0, sig, 0, -1), ValueError,
+         r"put_signal: value=-1 does not fit"),
+        ("signal_op: value > 2**64-1", lambda: comm.signal_op(sig, 0, 1 << 64, "add", 0), ValueError,
+         r"signal_op: value=18446744073709551616 does not fit"),
+        ("signal_op: bad op", lambda: comm.signal_op(sig, 0, 1, "xor", 0), ValueError,
+         r"signal_op: op must be 'set' or 'add'"),
+        ("signal_wait_until: bad cmp", lambda: comm.signal_wait_until(sig, 0, "=>", 1), ValueError,
+         r"signal_wait_until: cmp must be one of"),
+        ("signal_wait_until: negative timeout", lambda: comm.signal_wait_until(sig, 0, ">", 1, timeout=-1),
+         ValueError, r"signal_wait_until: timeout must be finite and >= 0"),
+        ("signal_wait_until: infinite timeout", lambda: comm.signal_wait_until(sig, 0, ">", 1,
+                                                                               timeout=float("inf")),
+         ValueError, r"signal_wait_until: timeout must be finite"),
+        ("signal_fetch: idx not int", lambda: comm.signal_fetch(sig, 0.5), TypeError,
+         r"signal_fetch: idx must be an int"),
+        ("empty: negative shape", lambda: comm.empty((2, -1)), ValueError, r"empty: shape \(2, -1\) has a negative"),
+        ("zeros: bad dtype", lambda: comm.zeros((2,), "float32"), TypeError, r"zeros: dtype must be a torch.dtype"),
+        ("signals: n=0", lambda: comm.signals(0), ValueError, r"signals: n=0 must be positive"),
+        ("mailbox: slot_bytes=0", lambda: comm.mailbox(0, 4), ValueError, r"mailbox: slot_bytes=0 must be positive"),
+        ("send: message larger than a slot", lambda: box.send(0, torch.zeros(17)), ValueError,
+         r"send: message of 68 bytes .* larger than the mailbox slot \(64 bytes\)"),
+        ("send: unknown PE", lambda: box.send(1, torch.zeros(2)), ValueError, r"send: pe=1 is out of range"),
+        ("send: tag too large", lambda: box.send(0, torch.zeros(2), tag=1 << 63), ValueError,
+         r"send: tag=9223372036854775808 does not fit"),
+        ("send: unsupported dtype", lambda: box.send(0, torch.zeros(2, dtype=torch.float8_e4m3fn)), ValueError,
+         r"send: dtype torch.float8_e4m3fn is not supported"),
+        ("send: too many dims", lambda: box.send(0, torch.zeros([1] * 9)), ValueError,
+         r"send: tensor has 9 dimensions"),
+        ("recv: negative timeout", lambda: box.recv(timeout=-2), ValueError, r"recv: timeout must be finite"),
+    ], x, sig, box
+
+
+def test_bad_inputs_raise_clear_errors_and_change_nothing(comm1):
+    cases, x, sig, box = _bad_inputs(comm1)
+    x.copy_(torch.arange(16, dtype=torch.float32).view(4, 4))
+    comm1.signal_op(sig, 0, 5, "set", 0)
+    before_x, before_sig = x.clone(), sig.clone()
+    for desc, call, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+        assert torch.equal(x, before_x), f"{desc} changed x"
+        assert torch.equal(sig, before_sig), f"{desc} changed the signals"
+        assert box.poll() is None, f"{desc} left a message in the inbox"
+
+
+def test_every_timeout(comm1):
+    sig = comm1.signals(1)
+    box = comm1.mailbox(16, 2)
+    with pytest.raises(asap_comm.TimeoutError, match=r"signal_wait_until: waiting for sig\[0\] >= 1: timed out"):
+        comm1.signal_wait_until(sig, 0, ">=", 1, timeout=0.05)
+    with pytest.raises(builtins.TimeoutError):  # also the builtin
+        comm1.signal_wait_until(sig, 0, "==", 3, timeout=0.0)
+    w = comm1.prepare_signal_wait(sig, 0, "!=", timeout=0.05)
+    with pytest.raises(asap_comm.TimeoutError, match="timed out"):
+        w(0)
+    with pytest.raises(asap_comm.TimeoutError, match=r"recv: waiting for a message: timed out"):
+        box.recv(timeout=0.05)
+    box.send(0, torch.zeros(2))
+    box.send(0, torch.zeros(2))
+    with pytest.raises(asap_comm.TimeoutError, match=r"send: waiting for a free slot in PE 0's inbox: timed out"):
+        box.send(0, torch.zeros(2), timeout=0.1)
+    assert isinstance(asap_comm.TimeoutError("x"), CommError)
+
+
+def test_wait_returns_value_and_compares(comm1):
+    sig = comm1.signals(3)
+    comm1.signal_op(sig, 1, 41, "set", 0)
+    assert comm1.signal_op(sig, 1, 1, "add", 0) == 41
+    for cmp, ref in (("==", 42), ("!=", 0), (">", 41), (">=", 42), ("<", 43), ("<=", 42)):
+        assert comm1.signal_wait_until(sig, 1, cmp, ref, timeout=0.1) == 42
+    comm1.signal_op(sig, 2, (1 << 64) - 1, "set", 0)
+    comm1.signal_op(sig, 2, 2, "add", 0)  # wraps mod 2**64
+    assert comm1.signal_fetch(sig, 2) == 1
+
+
+def test_mailbox_self_roundtrip_dtypes_and_zero_copy(comm1):
+    box = comm1.mailbox(256, 4)
+    for dt in (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.uint64):
+        t = (torch.arange(12) % 2).to(dt).view(3, 4)
+        box.send(0, t, tag=-7)
+        with box.recv(timeout=1) as m:
+            assert (m.src, m.tag) == (0, -7)
+            assert m.tensor.dtype == dt and m.tensor.shape == (3, 4) and torch.equal(m.tensor, t)
+            # zero copy: the tensor is a view into the inbox, not a private copy
+            assert box._buf.untyped_storage().data_ptr() == m.tensor.untyped_storage().data_ptr()
+        assert m.released and m.tensor is None
+    box.send(0, torch.arange(6).view(2, 3).t())  # non-contiguous: sent contiguous
+    m = box.poll()
+    assert torch.equal(m.tensor, torch.arange(6).view(2, 3).t()) and m.tensor.is_contiguous()
+    m.release()
+    m.release()  # idempotent
+    assert box.poll() is None
+    box.send(0, torch.empty(0, 3))
+    with box.recv() as m:
+        assert m.tensor.shape == (0, 3)
+
+
+def test_mailbox_rejects_corrupt_header_and_recovers(comm1):
+    from asap_comm import _C
+
+    box = comm1.mailbox(64, 4)
+    box.send(0, torch.arange(4, dtype=torch.int32), tag=1)
+    # Corrupt the published header: claim 1 MiB of payload in a 64-byte slot.
+    hdr = box._buf[_C.MAILBOX_HEADER_BYTES: _C.MAILBOX_HEADER_BYTES + _C.SLOT_HEADER_BYTES]
+    hdr[24:32].view(torch.int64).fill_(1 << 20)  # nbytes field
+    with pytest.raises(CommError, match=r"mailbox: corrupt message header at position 0: nbytes 1048576 > slot_bytes 64"):
+        box.recv(timeout=1)
+    box.send(0, torch.arange(4, dtype=torch.int32), tag=2)
+    with box.recv(timeout=1) as m:  # the next message is intact and the slot was not lost
+        assert m.tag == 2 and torch.equal(m.tensor, torch.arange(4, dtype=torch.int32))
+    for field, value, pattern in ((8, 0xDEAD, "bad magic"), (12, 9, "source PE 9 out of range"),
+                                  (36, 8, "ndim 8 > 8|shape does not match"), (32, 99, "dtype code 99 unknown")):
+        box.send(0, torch.arange(4, dtype=torch.int32))
+        pos = box._buf[:8].view(torch.int64).item() - 1  # tail - 1: the slot just written
+        base = _C.MAILBOX_HEADER_BYTES + (pos % 4) * _C.slot_stride(64)
+        box._buf[base + field: base + field + 4].view(torch.int32).fill_(value)
+        with pytest.raises(CommError, match=pattern):
+            box.recv(timeout=1)
+
+
+def test_closed_communicator_rejects_calls():
+    comm = asap_comm.init(0, 1, master_addr="127.0.0.1", master_port=0, timeout=5.0)
+    x = comm.zeros((4,))
+    sig = comm.signals(1)
+    box = comm.mailbox(32, 2)
+    ps = comm.prepare_put_signal(x, torch.ones(4), 0, sig, 0)
+    comm.put_signal(x, torch.ones(4), 0, sig, 0, 1)  # warm the fast path cache
+    comm.close()
+    comm.close()  # idempotent
+    for call in (lambda: comm.put(x, torch.ones(4), 0), lambda: comm.put_signal(x, torch.ones(4), 0, sig, 0, 2),
+                 lambda: comm.signal_wait_until(sig, 0, ">=", 1), lambda: comm.barrier(),
+                 lambda: box.send(0, torch.ones(1)), lambda: box.recv(), lambda: ps(3)):
+        with pytest.raises(CommError, match="closed"):
+            call()
+    assert float(x.sum()) == 4.0  # the memory the caller holds stays valid after close
+
+
+def test_torch_ops_registered_with_schemas_and_fakes(comm1):
+    ops = torch.ops.asap_comm
+    for name in ("put", "get", "put_signal", "signal_op", "signal_wait_until"):
+        assert hasattr(ops, name)
+    assert "Tensor(a!) dst" in str(ops.put.default._schema)
+    assert "Tensor(b!) sig" in str(ops.put_signal.default._schema)
+    x = comm1.zeros((2, 3))
+    sig = comm1.signals(2)
+    ops.put(x, torch.ones(2, 3), 0, comm1.id)
+    assert float(x.sum()) == 6.0
+    out = torch.empty(3)
+    ops.get(out, x[1], 0)  # comm=-1: the newest open communicator
+    assert torch.equal(out, torch.ones(3))
+    ops.put_signal(x, torch.full((2, 3), 2.0), 0, sig, 1, 9, "add", comm1.id)
+    assert float(x.sum()) == 12.0 and comm1.signal_fetch(sig, 1) == 9
+    assert ops.signal_op(sig, 1, 1, "add", 0, comm1.id) == 9
+    v = ops.signal_wait_until(sig, 1, "==", 10, 1.0, comm1.id)
+    assert v.dtype == torch.uint64 and int(v) == 10
+    with pytest.raises(asap_comm.TimeoutError):
+        ops.signal_wait_until(sig, 0, ">", 0, 0.01, comm1.id)
+    with pytest.raises(CommError, match="communicator id 12345 is unknown"):
+        ops.put(x, torch.ones(2, 3), 0, 12345)
+    # fake implementations: the ops trace under FakeTensorMode without touching memory
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        fs = mode.from_tensor(sig)
+        ops.put(fx, torch.empty(2, 3), 0, comm1.id)
+        ops.put_signal(fx, torch.empty(2, 3), 0, fs, 0, 1, "set", comm1.id)
+        r = ops.signal_wait_until(fs, 0, ">=", 1, None, comm1.id)
+        assert r.shape == () and r.dtype == torch.uint64
+    assert float(x.sum()) == 12.0
+
+
+def test_peer_failure_is_comm_error():
+    e = PeerFailure("x", pe=3, reason="died")
+    assert isinstance(e, CommError) and e.pe == 3 and e.reason == "died"
+    import pickle
+
+    e2 = pickle.loads(pickle.dumps(e))
+    assert e2.pe == 3 and str(e2) == "x"
