@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import multiprocessing as mp
 import os
+import pickle
 import secrets
 import signal
 import time
@@ -25,10 +26,13 @@ def _child(fn, rank, world_size, port, args, conn, shm_prefix, comm_timeout):
         store = TCPStore("127.0.0.1", port, None, False, __import__("datetime").timedelta(seconds=comm_timeout))
         with init(rank, world_size, store=store, timeout=comm_timeout, shm_prefix=shm_prefix) as comm:
             result = fn(comm, *args)
-        conn.send(("ok", result))
+        # Plain pickle, by value: multiprocessing's pickler would share tensor
+        # storage through file descriptors that die with this process.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException as e:  # report everything, KeyboardInterrupt included
         try:
-            conn.send(("err", type(e).__name__, str(e), traceback.format_exc(), isinstance(e, PeerFailure)))
+            conn.send_bytes(pickle.dumps(("err", type(e).__name__, str(e), traceback.format_exc(),
+                                          isinstance(e, PeerFailure))))
         except Exception:
             pass
         conn.close()
@@ -134,7 +138,7 @@ def _collect(procs, conns, timeout: float) -> list:
             msg = None
             if conns[r].poll():
                 try:
-                    msg = conns[r].recv()
+                    msg = pickle.loads(conns[r].recv_bytes())
                 except (EOFError, OSError):
                     msg = None
             elif obj is conns[r]:

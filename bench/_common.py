@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import multiprocessing as mp
+import os
 import signal
 import sys
 import time
@@ -116,6 +117,24 @@ def deadline(seconds: float, what: str):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+@contextmanager
+def pinned(index: int):
+    """Pin this process to one CPU (the ``index``-th it may use, modulo their count) for the block.
+
+    Latency benchmarks pin each of their two processes to its own CPU: left
+    to the scheduler, a woken waiter is often placed on its waker's CPU, and
+    two spinning processes sharing a CPU turn a sub-microsecond ping-pong into
+    one that costs a full spin budget per message.
+    """
+    allowed = os.sched_getaffinity(0)
+    cpus = sorted(allowed)
+    os.sched_setaffinity(0, {cpus[index % len(cpus)]})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 # --------------------------------------------------------------------------- process groups

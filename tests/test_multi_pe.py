@@ -1,0 +1,378 @@
+"""Multi-process tier: 2 to 4 PEs spawned through tests/distributed_utils.run,
+every join bounded. Several checks share one launch where they can (each
+spawned PE pays for importing torch)."""
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import asap_comm
+from asap_comm import PeerFailure
+from distributed_utils import rank_info, run, shm_files
+
+# --------------------------------------------------------------------------
+# puts and gets on slices, odd offsets and strides, against a pure-torch model
+# --------------------------------------------------------------------------
+SHAPE = (13, 7)
+
+
+def _apply_ops(comm, ops):
+    """Every PE runs the same op list; PE `writer` puts or gets. Returns the
+    final local tensor and every get result, to compare with the reference."""
+    dtype = torch.float64
+    x = comm.zeros(SHAPE, dtype)
+    # Encode the owner in the initial contents (DeepEP style): PE p holds p*1000 + index.
+    x.copy_(torch.arange(x.numel(), dtype=dtype).view(SHAPE) + comm.rank * 1000)
+    comm.barrier()
+    gets = []
+    for step, (kind, writer, target, r0, r1, c0, c1, cstep) in enumerate(ops):
+        if comm.rank == writer:
+            view = x[r0:r1, c0:c1:cstep]
+            if kind == "put":
+                src = torch.full(view.shape, float(step + 1) * 10000 + writer, dtype=dtype)
+                comm.put(view, src, target)
+            else:
+                out = torch.empty(view.shape, dtype=dtype)
+                comm.get(out, view, target)
+                gets.append((step, out))
+        comm.barrier()
+    return x.clone(), gets
+
+
+def _reference(world, ops):
+    state = [torch.arange(SHAPE[0] * SHAPE[1], dtype=torch.float64).view(SHAPE) + p * 1000 for p in range(world)]
+    gets = {}
+    for step, (kind, writer, target, r0, r1, c0, c1, cstep) in enumerate(ops):
+        view = state[target][r0:r1, c0:c1:cstep]
+        if kind == "put":
+            view.copy_(torch.full(view.shape, float(step + 1) * 10000 + writer, dtype=torch.float64))
+        else:
+            gets[step] = view.clone()
+    return state, gets
+
+
+@st.composite
+def _op(draw, world):
+    r0 = draw(st.integers(0, SHAPE[0] - 1))
+    r1 = draw(st.integers(r0, SHAPE[0]))
+    c0 = draw(st.integers(0, SHAPE[1] - 1))
+    c1 = draw(st.integers(c0, SHAPE[1]))
+    return (draw(st.sampled_from(["put", "get"])), draw(st.integers(0, world - 1)), draw(st.integers(0, world - 1)),
+            r0, r1, c0, c1, draw(st.integers(1, 3)))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_put_get_slices_match_pure_torch_reference(data):
+    world = data.draw(st.integers(2, 3))
+    ops = data.draw(st.lists(_op(world), min_size=5, max_size=40))
+    results = run(_apply_ops, world, ops)
+    state, ref_gets = _reference(world, ops)
+    for pe, (final, gets) in enumerate(results):
+        assert torch.equal(final, state[pe]), f"PE {pe} memory differs from the reference"
+        for step, out in gets:
+            assert torch.equal(out, ref_gets[step]), f"get at step {step} on PE {pe} differs"
+
+
+def _odd_offsets(comm):
+    # Byte-level odd offsets: uint8 views starting at odd addresses, and a
+    # bf16 view at an offset that is not 8-aligned; large non-contiguous too.
+    x = comm.zeros((1001,), torch.uint8)
+    y = comm.zeros((64, 33), torch.bfloat16)
+    big = comm.zeros((600, 1000), torch.float32)  # 2.4 MB: takes the torch copy path
+    peer = (comm.rank + 1) % comm.world_size
+    comm.put(x[3:998:5], torch.full((199,), comm.rank + 7, dtype=torch.uint8), peer)
+    comm.put(y[1:, 5], torch.full((63,), comm.rank + 0.5, dtype=torch.bfloat16), peer)
+    comm.put(big[:, 1::2], torch.full((600, 500), float(comm.rank + 1)), peer)
+    comm.barrier()
+    left = (comm.rank - 1) % comm.world_size
+    ex = torch.zeros(1001, dtype=torch.uint8)
+    ex[3:998:5] = left + 7
+    ey = torch.zeros(64, 33, dtype=torch.bfloat16)
+    ey[1:, 5] = left + 0.5
+    eb = torch.zeros(600, 1000)
+    eb[:, 1::2] = left + 1
+    got = torch.empty(600, 500)
+    comm.get(got, big[:, 1::2], left)  # what I put into left's memory? no: left's own buffer holds left-1's data
+    exp_get = torch.full((600, 500), float((left - 1) % comm.world_size + 1))
+    return torch.equal(x, ex), torch.equal(y, ey), torch.equal(big, eb), torch.equal(got, exp_get), \
+        shm_files(comm._shm_prefix)
+
+
+def test_odd_offsets_strides_and_large_copies():
+    for ok_x, ok_y, ok_big, ok_get, leftover in run(_odd_offsets, 3):
+        assert ok_x and ok_y and ok_big and ok_get
+        assert leftover == [], f"segments still linked after init: {leftover}"
+
+
+# --------------------------------------------------------------------------
+# put_signal ordering under stress; add signals from every PE at once
+# --------------------------------------------------------------------------
+def _put_signal_stress(comm, iters, numel):
+    """PE 0 streams payloads into a ring of 4 buffers on PE 1 with put_signal;
+    PE 1 checks the whole payload every time a signal moves, then returns
+    credit. The consumer is randomly delayed to provoke races."""
+    nbuf = 4
+    buf = comm.zeros((nbuf, numel), torch.int64)
+    sig = comm.signals(nbuf)
+    credit = comm.signals(1)
+    rng = random.Random(comm.rank)
+    bad = 0
+    if comm.rank == 0:
+        src = torch.empty(numel, dtype=torch.int64)
+        for k in range(1, iters + 1):
+            if k > nbuf:
+                comm.signal_wait_until(credit, 0, ">=", k - nbuf)
+            src.fill_(k)
+            src[::97] = -k  # not a constant: a torn copy shows
+            comm.put_signal(buf[k % nbuf], src, 1, sig, k % nbuf, k)
+    else:
+        for k in range(1, iters + 1):
+            comm.signal_wait_until(sig, k % nbuf, "==", k)
+            row = buf[k % nbuf]
+            expect = torch.full((numel,), k, dtype=torch.int64)
+            expect[::97] = -k
+            bad += int(not torch.equal(row, expect))
+            if rng.random() < 0.05:
+                time.sleep(0.0005)
+            comm.signal_op(credit, 0, 1, "add", 0)
+    return bad
+
+
+def _prepared_pingpong(comm, iters):
+    one = torch.zeros(4, dtype=torch.int64)
+    y = comm.zeros((4,), torch.int64)
+    sig = comm.signals(1)
+    peer = 1 - comm.rank
+    ps = comm.prepare_put_signal(y, one, peer, sig, 0)
+    w = comm.prepare_signal_wait(sig, 0, ">=")
+    bad = 0
+    for i in range(1, iters + 1):
+        if comm.rank == 0:
+            one.fill_(i)
+            ps(i)
+            w(i)
+        else:
+            w(i)
+            bad += int(not bool((y == i).all()))
+            one.fill_(i)
+            ps(i)
+    return bad
+
+
+def test_put_signal_data_visible_before_signal():
+    assert run(_put_signal_stress, 2, 3000, 4096) == [0, 0]   # 32 KiB payloads
+    assert run(_put_signal_stress, 2, 300, 300_000) == [0, 0]  # 2.4 MB: torch copy path
+    assert run(_prepared_pingpong, 2, 20000) == [0, 0]
+
+
+def _add_from_everyone(comm, n):
+    sig = comm.signals(2)
+    comm.barrier()
+    for i in range(n):
+        for pe in range(comm.world_size):
+            comm.signal_op(sig, 0, 1, "add", pe)
+            comm.signal_op(sig, 1, pe + 1, "add", pe)
+    comm.barrier()
+    return comm.signal_fetch(sig, 0), comm.signal_fetch(sig, 1)
+
+
+def test_add_signals_from_every_pe_exact_total():
+    world, n = 4, 3000
+    res = run(_add_from_everyone, world, n)
+    for pe, (a, b) in enumerate(res):
+        assert a == world * n
+        assert b == world * n * (pe + 1)
+
+
+# --------------------------------------------------------------------------
+# mailboxes
+# --------------------------------------------------------------------------
+def _mailbox_many_producers(comm, per_producer, num_slots):
+    box = comm.mailbox(512, num_slots)
+    rng = random.Random(1234 + comm.rank)
+    if comm.rank != 0:
+        for seq in range(per_producer):
+            n = rng.randrange(0, 64)  # 0..63 int64 = up to 504 bytes
+            payload = torch.arange(n, dtype=torch.int64) * 1_000_003 + seq * 7 + comm.rank
+            tag = (seq << 8) | comm.rank
+            if rng.random() < 0.5:
+                box.send(0, payload.view(torch.uint8) if n % 2 else payload, tag)
+            else:
+                box.send(0, payload.to(torch.float64), tag)
+        return None
+    expected = {pe: 0 for pe in range(1, comm.world_size)}
+    problems = []
+    total = per_producer * (comm.world_size - 1)
+    for i in range(total):
+        if i % 500 == 0:
+            time.sleep(0.01)  # let the inbox fill up: producers must wait, not drop
+        with box.recv(timeout=20) as m:
+            seq, src = m.tag >> 8, m.tag & 0xFF
+            if src != m.src:
+                problems.append(f"tag says src {src}, header says {m.src}")
+            if seq != expected[m.src]:
+                problems.append(f"from PE {m.src}: got seq {seq}, expected {expected[m.src]}")
+            expected[m.src] = seq + 1
+            t = m.tensor
+            vals = t.view(torch.int64) if t.dtype == torch.uint8 else t.to(torch.int64)
+            exp = torch.arange(vals.numel(), dtype=torch.int64) * 1_000_003 + seq * 7 + m.src
+            if not torch.equal(vals, exp):
+                problems.append(f"payload of PE {m.src} seq {seq} corrupted")
+    extra = box.poll()
+    if extra is not None:
+        problems.append(f"duplicate or extra message {extra}")
+    return problems, expected
+
+
+def test_mailbox_many_producers_fifo_no_loss_no_dup():
+    res = run(_mailbox_many_producers, 4, 1500, 8)
+    problems, counts = res[0]
+    assert problems == []
+    assert counts == {1: 1500, 2: 1500, 3: 1500}
+
+
+def _backpressure(comm, num_slots, extra):
+    box = comm.mailbox(64, num_slots)
+    sig = comm.signals(1)
+    if comm.rank == 1:
+        t0 = time.monotonic()
+        for i in range(num_slots + extra):
+            box.send(0, torch.tensor([i]), i)
+        blocked = time.monotonic() - t0
+        comm.signal_op(sig, 0, 1, "set", 0)
+        return blocked
+    time.sleep(0.6)  # the producer fills the inbox and must wait
+    got = []
+    for _ in range(num_slots + extra):
+        with box.recv(timeout=10) as m:
+            got.append((m.tag, int(m.tensor[0])))
+    comm.signal_wait_until(sig, 0, "==", 1)
+    return got
+
+
+def test_mailbox_backpressure_waits_then_resumes():
+    got, blocked = run(_backpressure, 2, 4, 6)
+    assert got == [(i, i) for i in range(10)]
+    assert blocked >= 0.4, f"sender did not wait for the full inbox ({blocked:.3f} s)"
+
+
+# --------------------------------------------------------------------------
+# failures: SIGKILL mid-wait, clean close, launch error reporting
+# --------------------------------------------------------------------------
+def _killed_mid_wait(comm, report_dir, kind):
+    sig = comm.signals(1)
+    box = comm.mailbox(64, 2)
+    info = rank_info(comm)
+    if comm.rank == 1:
+        if kind == "send":  # fill PE 0's... no: PE 1 is the consumer here; it dies, PE 0 is blocked sending to it
+            pass
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    err = None
+    try:
+        if kind == "wait":
+            comm.signal_wait_until(sig, 0, ">=", 1, timeout=15)
+        elif kind == "barrier":
+            comm.barrier(timeout=15)
+        else:
+            for i in range(10):
+                box.send(1, torch.tensor([i]), timeout=15)
+    except PeerFailure as e:
+        err = (e.pe, e.reason, str(e))
+    took = time.monotonic() - t0
+    time.sleep(0.2)
+    with open(os.path.join(report_dir, f"{kind}.txt"), "w") as f:
+        f.write(repr((err, took, shm_files(info.shm_prefix))))
+    return err
+
+
+@pytest.mark.parametrize("kind", ["wait", "barrier", "send"])
+def test_sigkill_mid_wait_gives_peer_failure_and_leaks_nothing(tmp_path, kind):
+    with pytest.raises(asap_comm.LaunchError) as ei:
+        run(_killed_mid_wait, 2, str(tmp_path), kind, timeout=60)
+    assert ei.value.rank == 1 and ei.value.exitcode == -signal.SIGKILL, str(ei.value)
+    err, took, leftover = eval((tmp_path / f"{kind}.txt").read_text())
+    assert err is not None and err[0] == 1 and err[1] == "died", err
+    assert "PE 1 died" in err[2]
+    assert took < 0.3 + 1.5, f"PeerFailure took {took:.2f} s"
+    assert leftover == []
+
+
+def _close_early(comm):
+    sig = comm.signals(1)
+    if comm.rank == 1:
+        comm.signal_op(sig, 0, 5, "set", 0)
+        return "closed"
+    # PE 1 set the signal and closed: the value is there, the wait succeeds.
+    v = comm.signal_wait_until(sig, 0, "==", 5, timeout=10)
+    try:
+        comm.signal_wait_until(sig, 0, "==", 6, timeout=10)  # nobody left to set it
+    except PeerFailure as e:
+        return v, e.reason
+    return v, None
+
+
+def test_waiting_on_a_group_whose_peers_closed_fails_fast():
+    res = run(_close_early, 2)
+    assert res[1] == "closed"
+    assert res[0][0] == 5 and res[0][1].startswith("closed")
+
+
+def _raise_on_rank(comm, bad_rank):
+    if comm.rank == bad_rank:
+        raise ValueError("boom from the test")
+    comm.signal_wait_until(comm.signals(1), 0, ">", 0, timeout=30)
+
+
+def _sleep(comm, secs):
+    time.sleep(secs)
+
+
+def test_launch_reports_the_failing_rank_and_stops_the_others():
+    t0 = time.monotonic()
+    with pytest.raises(asap_comm.LaunchError, match="rank 1 raised ValueError: boom from the test") as ei:
+        run(_raise_on_rank, 3, 1)
+    assert ei.value.rank == 1 and "Traceback" in ei.value.remote_traceback
+    assert time.monotonic() - t0 < 25
+    with pytest.raises(asap_comm.TimeoutError, match=r"launch: ranks \[0, 1\] did not finish within 3"):
+        run(_sleep, 2, 60, timeout=3)
+
+
+# --------------------------------------------------------------------------
+# torch ops across processes
+# --------------------------------------------------------------------------
+def _ops_pingpong(comm, iters):
+    ops = torch.ops.asap_comm
+    y = comm.zeros((8,), torch.float32)
+    sig = comm.signals(1)
+    src = torch.zeros(8)
+    peer = 1 - comm.rank
+    bad = 0
+    for i in range(1, iters + 1):
+        if comm.rank == 0:
+            src.fill_(i)
+            ops.put_signal(y, src, peer, sig, 0, i, "set", comm.id)
+            ops.signal_wait_until(sig, 0, ">=", i, None, comm.id)
+        else:
+            ops.signal_wait_until(sig, 0, ">=", i, None, comm.id)
+            bad += int(not bool((y == i).all()))
+            src.fill_(-i)
+            ops.put_signal(y, src, peer, sig, 0, i, "set", comm.id)
+    comm.barrier()
+    out = torch.empty(8)
+    ops.get(out, y, peer, comm.id)
+    return bad, out.tolist()
+
+
+def test_torch_ops_between_processes():
+    (b0, out0), (b1, out1) = run(_ops_pingpong, 2, 200)
+    assert b0 == 0 and b1 == 0
+    assert out0 == [200.0] * 8     # PE 0 read PE 1's y, last written by PE 0
+    assert out1 == [-200.0] * 8
