@@ -106,6 +106,7 @@ class Communicator:
         self._src_fast: dict[int, tuple] = {}  # data_ptr -> (source tensor, facts) seen by put_signal
         self._linked: list[str] = []  # segment names this PE created and has not unlinked
         self._epoch = 0
+        self._barrier_pending: "int | None" = None  # round this PE arrived at but timed out in
         self._group = _C.Group(rank, world_size)
         self._ghandle = self._group.handle
         self._pid = os.getpid()
@@ -646,25 +647,31 @@ class Communicator:
     def barrier(self, timeout=None) -> None:
         """Collective rendezvous and full fence: writes of every PE before it are visible to all after it.
 
-        Raises ``PeerFailure`` if a PE died or closed before arriving.
+        Raises ``PeerFailure`` if a PE died or closed before arriving, and
+        ``TimeoutError`` after ``timeout`` s; this PE's arrival stays counted,
+        so calling ``barrier`` again retries the same round.
         """
         self._check_open("barrier")
         t = self._timeout("barrier", timeout)
         if self.world_size == 1:
             _C.fence()
             return
-        self._epoch += 1
-        k = self._epoch
         ctrl0 = self._ctrl[0]
-        arrive = ctrl0 + _C.BARRIER_ARRIVE_OFFSET
         gen = ctrl0 + _C.BARRIER_GEN_OFFSET
-        if _C.signal_update(arrive, 1, 1, ctrl0) == k * self.world_size - 1:
-            _C.signal_update(gen, k, 0, ctrl0)
-            return
+        if self._barrier_pending is None:
+            self._epoch += 1
+            k = self._epoch
+            if _C.signal_update(ctrl0 + _C.BARRIER_ARRIVE_OFFSET, 1, 1, ctrl0) == k * self.world_size - 1:
+                _C.signal_update(gen, k, 0, ctrl0)  # last to arrive: release everyone
+                return
+        else:
+            k = self._barrier_pending  # a retry after a timeout: already arrived
+        self._barrier_pending = k
         try:
             _C.wait_until(gen, _CMPS[">="], k, ctrl0, t, self._ghandle, _C.DEP_ALL)
         except (TimeoutError, PeerFailure) as e:
             raise self._wait_error("barrier", f"barrier #{k}", e) from None
+        self._barrier_pending = None
 
     # ------------------------------------------------------------ liveness
     def peer_alive(self, pe: int) -> bool:

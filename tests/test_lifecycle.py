@@ -1,0 +1,121 @@
+"""Segments, bootstrap failures, zombies, packaging errors."""
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+import asap_comm
+from asap_comm import _C, PeerFailure
+from distributed_utils import run, shm_files
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_segments_are_0600_exclusive_and_unlinked():
+    name = "/asap-test-" + os.urandom(8).hex()
+    m = _C.create_segment(name, 8192)
+    try:
+        st = os.stat("/dev/shm" + name)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        with pytest.raises(RuntimeError, match="File exists"):
+            _C.create_segment(name, 8192)  # O_EXCL: never reuses a name
+        with pytest.raises(RuntimeError, match="size"):
+            _C.map_segment(name, 4096)  # a peer's segment must have the announced size
+    finally:
+        assert _C.unlink_segment(name)
+    assert not os.path.exists("/dev/shm" + name)
+    assert m.size == 8192
+
+
+def test_init_timeout_when_a_peer_never_comes_leaves_nothing():
+    prefix = "asap-t" + os.urandom(4).hex() + "-"
+    t0 = time.monotonic()
+    with pytest.raises(asap_comm.TimeoutError, match="init: waiting for store key 'ctrl/1'"):
+        asap_comm.init(0, 2, master_addr="127.0.0.1", master_port=0, timeout=1.0, shm_prefix=prefix)
+    assert time.monotonic() - t0 < 10
+    assert shm_files(prefix) == []
+
+
+def test_zombie_peer_turns_wait_into_peer_failure():
+    """PE 1 exits without close() and is not reaped (a zombie): PE 0's wait fails fast."""
+    store = TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=20), wait_for_workers=False)
+    prefix = "asap-z" + os.urandom(4).hex() + "-"
+    code = textwrap.dedent(f"""
+        import os, asap_comm
+        comm = asap_comm.init(1, 2, master_addr="127.0.0.1", master_port={store.port}, timeout=20,
+                              shm_prefix={prefix!r})
+        sig = comm.signals(1)
+        comm.signal_op(sig, 0, 1, "set", 0)
+        comm.signal_wait_until(sig, 0, "==", 2)   # PE 0 says: go
+        os._exit(0)                               # no close(): looks like a crash
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        comm = asap_comm.init(0, 2, store=store, timeout=20, shm_prefix=prefix)
+        sig = comm.signals(1)
+        comm.signal_wait_until(sig, 0, "==", 1)
+        comm.signal_op(sig, 0, 2, "set", 1)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # wait until it is a zombie, without reaping it
+            state = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "Z":
+                break
+            time.sleep(0.01)
+        assert state == "Z"
+        t0 = time.monotonic()
+        with pytest.raises(PeerFailure, match="PE 1 died") as ei:
+            comm.signal_wait_until(sig, 0, "==", 3, timeout=15)
+        assert time.monotonic() - t0 < 1.0
+        assert ei.value.pe == 1 and ei.value.reason == "died"
+        assert not comm.peer_alive(1)
+        comm.close()
+    finally:
+        child.wait(timeout=20)
+    assert shm_files(prefix) == []
+
+
+def _barrier_timeout(comm):
+    if comm.rank == 1:
+        time.sleep(1.5)
+        comm.barrier(timeout=10)
+        return None
+    t0 = time.monotonic()
+    try:
+        comm.barrier(timeout=0.3)
+    except asap_comm.TimeoutError as e:
+        msg = str(e)
+    took = time.monotonic() - t0
+    comm.barrier(timeout=10)  # the late PE completes the round it was in; both go on
+    return msg, took
+
+
+def test_barrier_timeout():
+    (msg, took), _ = run(_barrier_timeout, 2)
+    assert msg.startswith("barrier: waiting for barrier #") and "timed out" in msg
+    assert 0.3 <= took < 1.4
+
+
+def test_import_without_extension_says_how_to_build(tmp_path):
+    pkg = tmp_path / "asap_comm"
+    pkg.mkdir()
+    for f in (ROOT / "asap_comm").glob("*.py"):
+        (pkg / f.name).write_text(f.read_text())
+    r = subprocess.run([sys.executable, "-S", "-c", "import asap_comm"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert r.returncode != 0
+    assert "ImportError: asap_comm: the native extension asap_comm._C is not built" in r.stderr
+    assert "pip install -e ." in r.stderr
+
+
+def test_core_does_not_import_models():
+    for f in (ROOT / "asap_comm").rglob("*.py"):
+        text = f.read_text()
+        assert "import models" not in text and "from models" not in text, f
