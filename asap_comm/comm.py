@@ -118,7 +118,7 @@ class Communicator:
             raise
         with _registry_lock:
             _registry[self.id] = self
-        self._finalizer = weakref.finalize(self, Communicator._finalize, self._ctrl_local, self._linked)
+        self._finalizer = weakref.finalize(self, Communicator._finalize, self._linked)
 
     # ------------------------------------------------------------------ setup
     def _new_name(self) -> str:
@@ -170,7 +170,7 @@ class Communicator:
             _C.unlink_segment(self._linked.pop())
 
     @staticmethod
-    def _finalize(ctrl_addr, linked) -> None:
+    def _finalize(linked) -> None:
         # Runs at garbage collection or interpreter exit if close() was not called.
         for name in linked:
             _C.unlink_segment(name)
@@ -381,7 +381,8 @@ class Communicator:
         itemsize = torch.empty((), dtype=dtype).element_size()
         a = self._alloc("zeros", math.prod(shape) * itemsize)
         t = self._tensor_of(a, shape, dtype)
-        t.view(-1).view(torch.uint8).zero_() if t.numel() else None
+        if t.numel():
+            t.zero_()
         self.barrier()
         return t
 
@@ -438,12 +439,6 @@ class Communicator:
             raise ValueError(f"{fn}: dtype mismatch: dst {dst.dtype} vs src {src.dtype}")
         if dst.shape != src.shape:
             raise ValueError(f"{fn}: shape mismatch: dst {tuple(dst.shape)} vs src {tuple(src.shape)}")
-
-    def _copy(self, dst_t, dst_addr, src_t, src_addr, nbytes, contiguous, view_fn) -> None:
-        if contiguous and nbytes < _COPY_WITH_TORCH:
-            _C.copy(dst_addr, src_addr, nbytes)
-        else:
-            view_fn()
 
     # ------------------------------------------------------------ one-sided ops
     def put(self, dst: torch.Tensor, src: torch.Tensor, pe: int) -> None:
