@@ -24,8 +24,10 @@ class CMakeExtension(Extension):
 
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
-        cxx = os.environ.get("CXX", "c++")
-        if shutil.which(cxx) is None and shutil.which("g++") is None:
+        cxx = os.environ.get("CXX")
+        if cxx is not None and shutil.which(cxx) is None:
+            raise RuntimeError(f"asap_comm: $CXX={cxx!r} is not an executable compiler; unset it or point it at g++.")
+        if cxx is None and shutil.which("c++") is None and shutil.which("g++") is None:
             raise RuntimeError(
                 "asap_comm: no C++ compiler found (looked for $CXX, c++ and g++). "
                 "Install one, e.g. `apt-get install g++` (Debian/Ubuntu), then rerun pip install."
