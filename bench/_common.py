@@ -16,8 +16,8 @@ from __future__ import annotations
 import gc
 import hashlib
 import multiprocessing as mp
+from multiprocessing.connection import wait as mp_wait
 import os
-import signal
 import sys
 import time
 import traceback
@@ -100,23 +100,11 @@ def digest(buf) -> str:
     return hashlib.blake2b(memoryview(buf).cast("B"), digest_size=16).hexdigest()
 
 
-@contextmanager
-def deadline(seconds: float, what: str):
-    """Raise ``TimeoutError`` in the main thread if the block runs longer than ``seconds``.
+def pattern(numel: int, seed: int = 1234):
+    """A reproducible float32 torch test pattern of ``numel`` elements (imports torch on first use)."""
+    import torch
 
-    Interrupts blocking calls (pipe reads, socket waits) too; main thread only.
-    """
-
-    def _expired(signum, frame):
-        raise TimeoutError(f"{what} did not finish within {seconds:.0f} s")
-
-    old = signal.signal(signal.SIGALRM, _expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    return torch.rand(numel, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
 
 @contextmanager
@@ -151,8 +139,9 @@ def run_processes(fn: Callable, args_per_proc: Sequence[tuple], timeout: float, 
     """Run ``fn(*args)`` in one spawned process per entry of ``args_per_proc``; return their results in order.
 
     ``fn`` must be defined at module level. Raises ``RuntimeError`` with the
-    child's traceback if one raises or dies, ``TimeoutError`` if they are not
-    all done within ``timeout`` seconds; every child is stopped either way.
+    child's traceback as soon as one raises or dies, ``TimeoutError`` if they
+    are not all done within ``timeout`` seconds; every child is stopped
+    either way.
     """
     ctx = mp.get_context("spawn")
     procs, conns = [], []
@@ -164,24 +153,33 @@ def run_processes(fn: Callable, args_per_proc: Sequence[tuple], timeout: float, 
             w.close()
             procs.append(p)
             conns.append(r)
-        end = time.monotonic() + timeout
-        return [_receive(conn, end, what, i) for i, conn in enumerate(conns)]
+        return _collect(conns, time.monotonic() + timeout, what)
     finally:
         _stop(procs)
         for c in conns:
             c.close()
 
 
-def _receive(conn, end: float, what: str, index: int):
-    if not conn.poll(max(0.0, end - time.monotonic())):
-        raise TimeoutError(f"{what}: process {index} did not finish in time; all were stopped")
-    try:
-        status, value = conn.recv()
-    except EOFError:
-        raise RuntimeError(f"{what}: process {index} died without reporting a result") from None
-    if status != "ok":
-        raise RuntimeError(f"{what}: process {index} failed:\n{value}")
-    return value
+def _collect(conns: list, end: float, what: str) -> list:
+    """Each child's result, in order, as they arrive; the first failure or the deadline raises."""
+    results = [None] * len(conns)
+    pending = {conn: i for i, conn in enumerate(conns)}
+    while pending:
+        left = end - time.monotonic()
+        ready = mp_wait(list(pending), timeout=left) if left > 0 else []
+        if not ready:
+            raise TimeoutError(f"{what}: processes {sorted(pending.values())} did not finish in time; "
+                               "all were stopped")
+        for conn in ready:
+            i = pending.pop(conn)
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"{what}: process {i} died without reporting a result") from None
+            if status != "ok":
+                raise RuntimeError(f"{what}: process {i} failed:\n{value}")
+            results[i] = value
+    return results
 
 
 def _stop(procs, grace: float = 2.0) -> None:

@@ -11,7 +11,7 @@ import functools
 import torch
 
 import asap_comm
-from _common import BatchPlan, digest, time_batches, time_each
+from _common import BatchPlan, digest, pattern, pinned, time_batches, time_each
 
 PEER = (1, 0)  # PEER[rank]: the other PE of the pair
 
@@ -91,29 +91,44 @@ def _pingpong(comm, plan: BatchPlan, make_handles) -> dict:
     return {"samples_ns": samples, "bad": bad}
 
 
-def pingpong_pe(comm, plan: BatchPlan, paths: tuple) -> dict:
-    """Run the ping-pong through each API path in ``paths`` (keys of PINGPONG_PATHS); results by path."""
-    return {path: _pingpong(comm, plan, PINGPONG_PATHS[path]) for path in paths}
+def pingpong_pe(comm, plans: dict) -> dict:
+    """Run the ping-pong through each API path in ``plans`` (a key of PINGPONG_PATHS -> BatchPlan).
+
+    Returns the results by path. Each PE is pinned to its own CPU meanwhile
+    (see ``_common.pinned``).
+    """
+    with pinned(comm.rank):
+        return {path: _pingpong(comm, plan, PINGPONG_PATHS[path]) for path, plan in plans.items()}
 
 
 # --------------------------------------------------------------------------- put bandwidth
-def pattern(numel: int, seed: int = 1234) -> torch.Tensor:
-    """A reproducible float32 test pattern of ``numel`` elements."""
-    return torch.rand(numel, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
-
-
-def put_bandwidth_pe(comm, nbytes: int, iters: int, warmup: int) -> dict:
+def put_bandwidth_pe(comm, nbytes: int, iters: int, warmup: int, thread_counts: tuple = (0,)) -> list:
     """PE 0 puts ``nbytes`` of float32 into PE 1's symmetric tensor; the baseline is a local ``copy_``.
 
-    Each iteration stamps the iteration number into element 0 (untimed),
-    then times ``comm.put`` and a local ``dst.copy_(src)`` of the same source,
-    alternating their order so neither always finds the source cache-warm.
-    Returns, on PE 0, ``samples_ns`` (put) and ``copy_samples_ns``; on every
-    PE the blake2b ``digest`` of what it holds after the last iteration
-    (PE 0: the source, PE 1: the received tensor) and ``bad`` (PE 0: the
-    local copy differs from the source).
+    One pass per entry of ``thread_counts``: torch intra-op threads for both
+    (0: torch's default); puts this large are done with torch's ``copy_``,
+    so both use them. Returns one result per pass (see ``_put_vs_copy``).
     """
     dst = comm.zeros((nbytes // 4,), torch.float32)
+    default = torch.get_num_threads()
+    results = []
+    for threads in thread_counts:
+        torch.set_num_threads(threads or default)
+        results.append(_put_vs_copy(comm, dst, iters, warmup))
+    return results
+
+
+def _put_vs_copy(comm, dst: torch.Tensor, iters: int, warmup: int) -> dict:
+    """Time ``comm.put(dst, src, 1)`` against ``local.copy_(src)`` on PE 0, ``iters`` times each.
+
+    Each iteration stamps the iteration number into element 0 (untimed),
+    then times both, alternating their order so neither always finds the
+    source cache-warm. Returns, on PE 0, ``samples_ns`` (put) and
+    ``copy_samples_ns`` (ns per transfer); on every PE the blake2b ``digest``
+    of what it holds after the last iteration (PE 0: the source, PE 1: the
+    received tensor), ``bad`` (PE 0: the local copy differs from the source)
+    and ``threads``.
+    """
     result = {"samples_ns": [], "copy_samples_ns": [], "bad": 0, "threads": torch.get_num_threads()}
     if comm.rank == 0:
         src = pattern(dst.numel())
@@ -140,6 +155,7 @@ def put_bandwidth_pe(comm, nbytes: int, iters: int, warmup: int) -> dict:
     comm.barrier()  # release: every put is visible on PE 1 after this
     if comm.rank == 1:
         result["digest"] = digest(dst.numpy())
+    comm.barrier()  # PE 1 has read dst before the next pass overwrites it
     return result
 
 
@@ -196,7 +212,12 @@ def _mailbox_responder(box):
 
 
 def mailbox_pe(comm, plan: BatchPlan, nbytes: int, num_slots: int) -> dict:
-    """Mailbox round trips of ``nbytes``-byte int64 messages (PE 0 -> PE 1 -> PE 0)."""
+    """Mailbox round trips of ``nbytes``-byte int64 messages (PE 0 -> PE 1 -> PE 0), each PE on its own CPU."""
+    with pinned(comm.rank):
+        return _mailbox_roundtrips(comm, plan, nbytes, num_slots)
+
+
+def _mailbox_roundtrips(comm, plan: BatchPlan, nbytes: int, num_slots: int) -> dict:
     box = comm.mailbox(nbytes, num_slots)
     if comm.rank == 0:
         batch = _mailbox_initiator(box, torch.zeros(nbytes // 8, dtype=torch.int64))
