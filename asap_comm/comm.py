@@ -50,6 +50,7 @@ _U64_MAX = (1 << 64) - 1
 _ALIGN = 64
 _DEFAULT_CHUNK = 64 << 20
 _FAST_CACHE_MAX = 4096
+_PS_CACHE_MAX = 256  # prepared handles cached by the generic put_signal / signal_wait_until
 _COPY_WITH_TORCH = 1 << 20  # contiguous copies this large use torch's multithreaded copy_
 
 _ids = itertools.count(1)
@@ -103,7 +104,9 @@ class Communicator:
         self._chunks: list[_Chunk] = []
         self._allocs: dict[int, _Alloc] = {}  # storage data_ptr -> allocation
         self._fast: dict[int, tuple] = {}  # id(symmetric tensor) -> validated info (holds the tensor)
-        self._src_fast: dict[int, tuple] = {}  # data_ptr -> (source tensor, facts) seen by put_signal
+        self._ps_cache: dict[tuple, tuple] = {}  # (ids..., pe, idx, op) -> (prepared handle, src data_ptr)
+        self._ps_seen: dict[tuple, bool] = {}  # put_signal keys seen once
+        self._wait_cache: dict[tuple, object] = {}  # (id(sig), idx, cmp) -> prepared wait
         self._linked: list[str] = []  # segment names this PE created and has not unlinked
         self._epoch = 0
         self._barrier_pending: "int | None" = None  # round this PE arrived at but timed out in
@@ -181,7 +184,9 @@ class Communicator:
         self._chunks = []
         self._allocs = {}
         self._fast = {}
-        self._src_fast = {}
+        self._ps_cache = {}
+        self._ps_seen = {}
+        self._wait_cache = {}
 
     def close(self) -> None:
         """Leave the group (local, not collective; idempotent).
@@ -485,22 +490,16 @@ class Communicator:
         Ordering: the data is visible on ``pe`` before the signal is: a PE that
         observes the new signal value (acquire) observes all of ``dst``.
         ``op``: ``"set"`` stores ``value``; ``"add"`` adds it (mod 2**64).
+        A (dst, src, pe, sig, idx, op) combination seen twice is served by a
+        cached :meth:`prepare_put_signal` handle while ``src`` keeps its data
+        pointer (do not resize ``src`` in place between calls).
         """
-        fast = self._fast
-        d = fast.get(id(dst))
-        g = fast.get(id(sig))
-        if (d is not None and g is not None and src.__class__ is torch.Tensor and pe.__class__ is int
-                and idx.__class__ is int and value.__class__ is int and d[4] and g[8] == 1
-                and 0 <= pe < self.world_size and 0 <= idx < g[7] and 0 <= value <= _U64_MAX
-                and op in _OPS and d[2] < _COPY_WITH_TORCH):
-            sp = src.data_ptr()
-            s = self._src_fast.get(sp)
-            if s is not None and s[0] is src:
-                # Same source tensor object at the same address as last time.
-                if s[2] == d[2] and s[3] is d[3] and s[5] == d[5]:
-                    _C.put_signal(d[1] + d[6][pe], sp, d[2], g[1] + idx * 8 + g[6][pe], value, _OPS[op],
-                                  self._ctrl[pe])
-                    return
+        h = self._ps_cache.get((id(dst), id(src), pe, id(sig), idx, op))
+        if h is not None and src.data_ptr() == h[1]:
+            try:
+                return h[0](value)
+            except (TypeError, ValueError):
+                pass  # the checked path below raises with this call's name
         self._put_signal_slow(dst, src, pe, sig, idx, value, op)
 
     def _put_signal_slow(self, dst, src, pe, sig, idx, value, op) -> None:
@@ -511,20 +510,26 @@ class Communicator:
         value = self._check_value("put_signal", value)
         d = self._info("put_signal", "dst", dst, symmetric=True)
         self._check_pair("put_signal", dst, src)
-        g, _ = self._sig_addr("put_signal", sig, idx)
-        if src.is_contiguous() and d[4] and d[2] < _COPY_WITH_TORCH:
-            # Remember this source by address (bounded; the tensor is held so
-            # the address cannot be recycled while the entry exists).
-            if src.__class__ is torch.Tensor:
-                if len(self._src_fast) >= _FAST_CACHE_MAX:
-                    self._src_fast.clear()
-                self._src_fast[src.data_ptr()] = (src, src.data_ptr(), src.nbytes, src.dtype, True,
-                                                  tuple(src.shape))
-            _C.put_signal(d[1] + d[6][pe], src.data_ptr(), d[2], g[1] + idx * 8 * g[8] + g[6][pe], value,
-                          _OPS[op], self._ctrl[pe])
+        g, addr = self._sig_addr("put_signal", sig, idx)
+        key = (id(dst), id(src), pe, id(sig), idx, op)
+        if d[4] and src.is_contiguous() and src.__class__ is torch.Tensor and d[2] < _COPY_WITH_TORCH:
+            if self._ps_seen.pop(key, None) is not None:
+                # Second sighting: worth a prepared handle (it holds src, so
+                # temporaries, seen once, are never kept alive).
+                if len(self._ps_cache) >= _PS_CACHE_MAX:
+                    self._ps_cache.clear()
+                h = self.prepare_put_signal(dst, src, pe, sig, idx, op)
+                self._ps_cache[key] = (h, src.data_ptr())
+                h(value)
+                return
+            if len(self._ps_seen) >= _PS_CACHE_MAX:
+                self._ps_seen.clear()
+            self._ps_seen[key] = True
+            _C.put_signal(d[1] + d[6][pe], src.data_ptr(), d[2], addr + g[6][pe], value, _OPS[op],
+                          self._ctrl[pe])
         else:
             self.put(dst, src, pe)
-            _C.signal_update(g[1] + idx * 8 * g[8] + g[6][pe], value, _OPS[op], self._ctrl[pe])
+            _C.signal_update(addr + g[6][pe], value, _OPS[op], self._ctrl[pe])
 
     def signal_op(self, sig: torch.Tensor, idx: int, value: int, op: str, pe: int) -> int:
         """Atomically update word ``idx`` of ``sig`` on PE ``pe``; returns its previous value.
@@ -556,16 +561,13 @@ class Communicator:
         ``timeout`` s (default: the communicator's), ``PeerFailure`` if a PE
         died (or every other PE closed) meanwhile.
         """
-        g = self._fast.get(id(sig))
-        if (g is not None and g[8] == 1 and idx.__class__ is int and value.__class__ is int
-                and 0 <= idx < g[7] and 0 <= value <= _U64_MAX and timeout is None):
-            c = _CMPS.get(cmp)
-            if c is not None:
+        if timeout is None:
+            w = self._wait_cache.get((id(sig), idx, cmp))
+            if w is not None:
                 try:
-                    return _C.wait_until(g[1] + idx * 8, c, value, self._ctrl_local, self.timeout,
-                                         self._ghandle, -1)
-                except (TimeoutError, PeerFailure) as e:
-                    raise self._wait_error("signal_wait_until", f"sig[{idx}] {cmp} {value}", e) from None
+                    return w(value)
+                except (TypeError, ValueError):
+                    pass  # the checked path below raises with this call's name
         return self._signal_wait_slow(sig, idx, cmp, value, timeout)
 
     def _signal_wait_slow(self, sig, idx, cmp, value, timeout) -> int:
@@ -576,6 +578,11 @@ class Communicator:
         value = self._check_value("signal_wait_until", value)
         t = self._timeout("signal_wait_until", timeout)
         _, addr = self._sig_addr("signal_wait_until", sig, idx)
+        if timeout is None and sig.__class__ is torch.Tensor:
+            if len(self._wait_cache) >= _PS_CACHE_MAX:
+                self._wait_cache.clear()
+            # sig is held by self._fast, so its id stays its own while cached
+            self._wait_cache[(id(sig), idx, cmp)] = self.prepare_signal_wait(sig, idx, cmp)
         try:
             return _C.wait_until(addr, c, value, self._ctrl_local, t, self._ghandle, -1)
         except (TimeoutError, PeerFailure) as e:
@@ -627,7 +634,7 @@ class Communicator:
         t = self._timeout("prepare_signal_wait", timeout)
         _, addr = self._sig_addr("prepare_signal_wait", sig, idx)
         return _C.make_wait(addr, c, self._ctrl_local, t, self._ghandle, -1, (sig, self._group),
-                            f"signal_wait_until: waiting for sig[{idx}] {cmp} value")
+                            f"signal_wait_until: waiting for sig[{idx}] {cmp}")
 
     def fence(self) -> None:
         """Order: this PE's puts issued before reach every PE before those issued after."""

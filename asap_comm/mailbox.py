@@ -53,6 +53,9 @@ class Mailbox(_C.Inbox):
 
     ``poll() -> Message | None``: the next message if one is ready; never waits.
 
+    ``prepare_send(pe, tensor, tag=0) -> f(tag=...)``: a pre-validated send
+    of a fixed buffer (the lowest-latency path).
+
     A :class:`Message` has ``src``, ``tag`` and ``tensor``: a zero-copy view
     into the slot with the dtype and shape that were sent, valid until
     ``release()`` (or the end of its ``with`` block, or until the Message is
@@ -67,32 +70,51 @@ class Mailbox(_C.Inbox):
         self._buf = buf  # uint8 view of this PE's inbox; keeps the mapping alive
         self._stride = _C.slot_stride(slot_bytes)
 
-    def _send_checked(self, pe, tensor, tag=0, timeout=None) -> None:
-        """The validating path of ``send`` (native ``send`` hands irregular calls here)."""
+    def _check_message(self, fn: str, pe, tensor, tag) -> tuple:
+        """Validates send arguments; returns (pe, code)."""
         comm = self._comm
-        comm._check_open("send")
-        pe = comm._check_pe("send", pe)
+        comm._check_open(fn)
+        pe = comm._check_pe(fn, pe)
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"send: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+            raise TypeError(f"{fn}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.device.type != "cpu":
-            raise ValueError(f"send: tensor is on {tensor.device}; the shm backend moves CPU tensors only")
+            raise ValueError(f"{fn}: tensor is on {tensor.device}; the shm backend moves CPU tensors only")
         if isinstance(tag, bool) or not isinstance(tag, int):
-            raise TypeError(f"send: tag must be an int, got {type(tag).__name__}")
+            raise TypeError(f"{fn}: tag must be an int, got {type(tag).__name__}")
         if not -(1 << 63) <= tag < (1 << 63):
-            raise ValueError(f"send: tag={tag} does not fit a signed 64-bit int")
+            raise ValueError(f"{fn}: tag={tag} does not fit a signed 64-bit int")
         code = _CODE.get(tensor.dtype)
         if code is None:
-            raise ValueError(f"send: dtype {tensor.dtype} is not supported by mailboxes "
+            raise ValueError(f"{fn}: dtype {tensor.dtype} is not supported by mailboxes "
                              f"(supported: {[str(d) for d in _DTYPES]})")
         if tensor.dim() > _C.MAX_DIMS:
-            raise ValueError(f"send: tensor has {tensor.dim()} dimensions; at most {_C.MAX_DIMS} are supported")
+            raise ValueError(f"{fn}: tensor has {tensor.dim()} dimensions; at most {_C.MAX_DIMS} are supported")
         if tensor.nbytes > self.slot_bytes:
-            raise ValueError(f"send: message of {tensor.nbytes} bytes (shape {tuple(tensor.shape)}, "
+            raise ValueError(f"{fn}: message of {tensor.nbytes} bytes (shape {tuple(tensor.shape)}, "
                              f"{tensor.dtype}) is larger than the mailbox slot ({self.slot_bytes} bytes)")
-        t = comm._timeout("send", timeout)
+        return pe, code
+
+    def _send_checked(self, pe, tensor, tag=0, timeout=None) -> None:
+        """The validating path of ``send`` (native ``send`` hands irregular calls here)."""
+        pe, code = self._check_message("send", pe, tensor, tag)
+        t = self._comm._timeout("send", timeout)
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         self._ring_send(pe, tensor.data_ptr(), tensor.nbytes, code, tuple(tensor.shape), tag, t)
+
+    def prepare_send(self, pe: int, tensor: torch.Tensor, tag: int = 0):
+        """Validate a send once; return ``f(tag=<the prepared tag>)`` that sends ``tensor``'s current bytes.
+
+        The persistent-request form of :meth:`send` for a fixed staging
+        buffer: fill ``tensor`` in place, call the handle. ``tensor`` must be
+        contiguous and keep its storage (no resize or ``set_``); the handle
+        holds it. Same ordering, waiting (communicator's timeout) and errors
+        as ``send``.
+        """
+        pe, code = self._check_message("prepare_send", pe, tensor, tag)
+        if not tensor.is_contiguous():
+            raise ValueError(f"prepare_send: tensor must be contiguous (strides {tensor.stride()})")
+        return self._make_prepared_send(pe, tensor, tensor.data_ptr(), tensor.nbytes, code, tuple(tensor.shape), tag)
 
     def _make_view(self, slot: int, code: int, shape: tuple, nbytes: int) -> torch.Tensor:
         """The tensor view of slot ``slot``'s payload (cached per slot by the native recv)."""

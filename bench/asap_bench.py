@@ -173,17 +173,25 @@ class _WordViews:
         return entry[1]
 
 
-def _mailbox_initiator(box, tx: torch.Tensor):
-    """PE 0's batch: send counter ``i`` (tag and first/last payload word), receive the echo, check it."""
-    send, recv, tx_words, view = box.send, box.recv, words(tx), _WordViews()
+def _mailbox_initiator(box, tx: torch.Tensor, prepared: bool):
+    """PE 0's batch: send counter ``i`` (tag and first/last payload word), receive the echo, check it.
+
+    ``prepared``: send through ``box.prepare_send`` (a fixed staging buffer) instead of ``box.send``.
+    """
+    recv, tx_words, view = box.recv, words(tx), _WordViews()
     last = tx.numel() - 1
+    if prepared:
+        handle = box.prepare_send(1, tx)
+        send = lambda i: handle(i)  # noqa: E731
+    else:
+        send = lambda i: box.send(1, tx, i)  # noqa: E731
 
     def batch(first: int, n: int) -> int:
         bad = 0
         for i in range(first, first + n):
             tx_words[0] = i
             tx_words[last] = i
-            send(1, tx, i)
+            send(i)
             m = recv()
             w = view(m.tensor)
             if m.tag != i or m.src != 1 or w[0] != i or w[last] != i:
@@ -194,9 +202,15 @@ def _mailbox_initiator(box, tx: torch.Tensor):
     return batch
 
 
-def _mailbox_responder(box):
-    """PE 1's batch: receive, check the tag, send the same payload and tag back, release the slot."""
-    send, recv = box.send, box.recv
+def _mailbox_responder(box, numel: int, prepared: bool):
+    """PE 1's batch: receive, check the tag, send the payload and tag back, release the slot.
+
+    ``prepared``: echo the first/last words through a prepared staging buffer;
+    otherwise send the received tensor itself (zero-copy view) back.
+    """
+    recv, view = box.recv, _WordViews()
+    stage = torch.zeros(numel, dtype=torch.int64)
+    stage_words, last, handle = words(stage), numel - 1, box.prepare_send(0, stage)
 
     def batch(first: int, n: int) -> int:
         bad = 0
@@ -204,25 +218,32 @@ def _mailbox_responder(box):
             m = recv()
             if m.tag != i:
                 bad += 1
-            send(0, m.tensor, m.tag)
-            m.release()
+            if prepared:
+                w = view(m.tensor)
+                stage_words[0] = w[0]
+                stage_words[last] = w[last]
+                m.release()
+                handle(i)
+            else:
+                box.send(0, m.tensor, m.tag)
+                m.release()
         return bad
 
     return batch
 
 
-def mailbox_pe(comm, plan: BatchPlan, nbytes: int, num_slots: int) -> dict:
+def mailbox_pe(comm, plan: BatchPlan, nbytes: int, num_slots: int, prepared: bool = False) -> dict:
     """Mailbox round trips of ``nbytes``-byte int64 messages (PE 0 -> PE 1 -> PE 0), each PE on its own CPU."""
     with pinned(comm.rank):
-        return _mailbox_roundtrips(comm, plan, nbytes, num_slots)
+        return _mailbox_roundtrips(comm, plan, nbytes, num_slots, prepared)
 
 
-def _mailbox_roundtrips(comm, plan: BatchPlan, nbytes: int, num_slots: int) -> dict:
+def _mailbox_roundtrips(comm, plan: BatchPlan, nbytes: int, num_slots: int, prepared: bool) -> dict:
     box = comm.mailbox(nbytes, num_slots)
     if comm.rank == 0:
-        batch = _mailbox_initiator(box, torch.zeros(nbytes // 8, dtype=torch.int64))
+        batch = _mailbox_initiator(box, torch.zeros(nbytes // 8, dtype=torch.int64), prepared)
     else:
-        batch = _mailbox_responder(box)
+        batch = _mailbox_responder(box, nbytes // 8, prepared)
     comm.barrier()
     samples, bad = time_batches(batch, plan)
     comm.barrier()

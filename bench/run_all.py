@@ -76,7 +76,9 @@ COPY_BW_1T = Measurement("torch_copy_bw_1thread", "same as torch_copy_bw, torch.
                          BW_BYTES)
 BW_THREADS = (0, 1)  # torch intra-op threads of the two bandwidth passes (0: torch's default)
 BW_SPECS = ((PUT_BW, COPY_BW), (PUT_BW_1T, COPY_BW_1T))  # (put, copy_) rows of each pass
-MAILBOX_RT = Measurement("asap_mailbox_rt", "mailbox send->recv->reply->recv round trip", US, MAILBOX_BYTES)
+MAILBOX_RT = Measurement("asap_mailbox_rt", "mailbox send->recv->reply->recv round trip, box.send", US, MAILBOX_BYTES)
+MAILBOX_RT_PREP = Measurement("asap_mailbox_rt_prepared", "same, sends through box.prepare_send handles", US,
+                              MAILBOX_BYTES)
 PIPE_RT = Measurement("pipe_rt", "multiprocessing.Pipe send_bytes/recv_bytes round trip", US, MAILBOX_BYTES)
 GLOO_PP8 = Measurement("gloo_pingpong_8", "gloo send/recv ping-pong, one-way (127.0.0.1)", US, PAYLOAD_BYTES)
 GLOO_PP64 = Measurement("gloo_pingpong_64", "gloo send/recv ping-pong, one-way (127.0.0.1)", US, MAILBOX_BYTES)
@@ -121,9 +123,12 @@ def run_put_bandwidth(cfg: Config) -> list:
 
 
 def run_mailbox(cfg: Config) -> list:
-    r0, r1 = asap_bench.launch(asap_bench.mailbox_pe, cfg.mailbox, MAILBOX_BYTES, MAILBOX_SLOTS,
-                               timeout=GROUP_TIMEOUT_S)
-    return [measured(MAILBOX_RT, ns_to_us(r0["samples_ns"]), r0["bad"] + r1["bad"])]
+    out = []
+    for spec, prepared in ((MAILBOX_RT, False), (MAILBOX_RT_PREP, True)):
+        r0, r1 = asap_bench.launch(asap_bench.mailbox_pe, cfg.mailbox, MAILBOX_BYTES, MAILBOX_SLOTS, prepared,
+                                   timeout=GROUP_TIMEOUT_S)
+        out.append(measured(spec, ns_to_us(r0["samples_ns"]), r0["bad"] + r1["bad"]))
+    return out
 
 
 def run_pipe(cfg: Config) -> list:
@@ -154,7 +159,7 @@ FAMILIES = (  # each ASAP family is followed by its baseline, so the two see the
            run_asap_pingpong),
     Family("Open MPI one-sided ping-pong (mpirun)", (MPI_PP,), run_mpi),
     Family("ASAP put bandwidth vs torch copy_", (PUT_BW, COPY_BW, PUT_BW_1T, COPY_BW_1T), run_put_bandwidth),
-    Family("ASAP mailbox round trip", (MAILBOX_RT,), run_mailbox),
+    Family("ASAP mailbox round trip", (MAILBOX_RT, MAILBOX_RT_PREP), run_mailbox),
     Family("multiprocessing.Pipe round trip", (PIPE_RT,), run_pipe),
     Family("gloo ping-pong and bandwidth", (GLOO_PP8, GLOO_PP64, GLOO_BW), run_gloo),
 )
@@ -209,6 +214,7 @@ def build_rows(m: dict) -> list:
         make_row(m[PUT_BW.name], m[COPY_BW.name], PUT_TARGET, gloo=gloo_bw),
         make_row(m[PUT_BW_1T.name], m[COPY_BW_1T.name], PUT_TARGET, gloo=gloo_bw),
         make_row(m[MAILBOX_RT.name], m[PIPE_RT.name], MAILBOX_TARGET),
+        make_row(m[MAILBOX_RT_PREP.name], m[PIPE_RT.name], MAILBOX_TARGET),
         *(make_row(m[spec.name]) for spec in (MPI_PP, COPY_BW, COPY_BW_1T, PIPE_RT, GLOO_PP8, GLOO_PP64,
                                                GLOO_BW)),
     ]

@@ -92,6 +92,15 @@ PyObject* fc_wait_until(PyObject*, PyObject* const* a, Py_ssize_t n) {
   return raise_wait(r, timeout);
 }
 
+// store(addr, value) -> None  (release)
+PyObject* fc_store(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (!nargs_ok("store", n, 2)) return nullptr;
+  uint64_t addr = U(a[0]), value = U(a[1]);
+  if (failed()) return nullptr;
+  A(*reinterpret_cast<uint64_t*>(addr)).store(value, std::memory_order_release);
+  Py_RETURN_NONE;
+}
+
 // copy(dst, src, nbytes) -> None
 PyObject* fc_copy(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (!nargs_ok("copy", n, 3)) return nullptr;
@@ -109,6 +118,8 @@ PyMethodDef g_fast_methods[] = {
     {"load", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_load)), METH_FASTCALL, "load(addr) -> int"},
     {"wait_until", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_wait_until)), METH_FASTCALL,
      "wait_until(addr, cmp, value, owner_ctrl, timeout_s, group, dep) -> int"},
+    {"store", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_store)), METH_FASTCALL,
+     "store(addr, value): atomic release store of a uint64"},
     {"copy", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_copy)), METH_FASTCALL, "copy(dst, src, nbytes)"},
     {"make_put_signal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(asap::make_put_signal)),
      METH_FASTCALL, "make_put_signal(dst, src, nbytes, sig, op, owner_ctrl, group, keep) -> PreparedPutSignal"},

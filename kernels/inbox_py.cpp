@@ -23,6 +23,7 @@ std::vector<PyObject*> g_dtypes;            // wire code -> torch.dtype
 std::vector<uint64_t> g_itemsize;           // wire code -> bytes
 PyObject *s_dtype, *s_is_cpu, *s_is_contiguous, *s_shape, *s_data_ptr, *s_send_checked, *s_make_view;
 PyObject* g_message_type = nullptr;
+PyObject* g_prepared_send_type = nullptr;
 
 struct Inbox {
   PyObject_HEAD
@@ -48,6 +49,11 @@ struct Message {
   Inbox* box;  // NULL once released
   uint64_t pos;
 };
+
+PyObject* closed_error(const char* fn) {
+  PyErr_Format(comm_error_type(), "%s: the communicator is closed", fn);
+  return nullptr;
+}
 
 // ------------------------------------------------------------------ Message
 void release_message(Message* m) {
@@ -305,11 +311,6 @@ PyObject* make_message(Inbox* self, const RecvResult& r) {
   return reinterpret_cast<PyObject*>(m);
 }
 
-PyObject* closed_error(const char* fn) {
-  PyErr_Format(comm_error_type(), "%s: the communicator is closed", fn);
-  return nullptr;
-}
-
 PyObject* inbox_recv(PyObject* self_, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   auto* self = reinterpret_cast<Inbox*>(self_);
   PyObject* t_o = nullptr;
@@ -394,12 +395,119 @@ PyObject* inbox_ring_send(PyObject* self_, PyObject* const* a, Py_ssize_t n) {
   return nullptr;
 }
 
+// ------------------------------------------------------------------ PreparedSend
+// box.prepare_send(pe, tensor, tag): a send whose tensor facts were read and
+// checked once; calling it copies the tensor's current bytes as a message.
+struct PreparedSend {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  Inbox* box;
+  int pe;
+  uintptr_t ptr;
+  size_t nbytes;
+  uint32_t code;
+  int ndim;
+  int64_t dims[kMaxDims];
+  int64_t tag;
+  PyObject* keep;  // the tensor
+};
+
+PyObject* prepared_send_call(PyObject* self_, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* self = reinterpret_cast<PreparedSend*>(self_);
+  const Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  int64_t tag = self->tag;
+  if (n > 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "PreparedSend: takes at most one positional argument (tag)");
+    return nullptr;
+  }
+  if (n == 1) {
+    if (!PyLong_Check(args[0]) || PyBool_Check(args[0])) {
+      PyErr_Format(PyExc_TypeError, "PreparedSend: tag must be an int, got %s", Py_TYPE(args[0])->tp_name);
+      return nullptr;
+    }
+    int overflow = 0;
+    tag = PyLong_AsLongLongAndOverflow(args[0], &overflow);
+    if (overflow) {
+      PyErr_Format(PyExc_ValueError, "PreparedSend: tag=%R does not fit a signed 64-bit int", args[0]);
+      return nullptr;
+    }
+  }
+  Inbox* b = self->box;
+  if (b->group->closed()) return closed_error("send");
+  WaitResult r = ring_send((*b->remote)[self->pe], b->nslots, b->slot_bytes, (*b->ctrl)[self->pe], b->rank, tag,
+                           self->code, self->ndim, self->dims, reinterpret_cast<const void*>(self->ptr), self->nbytes,
+                           b->timeout, b->group, self->pe);
+  if (r.status == kWaitOk) Py_RETURN_NONE;
+  PyObject* what = PyUnicode_FromFormat("send: waiting for a free slot in PE %d's inbox", self->pe);
+  raise_wait_error(r, b->timeout, what);
+  Py_XDECREF(what);
+  return nullptr;
+}
+
+void prepared_send_dealloc(PyObject* self_) {
+  auto* self = reinterpret_cast<PreparedSend*>(self_);
+  PyTypeObject* tp = Py_TYPE(self_);
+  Py_XDECREF(reinterpret_cast<PyObject*>(self->box));
+  Py_XDECREF(self->keep);
+  tp->tp_free(self_);
+  Py_DECREF(tp);
+}
+
+PyMemberDef prepared_send_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(PreparedSend, vectorcall), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr}};
+PyType_Slot prepared_send_slots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(prepared_send_dealloc)},
+    {Py_tp_call, reinterpret_cast<void*>(PyVectorcall_Call)},
+    {Py_tp_members, prepared_send_members},
+    {Py_tp_doc, const_cast<char*>("A send prepared by Mailbox.prepare_send: call it (optionally with a tag) to send "
+                                  "the tensor's current contents.")},
+    {0, nullptr}};
+#ifndef Py_TPFLAGS_HAVE_VECTORCALL
+#define Py_TPFLAGS_HAVE_VECTORCALL _Py_TPFLAGS_HAVE_VECTORCALL
+#endif
+PyType_Spec prepared_send_spec = {"asap_comm._C.PreparedSend", sizeof(PreparedSend), 0,
+                                  Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL, prepared_send_slots};
+
+// _make_prepared_send(pe, tensor, ptr, nbytes, code, shape, tag): validated by Python.
+PyObject* inbox_make_prepared_send(PyObject* self_, PyObject* const* a, Py_ssize_t n) {
+  auto* self = reinterpret_cast<Inbox*>(self_);
+  if (n != 7 || !PyTuple_Check(a[5]) || PyTuple_GET_SIZE(a[5]) > kMaxDims) {
+    PyErr_SetString(PyExc_TypeError, "_make_prepared_send(pe, tensor, ptr, nbytes, code, shape, tag)");
+    return nullptr;
+  }
+  auto* tp = reinterpret_cast<PyTypeObject*>(g_prepared_send_type);
+  auto* h = reinterpret_cast<PreparedSend*>(tp->tp_alloc(tp, 0));
+  if (h == nullptr) return nullptr;
+  h->vectorcall = prepared_send_call;
+  h->pe = static_cast<int>(PyLong_AsLong(a[0]));
+  h->ptr = PyLong_AsUnsignedLongLong(a[2]);
+  h->nbytes = PyLong_AsUnsignedLongLong(a[3]);
+  h->code = static_cast<uint32_t>(PyLong_AsUnsignedLong(a[4]));
+  h->ndim = static_cast<int>(PyTuple_GET_SIZE(a[5]));
+  for (int i = 0; i < h->ndim; ++i) h->dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(a[5], i));
+  h->tag = PyLong_AsLongLong(a[6]);
+  Py_INCREF(self_);
+  h->box = self;
+  Py_INCREF(a[1]);
+  h->keep = a[1];
+  if (PyErr_Occurred() || h->pe < 0 || h->pe >= static_cast<int>(self->world) || h->nbytes > self->slot_bytes ||
+      h->code >= g_dtypes.size()) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_make_prepared_send: arguments out of range");
+    Py_DECREF(h);
+    return nullptr;
+  }
+  return reinterpret_cast<PyObject*>(h);
+}
+
 PyMethodDef inbox_methods[] = {
     {"send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(inbox_send)), METH_FASTCALL | METH_KEYWORDS,
      "send(pe, tensor, tag=0, timeout=None)\n--\n\nCopy `tensor` into PE `pe`'s inbox as one message (see Mailbox)."},
     {"recv", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(inbox_recv)), METH_FASTCALL | METH_KEYWORDS,
      "recv(timeout=None)\n--\n\nWait (bounded) for the next message of this PE's inbox (see Mailbox)."},
     {"poll", inbox_poll, METH_NOARGS, "poll()\n--\n\nThe next message if one is ready, else None; never waits."},
+    {"_make_prepared_send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(inbox_make_prepared_send)),
+     METH_FASTCALL, nullptr},
     {"_ring_send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(inbox_ring_send)), METH_FASTCALL,
      nullptr},
     {nullptr, nullptr, 0, nullptr}};
@@ -451,6 +559,10 @@ bool register_inbox_types(PyObject* module) {
   s_send_checked = PyUnicode_InternFromString("_send_checked");
   s_make_view = PyUnicode_InternFromString("_make_view");
   g_message_type = PyType_FromSpec(&message_spec);
+  g_prepared_send_type = PyType_FromSpec(&prepared_send_spec);
+  if (g_prepared_send_type == nullptr) return false;
+  Py_INCREF(g_prepared_send_type);
+  if (PyModule_AddObject(module, "PreparedSend", g_prepared_send_type) != 0) return false;
   PyObject* inbox = PyType_FromSpec(&inbox_spec);
   if (g_message_type == nullptr || inbox == nullptr) return false;
   Py_INCREF(g_message_type);

@@ -82,7 +82,10 @@ PyObject* wait_call(PyObject* self_, PyObject* const* args, size_t nargsf, PyObj
   WaitResult r = wait_until(reinterpret_cast<const uint64_t*>(self->addr), self->cmp, value, self->owner,
                             self->timeout, self->group, self->dep);
   if (r.status == kWaitOk) return PyLong_FromUnsignedLongLong(r.value);
-  return raise_wait_error(r, self->timeout, self->what);
+  PyObject* what = PyUnicode_FromFormat("%U %llu", self->what, static_cast<unsigned long long>(value));
+  raise_wait_error(r, self->timeout, what);
+  Py_XDECREF(what);
+  return nullptr;
 }
 
 void put_signal_dealloc(PyObject* self_) {

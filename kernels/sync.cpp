@@ -8,6 +8,7 @@
 #include <cstring>
 #include <linux/futex.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -66,6 +67,7 @@ bool pid_alive_procfs(int pid) {
 }
 
 constexpr int64_t kSliceNs = 20 * 1000 * 1000;  // futex slice: liveness/deadline/signals
+constexpr int64_t kPureSpinNs = 3000;            // spin without yielding for this long first
 
 }  // namespace
 
@@ -176,12 +178,19 @@ WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner
 
   // Phase 1: spin (GIL held: the caller asked to wait, nobody else in this
   // process can do its work for it in a few microseconds).
+  // After a short pure spin, yield the CPU every few dozen polls: if the PE
+  // we wait for shares this CPU (oversubscribed hosts), it runs at once
+  // instead of after the whole spin budget.
   const int64_t spin_ns = std::min(spin_budget_ns(), timeout_ns);
   for (uint32_t i = 1;; ++i) {
     ASAP_CPU_RELAX();
     v = A(*w).load(std::memory_order_acquire);
     if (cmp_ok(v, cmp, value)) return {kWaitOk, v, -1, nullptr};
-    if ((i & 63) == 0 && elapsed_ns() >= spin_ns) break;
+    if ((i & 63) == 0) {
+      const int64_t e = elapsed_ns();
+      if (e >= spin_ns) break;
+      if (e >= kPureSpinNs) sched_yield();
+    }
   }
 
   // Phase 2: sleep on the owner's futex in slices.

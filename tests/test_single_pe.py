@@ -234,7 +234,8 @@ def test_torch_ops_registered_with_schemas_and_fakes(comm1):
     assert torch.equal(out, torch.ones(3))
     ops.put_signal(x, torch.full((2, 3), 2.0), 0, sig, 1, 9, "add", comm1.id)
     assert float(x.sum()) == 12.0 and comm1.signal_fetch(sig, 1) == 9
-    assert ops.signal_op(sig, 1, 1, "add", 0, comm1.id) == 9
+    prev = ops.signal_op(sig, 1, 1, "add", 0, comm1.id)
+    assert prev.dtype == torch.uint64 and int(prev) == 9
     v = ops.signal_wait_until(sig, 1, "==", 10, 1.0, comm1.id)
     assert v.dtype == torch.uint64 and int(v) == 10
     with pytest.raises(asap_comm.TimeoutError):
@@ -261,3 +262,59 @@ def test_peer_failure_is_comm_error():
 
     e2 = pickle.loads(pickle.dumps(e))
     assert e2.pe == 3 and str(e2) == "x"
+
+
+def test_generic_put_signal_cache_follows_the_source(comm1):
+    """The generic path caches a prepared handle per (dst, src, ...) seen twice;
+    it must notice when the source moves and never serve stale bytes."""
+    x = comm1.zeros((4,), torch.float32)
+    sig = comm1.signals(1)
+    src = torch.ones(4)
+    for v in range(1, 4):  # 1st: slow path, 2nd: creates the handle, 3rd: cached
+        src.fill_(v)
+        comm1.put_signal(x, src, 0, sig, 0, v)
+        assert torch.equal(x, torch.full((4,), float(v))) and comm1.signal_fetch(sig, 0) == v
+    assert len(comm1._ps_cache) == 1
+    src.resize_(1 << 16)  # reallocates: the cached address is stale now
+    src.fill_(9)
+    with pytest.raises(ValueError, match=r"put_signal: shape mismatch"):
+        comm1.put_signal(x, src, 0, sig, 0, 10)
+    src.resize_(4)
+    comm1.put_signal(x, src, 0, sig, 0, 11)
+    assert torch.equal(x, torch.full((4,), 9.0)) and comm1.signal_fetch(sig, 0) == 11
+    with pytest.raises(ValueError, match=r"put_signal: value=-5 does not fit"):
+        comm1.put_signal(x, src, 0, sig, 0, -5)  # a cached handle still reports with this call's name
+    with pytest.raises(TypeError, match=r"signal_wait_until|value"):
+        comm1.signal_wait_until(sig, 0, ">=", "3")
+    assert comm1.signal_wait_until(sig, 0, ">=", 11) == 11  # cached wait handle
+    assert comm1.signal_wait_until(sig, 0, ">=", 11) == 11
+
+
+def test_prepared_handles(comm1):
+    x = comm1.zeros((3,), torch.int64)
+    sig = comm1.signals(2)
+    src = torch.tensor([1, 2, 3])
+    put = comm1.prepare_put_signal(x, src, 0, sig, 1, op="add")
+    wait = comm1.prepare_signal_wait(sig, 1, ">=", timeout=0.05)
+    put(2)
+    src.add_(10)  # the handle reads src's current bytes
+    put(3)
+    assert x.tolist() == [11, 12, 13] and wait(5) == 5
+    with pytest.raises(asap_comm.TimeoutError, match=r"signal_wait_until: waiting for sig\[1\] >= 6: timed out"):
+        wait(6)
+    with pytest.raises(TypeError, match="value must be an int"):
+        put("1")
+    with pytest.raises(ValueError, match="prepare_put_signal: dst and src must be contiguous"):
+        comm1.prepare_put_signal(comm1.zeros((3, 2), torch.int64)[:, 0], src, 0, sig, 0)
+    box = comm1.mailbox(64, 4)
+    stage = torch.zeros(4, dtype=torch.int32)
+    send = box.prepare_send(0, stage, tag=7)
+    for k in range(6):
+        stage.fill_(k)
+        send() if k % 2 else send(100 + k)
+        with box.recv(timeout=1) as m:
+            assert m.tag == (7 if k % 2 else 100 + k) and m.tensor.tolist() == [k] * 4
+    with pytest.raises(ValueError, match="prepare_send: message of 68 bytes"):
+        box.prepare_send(0, torch.zeros(17))
+    with pytest.raises(ValueError, match="prepare_send: tensor must be contiguous"):
+        box.prepare_send(0, torch.zeros(4, 4).t())
