@@ -67,7 +67,10 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
     """Run ``fn(comm, *args)`` on ``world_size`` PEs of one host; return their results by rank.
 
     Each PE is a fresh process (multiprocessing ``spawn``), so ``fn`` and
-    ``args`` must be picklable (``fn`` defined at module level). The store is
+    ``args`` must be picklable: define ``fn`` at module level in an
+    importable module or a script file (not ``python -`` or a notebook cell),
+    and guard the script's top level with ``if __name__ == "__main__":``.
+    Return values travel back pickled by value. The store is
     hosted by this process on a free 127.0.0.1 port. If any rank raises or
     dies, the others are stopped and :class:`asap_comm.LaunchError` is raised
     with that rank's traceback (the root cause is preferred over the
