@@ -173,15 +173,30 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [S, nH, nope], [S, nH, v]
         k = torch.cat((k_nope, k_r[:, None, :].expand(S, nH, self.rope_dim)), dim=-1)  # [S, nH, qk]
 
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [nH, T|S, d]
-        if prefix == 0:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=T > 1, scale=self.scale)
-        else:  # query i sits at position prefix + i and sees keys 0 .. prefix + i
-            allowed = (torch.arange(S, device=x.device)[None, :]
-                       <= torch.arange(prefix, prefix + T, device=x.device)[:, None])  # [T, S]
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=self.scale)
-        o = o.transpose(0, 1).reshape(T, nH * self.v_dim)  # [T, nH*v]
-        return F.linear(o, self.o_proj)
+        o = _attention(q, k, v, prefix, self.scale)  # [T, nH, v]
+        return F.linear(o.reshape(T, nH * self.v_dim), self.o_proj)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
+    """Causal softmax attention of q [T,nH,d] at positions prefix.. over k [S,nH,d], v [S,nH,dv] -> [T,nH,dv].
+
+    Zero-pads the smaller of d and dv (zeros change no dot product) and passes 4-D tensors,
+    so that torch takes its fused (flash) CPU kernel, which wants both; otherwise it falls
+    back to materialising the [T,S] score matrix.
+    """
+    T, S, d, dv = q.shape[0], k.shape[0], q.shape[-1], v.shape[-1]
+    if dv < d:
+        v = F.pad(v, (0, d - dv))
+    elif d < dv:
+        q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, nH, T|S, max(d, dv)]
+    if prefix == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=T > 1, scale=scale)
+    else:  # query i sits at position prefix + i and sees keys 0 .. prefix + i
+        allowed = (torch.arange(S, device=q.device)[None, :]
+                   <= torch.arange(prefix, prefix + T, device=q.device)[:, None])  # [T, S]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
+    return o[0, :, :, :dv].transpose(0, 1)  # [T, nH, dv]
 
 
 class LayerCache:

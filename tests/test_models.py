@@ -117,6 +117,12 @@ def test_bias_is_used_for_selection_only(tmp_path):
 
 def test_bf16_run(tmp_path):
     hf, path = make_hf(tmp_path)
+    # bf16 rounding flips near-tie routing choices (in transformers as here), and a flipped token
+    # changes all later ones through attention; a bias spread far apart fixes every choice
+    with torch.no_grad():
+        for layer in hf.model.layers[BASE["first_k_dense_replace"]:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randperm(BASE["n_routed_experts"]).float() * 2)
+    hf.save_pretrained(path)
     model = M.load_checkpoint(path, dtype=torch.bfloat16)
     assert model.embed_tokens.dtype == torch.bfloat16
     assert model.layers[1].gate.weight.dtype == torch.float32  # router stays float32, as in transformers
@@ -125,11 +131,8 @@ def test_bf16_run(tmp_path):
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
     hf16 = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        ref = hf16(ids[None]).logits[0]
-    assert rel_err(logits, ref) < 3e-2
-    with torch.no_grad():
-        ref32 = hf(ids[None]).logits[0]
-    assert rel_err(logits, ref32) < 5e-2
+        ref16, ref32 = hf16(ids[None]).logits[0], hf(ids[None]).logits[0]
+    assert rel_err(logits, ref16) < 3e-2 and rel_err(logits, ref32) < 3e-2
 
 
 @pytest.mark.parametrize("chunks", [[1, 46], [16, 16, 15], [5] * 9 + [2], [40, 7]])
