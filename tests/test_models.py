@@ -262,6 +262,7 @@ def test_bad_checkpoints(tmp_path):
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "rope_type='llama3'"),
         ({"qk_head_dim": 5}, "qk_head_dim=5"),
         ({"hidden_size": None}, "hidden_size=None"),
+        ({"norm_topk_prob": "yes"}, "norm_topk_prob='yes' must be a bool"),
     ]:
         cfg_file.write_text(json.dumps(dict(good, **change)))
         with pytest.raises(M.ConfigError, match="config.json") as err:
@@ -296,6 +297,16 @@ def test_published_config_and_presets():
     }
     cfg = M.ModelConfig.from_hf_dict(published)
     assert cfg == M.preset("deepseek-v3")
+    # an absent key means what it means to transformers
+    sparse = {k: v for k, v in published.items() if k not in (
+        "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor", "q_lora_rank",
+        "n_shared_experts", "rope_scaling", "rope_theta")}
+    hf_cfg = DeepseekV3Config(**sparse)
+    ours = M.ModelConfig.from_hf_dict(sparse)
+    for key in ("n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor",
+                "q_lora_rank", "n_shared_experts", "rope_interleave"):
+        assert getattr(ours, key) == getattr(hf_cfg, key), key
+    assert (ours.rope_type, ours.rope_theta) == (hf_cfg.rope_parameters["rope_type"], hf_cfg.rope_parameters["rope_theta"])
     assert M.ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
     # DeepSeek-V3's model card: 671B main-model parameters (685B with the MTP module)
     assert 670.5e9 < cfg.num_parameters() < 671.5e9
@@ -308,3 +319,21 @@ def test_published_config_and_presets():
         M.preset("huge")
     with pytest.raises(M.ConfigError, match="topk_group=5 > n_group=4"):
         M.preset("tiny", topk_group=5)
+
+
+def test_package_layout():
+    """models/ needs torch (and safetensors) only, imports itself relatively, and is installed as asap_models."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    src = Path(M.__file__).parent
+    for f in src.glob("*.py"):
+        text = f.read_text()
+        bad = re.findall(r"^\s*(?:from|import)\s+(?:models|asap_models)\b", text, flags=re.M)
+        assert not bad, f"{f.name}: absolute self-import {bad}"
+        for mod in re.findall(r"^\s*(?:from|import)\s+([A-Za-z_]\w*)", text, flags=re.M):
+            assert mod in {"torch", "safetensors", "__future__", "dataclasses", "json", "math", "re", "zlib",
+                           "pathlib", "typing"}, f"{f.name} imports {mod}"
+    installed = importlib.import_module("asap_models")
+    assert callable(installed.load_checkpoint) and set(installed.__all__) == set(M.__all__)
