@@ -50,7 +50,6 @@ _U64_MAX = (1 << 64) - 1
 _ALIGN = 64
 _DEFAULT_CHUNK = 64 << 20
 _FAST_CACHE_MAX = 4096
-_PS_CACHE_MAX = 256  # prepared handles cached by the generic put_signal / signal_wait_until
 _COPY_WITH_TORCH = 1 << 20  # contiguous copies this large use torch's multithreaded copy_
 
 _ids = itertools.count(1)
@@ -104,9 +103,6 @@ class Communicator:
         self._chunks: list[_Chunk] = []
         self._allocs: dict[int, _Alloc] = {}  # storage data_ptr -> allocation
         self._fast: dict[int, tuple] = {}  # id(symmetric tensor) -> validated info (holds the tensor)
-        self._ps_cache: dict[tuple, tuple] = {}  # (ids..., pe, idx, op) -> (prepared handle, src data_ptr)
-        self._ps_seen: dict[tuple, bool] = {}  # put_signal keys seen once
-        self._wait_cache: dict[tuple, object] = {}  # (id(sig), idx, cmp) -> prepared wait
         self._linked: list[str] = []  # segment names this PE created and has not unlinked
         self._epoch = 0
         self._barrier_pending: "int | None" = None  # round this PE arrived at but timed out in
@@ -119,6 +115,12 @@ class Communicator:
         except BaseException:
             self._teardown()
             raise
+        # The per-call path of put_signal/signal_wait_until is native; instance
+        # attributes make `comm.put_signal(...)` reach it without a Python frame.
+        self._fastpath = _C.FastPath(self._put_signal_slow, self._signal_wait_slow, self._group, self._ghandle,
+                                     self._ctrl_local, self.timeout)
+        self.put_signal = self._fastpath.put_signal
+        self.signal_wait_until = self._fastpath.signal_wait_until
         with _registry_lock:
             _registry[self.id] = self
         self._finalizer = weakref.finalize(self, Communicator._finalize, self._linked)
@@ -184,9 +186,9 @@ class Communicator:
         self._chunks = []
         self._allocs = {}
         self._fast = {}
-        self._ps_cache = {}
-        self._ps_seen = {}
-        self._wait_cache = {}
+        fastpath = getattr(self, "_fastpath", None)
+        if fastpath is not None:
+            fastpath.clear()
 
     def close(self) -> None:
         """Leave the group (local, not collective; idempotent).
@@ -490,19 +492,14 @@ class Communicator:
         Ordering: the data is visible on ``pe`` before the signal is: a PE that
         observes the new signal value (acquire) observes all of ``dst``.
         ``op``: ``"set"`` stores ``value``; ``"add"`` adds it (mod 2**64).
-        A (dst, src, pe, sig, idx, op) combination seen twice is served by a
-        cached :meth:`prepare_put_signal` handle while ``src`` keeps its data
-        pointer (do not resize ``src`` in place between calls).
+        A call repeating the (dst, src, pe, sig, idx, op) of an earlier one
+        is served natively (``_C.FastPath``) after checking that ``src`` still
+        has the same data pointer; do not resize ``src`` in place between
+        calls. (Instances bind this name to the native path directly.)
         """
-        h = self._ps_cache.get((id(dst), id(src), pe, id(sig), idx, op))
-        if h is not None and src.data_ptr() == h[1]:
-            try:
-                return h[0](value)
-            except (TypeError, ValueError):
-                pass  # the checked path below raises with this call's name
-        self._put_signal_slow(dst, src, pe, sig, idx, value, op)
+        return self._fastpath.put_signal(dst, src, pe, sig, idx, value, op)
 
-    def _put_signal_slow(self, dst, src, pe, sig, idx, value, op) -> None:
+    def _put_signal_slow(self, dst, src, pe, sig, idx, value, op="set") -> None:
         self._check_open("put_signal")
         pe = self._check_pe("put_signal", pe)
         if op not in _OPS:
@@ -511,20 +508,11 @@ class Communicator:
         d = self._info("put_signal", "dst", dst, symmetric=True)
         self._check_pair("put_signal", dst, src)
         g, addr = self._sig_addr("put_signal", sig, idx)
-        key = (id(dst), id(src), pe, id(sig), idx, op)
         if d[4] and src.is_contiguous() and src.__class__ is torch.Tensor and d[2] < _COPY_WITH_TORCH:
-            if self._ps_seen.pop(key, None) is not None:
-                # Second sighting: worth a prepared handle (it holds src, so
-                # temporaries, seen once, are never kept alive).
-                if len(self._ps_cache) >= _PS_CACHE_MAX:
-                    self._ps_cache.clear()
-                h = self.prepare_put_signal(dst, src, pe, sig, idx, op)
-                self._ps_cache[key] = (h, src.data_ptr())
-                h(value)
-                return
-            if len(self._ps_seen) >= _PS_CACHE_MAX:
-                self._ps_seen.clear()
-            self._ps_seen[key] = True
+            # Register the checked call with the native path; it holds dst,
+            # src and sig, so their identities stay theirs while registered.
+            self._fastpath.add_put_signal(dst, src, pe, sig, idx, _OPS[op], d[1] + d[6][pe], src.data_ptr(), d[2],
+                                          addr + g[6][pe], self._ctrl[pe])
             _C.put_signal(d[1] + d[6][pe], src.data_ptr(), d[2], addr + g[6][pe], value, _OPS[op],
                           self._ctrl[pe])
         else:
@@ -559,18 +547,12 @@ class Communicator:
         before the signal that satisfied the wait is visible on return.
         Spins briefly, then sleeps on a futex. Raises ``TimeoutError`` after
         ``timeout`` s (default: the communicator's), ``PeerFailure`` if a PE
-        died (or every other PE closed) meanwhile.
+        died (or every other PE closed) meanwhile. (Instances bind this name
+        to the native path directly.)
         """
-        if timeout is None:
-            w = self._wait_cache.get((id(sig), idx, cmp))
-            if w is not None:
-                try:
-                    return w(value)
-                except (TypeError, ValueError):
-                    pass  # the checked path below raises with this call's name
-        return self._signal_wait_slow(sig, idx, cmp, value, timeout)
+        return self._fastpath.signal_wait_until(sig, idx, cmp, value, timeout)
 
-    def _signal_wait_slow(self, sig, idx, cmp, value, timeout) -> int:
+    def _signal_wait_slow(self, sig, idx, cmp, value, timeout=None) -> int:
         self._check_open("signal_wait_until")
         c = _CMPS.get(cmp) if isinstance(cmp, str) else None
         if c is None:
@@ -579,10 +561,7 @@ class Communicator:
         t = self._timeout("signal_wait_until", timeout)
         _, addr = self._sig_addr("signal_wait_until", sig, idx)
         if timeout is None and sig.__class__ is torch.Tensor:
-            if len(self._wait_cache) >= _PS_CACHE_MAX:
-                self._wait_cache.clear()
-            # sig is held by self._fast, so its id stays its own while cached
-            self._wait_cache[(id(sig), idx, cmp)] = self.prepare_signal_wait(sig, idx, cmp)
+            self._fastpath.add_wait(sig, idx, c, addr)  # holds sig: its identity stays its own
         try:
             return _C.wait_until(addr, c, value, self._ctrl_local, t, self._ghandle, -1)
         except (TimeoutError, PeerFailure) as e:

@@ -236,4 +236,5 @@ PYBIND11_MODULE(_C, m) {
   if (PyModule_AddFunctions(m.ptr(), g_fast_methods) != 0) throw py::error_already_set();
   if (!register_prepared_types(m.ptr())) throw py::error_already_set();
   if (!register_inbox_types(m.ptr())) throw py::error_already_set();
+  if (!register_fastpath_type(m.ptr())) throw py::error_already_set();
 }

@@ -14,6 +14,7 @@ PyObject* raise_wait_error(const WaitResult& r, double timeout, PyObject* what);
 
 bool register_prepared_types(PyObject* module);
 bool register_inbox_types(PyObject* module);  // inbox_py.cpp
+bool register_fastpath_type(PyObject* module);  // fastpath_py.cpp
 PyObject* make_put_signal(PyObject*, PyObject* const* a, Py_ssize_t n);
 PyObject* make_wait(PyObject*, PyObject* const* a, Py_ssize_t n);
 
