@@ -494,8 +494,10 @@ class Communicator:
         ``op``: ``"set"`` stores ``value``; ``"add"`` adds it (mod 2**64).
         A call repeating the (dst, src, pe, sig, idx, op) of an earlier one
         is served natively (``_C.FastPath``) after checking that ``src`` still
-        has the same data pointer; do not resize ``src`` in place between
-        calls. (Instances bind this name to the native path directly.)
+        has the same data pointer; do not resize or re-stride ``src`` in place
+        between calls. The native table keeps references to the tensors of up
+        to 64 recent calls (sources smaller than 1 MiB). (Instances bind this
+        name to the native path directly.)
         """
         return self._fastpath.put_signal(dst, src, pe, sig, idx, value, op)
 
