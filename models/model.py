@@ -135,6 +135,7 @@ class DeepseekV3(nn.Module):
         """hidden [T,H] (tokens at positions cache.length(layer) ...) -> AttentionOutput; appends to cache."""
         self._need_attention_side("attention_stage")
         blk = self._layer(layer, "attention_stage")
+        self._check_hidden("attention_stage", "hidden", hidden)
         layer_cache = None if cache is None else cache.layers[layer]
         start = 0 if layer_cache is None else layer_cache.length
         positions = torch.arange(start, start + hidden.shape[0], device=hidden.device)
@@ -145,17 +146,29 @@ class DeepseekV3(nn.Module):
     def route(self, layer: int, mlp_input: torch.Tensor) -> Routing:
         """mlp_input [T,H] -> Routing(topk_ids [T,k] int64, topk_weights [T,k] float32)."""
         self._need_attention_side("route")
-        return self._moe_layer(layer, "route").gate(mlp_input)
+        blk = self._moe_layer(layer, "route")
+        self._check_hidden("route", "mlp_input", mlp_input)
+        return blk.gate(mlp_input)
 
     def expert(self, layer: int, expert: int, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Routed expert `expert` of `layer` on a token batch x [N,H]; times weights [N] if given -> [N,H]."""
-        return self._moe_layer(layer, "expert").experts.one(expert, x, weights)
+        blk = self._moe_layer(layer, "expert")
+        self._check_hidden("expert", "x", x)
+        if weights is not None and tuple(weights.shape) != (x.shape[0],):
+            raise ValueError(f"expert: weights must have shape [N]=[{x.shape[0]}], got {list(weights.shape)}")
+        return blk.experts.one(expert, x, weights)
 
     def routed_experts(self, layer: int, mlp_input: torch.Tensor, routing: Routing,
                        local_only: bool = False) -> torch.Tensor:
         """The weighted sum of each token's k routed experts: mlp_input [T,H] -> [T,H].
         local_only: the partial sum over the experts this model holds."""
-        return self._moe_layer(layer, "routed_experts").experts(mlp_input, routing, local_only)
+        blk = self._moe_layer(layer, "routed_experts")
+        self._check_hidden("routed_experts", "mlp_input", mlp_input)
+        want = (mlp_input.shape[0], self.config.num_experts_per_tok)
+        if tuple(routing.topk_ids.shape) != want or tuple(routing.topk_weights.shape) != want:
+            raise ValueError(f"routed_experts: routing topk_ids {list(routing.topk_ids.shape)} / topk_weights "
+                             f"{list(routing.topk_weights.shape)} must both be [T, k]={list(want)}")
+        return blk.experts(mlp_input, routing, local_only)
 
     def shared_experts(self, layer: int, mlp_input: torch.Tensor) -> torch.Tensor:
         """mlp_input [T,H] -> [T,H] (zeros when n_shared_experts is 0)."""
@@ -228,6 +241,11 @@ class DeepseekV3(nn.Module):
             raise ValueError(f"{caller}: layer {layer} is a dense layer (first_k_dense_replace="
                              f"{self.config.first_k_dense_replace}); it has no experts or router")
         return blk
+
+    def _check_hidden(self, caller: str, name: str, x: torch.Tensor) -> None:
+        H = self.config.hidden_size
+        if x.dim() != 2 or x.shape[1] != H:
+            raise ValueError(f"{caller}: {name} must have shape [T, H={H}], got {list(x.shape)}")
 
     def _need_attention_side(self, caller: str) -> None:
         if not self.attention_side:

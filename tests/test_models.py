@@ -192,6 +192,12 @@ def test_stage_composition_is_exact(tmp_path):
         holders[0].attention_stage(0, x)
     with pytest.raises(ValueError, match="dense layer"):
         full.route(0, x)
+    with pytest.raises(ValueError, match=r"attention_stage: hidden must have shape \[T, H=64\], got \[20, 65\]"):
+        full.attention_stage(0, torch.zeros(20, 65))
+    with pytest.raises(ValueError, match=r"expert: weights must have shape \[N\]=\[20\]"):
+        full.expert(layer, 0, x, torch.ones(3))
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        full(torch.tensor([0, cfg.vocab_size]))
 
 
 def test_random_init_deterministic_and_subset_consistent():
