@@ -113,6 +113,11 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * H
         return self.vocab_size * H + layers + H + head
 
+    def num_active_parameters(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to."""
+        idle = self.n_routed_experts - self.num_experts_per_tok
+        return self.num_parameters() - self.num_moe_layers * idle * 3 * self.hidden_size * self.moe_intermediate_size
+
     # --------------------------------------------------------------- validation
     def validate(self) -> None:
         bad: list[str] = []

@@ -314,8 +314,9 @@ def test_published_config_and_presets():
         assert getattr(ours, key) == getattr(hf_cfg, key), key
     assert (ours.rope_type, ours.rope_theta) == (hf_cfg.rope_parameters["rope_type"], hf_cfg.rope_parameters["rope_theta"])
     assert M.ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
-    # DeepSeek-V3's model card: 671B main-model parameters (685B with the MTP module)
+    # DeepSeek-V3's model card: 671B main-model parameters (685B with the MTP module), 37B activated
     assert 670.5e9 < cfg.num_parameters() < 671.5e9
+    assert 37e9 < cfg.num_active_parameters() < 38e9  # "37B activated"
     assert math.isclose(cfg.softmax_scale, 192**-0.5 * (0.1 * math.log(40) + 1) ** 2)
     for name in ("tiny", "small"):
         c = M.preset(name)
