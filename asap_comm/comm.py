@@ -436,6 +436,24 @@ class Communicator:
         typed = self._peer_u8(a.chunk, pe)[a.offset: a.offset + a.nbytes].view(t.dtype)
         return typed.as_strided(t.shape, t.stride(), a.offset // itemsize + t.storage_offset())
 
+    def remote(self, t: torch.Tensor, pe: int) -> torch.Tensor:
+        """``t`` (a symmetric tensor or any view of one) as PE ``pe``'s copy of the same bytes.
+
+        The analogue of ``shmem_ptr``: a tensor that aliases the peer's memory
+        directly (the shm backend maps every peer), so torch kernels can write
+        results straight into it (``torch.index_select(x, 0, rows, out=...)``)
+        without a staging copy. Writes through it are plain stores: publish
+        them with a release (``signal_op``, ``put_signal``, a mailbox send,
+        ``fence``/``barrier``) before a peer relies on them. Valid until
+        ``close()``.
+        """
+        self._check_open("remote")
+        pe = self._check_pe("remote", pe)
+        a = self._alloc_of("remote", "t", t)
+        if pe == self.rank:
+            return t
+        return self._remote_view(t, a, pe)
+
     def _check_pair(self, fn: str, dst, src) -> None:
         for nm, t in (("dst", dst), ("src", src)):
             if not isinstance(t, torch.Tensor):

@@ -1,0 +1,538 @@
+"""Barrier-free asynchronous MoE dispatch and combine between attention and expert ranks.
+
+Legend: A = attention ranks (PEs 0..A-1), E = expert ranks (PEs A..A+E-1),
+N = routed experts, T = tokens of one micro-batch, H = hidden, k = top-k,
+S = ``max_inflight`` (handles outstanding per attention rank), n = rows one
+expert rank receives from one micro-batch.
+
+The four halves, each a one-sided operation on pre-sized symmetric buffers::
+
+    attention PE                                  expert PE
+    h = att.dispatch_send(x, ids, w, layer) ──>  b = ex.dispatch_recv()
+        rows for expert rank r are written           (tokens, expert_ids, weights:
+        straight into r's dispatch region            zero-copy views of its region)
+        (a, slot), then a descriptor is sent     out = f(b)  # [n, H]
+        to r's inbox                         <──  ex.combine_send(b, out)
+    y = att.combine_recv(h)                          rows go straight into a's combine
+        waits for slot's counter only,               area at the offset a assigned, then
+        reduces the returned rows                    a's slot counter is bumped (release)
+
+Why it cannot deadlock (DESIGN.md, "A buffer layout that cannot deadlock"):
+
+* a handle owns its slot ``(a, s)`` of every expert rank's dispatch region and
+  of ``a``'s combine area from ``dispatch_send`` to ``combine_recv``, so
+  writing rows never waits for anyone;
+* every expert inbox has ``A * (S + 1)`` slots and an attention rank has at
+  most ``S`` descriptors (plus one final ``finish``) outstanding in it, so a
+  descriptor send never waits;
+* the attention rank knows, at dispatch, how many rows each expert rank will
+  return and gives each its own offset in the combine area, so
+  ``combine_send`` writes without coordination and bumps a counter;
+* ``combine_recv`` waits on its own slot's counter, nothing else.
+
+So with at most S handles outstanding per attention rank, every
+``dispatch_send`` and ``combine_send`` completes whether or not any attention
+rank has called ``combine_recv`` yet. No collective or barrier is on the path
+(the constructors are collective, once).
+
+Each token travels once per destination expert rank (whatever number of its
+k experts live there); expert ranks with no token in a micro-batch are not
+contacted. Routing metadata (global expert ids, -1 for experts held by other
+ranks, and weights) travels in the same region as the rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable, Iterator
+
+import torch
+
+from .errors import CommError
+
+__all__ = ["MoEPlan", "AttentionEnd", "ExpertEnd", "DispatchHandle", "ExpertBatch", "InflightLimitError",
+           "apply_experts", "reference_combine", "reference_dispatch"]
+
+_DESC_WORDS = 4  # descriptor: (slot, layer, rows, combine offset), int64
+_FIN = -1  # slot value of the "this attention rank is finished" descriptor
+
+
+class InflightLimitError(CommError):
+    """``dispatch_send`` with ``max_inflight`` handles already outstanding (never a silent wait)."""
+
+
+def _check_int(fn: str, name: str, v, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{fn}: {name}={v} must be >= {minimum}")
+    return v
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """Shapes and placement shared by every PE of an MoE group (a plain, frozen record).
+
+    ``num_experts`` routed experts are split over the expert ranks in
+    contiguous blocks, as evenly as possible (the first ``N % E`` ranks hold
+    one more). ``max_tokens``: the most tokens one micro-batch may carry;
+    ``max_inflight``: handles an attention rank may have outstanding.
+    """
+
+    num_attention_ranks: int
+    num_expert_ranks: int
+    num_experts: int
+    hidden: int
+    dtype: torch.dtype = torch.float32
+    max_tokens: int = 1024
+    top_k: int = 8
+    max_inflight: int = 4
+
+    def __post_init__(self) -> None:
+        fn = "MoEPlan"
+        for name in ("num_attention_ranks", "num_expert_ranks", "num_experts", "hidden", "max_tokens", "top_k",
+                     "max_inflight"):
+            _check_int(fn, name, getattr(self, name), 1)
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"{fn}: dtype must be a floating torch.dtype, got {self.dtype!r}")
+        if self.num_experts < self.num_expert_ranks:
+            raise ValueError(f"{fn}: num_experts={self.num_experts} < num_expert_ranks={self.num_expert_ranks}: "
+                             "every expert rank must hold at least one expert")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"{fn}: top_k={self.top_k} > num_experts={self.num_experts}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_attention_ranks + self.num_expert_ranks
+
+    @cached_property
+    def rank_of_expert(self) -> torch.Tensor:
+        """``[N]`` int64: expert-rank index (0..E-1, not the PE) holding each routed expert."""
+        E, N = self.num_expert_ranks, self.num_experts
+        base, extra = divmod(N, E)
+        sizes = [base + (1 if r < extra else 0) for r in range(E)]
+        return torch.repeat_interleave(torch.arange(E), torch.tensor(sizes))
+
+    def expert_rank(self, expert: int) -> int:
+        """The PE holding routed expert ``expert``."""
+        if isinstance(expert, bool) or not isinstance(expert, int) or not 0 <= expert < self.num_experts:
+            raise ValueError(f"MoEPlan.expert_rank: expert={expert!r} is out of range [0, {self.num_experts})")
+        return self.num_attention_ranks + int(self.rank_of_expert[expert])
+
+    def local_experts(self, pe: int) -> list[int]:
+        """Global ids of the routed experts PE ``pe`` holds (empty for an attention PE)."""
+        if isinstance(pe, bool) or not isinstance(pe, int) or not 0 <= pe < self.world_size:
+            raise ValueError(f"MoEPlan.local_experts: pe={pe!r} is out of range [0, {self.world_size})")
+        if pe < self.num_attention_ranks:
+            return []
+        return (self.rank_of_expert == pe - self.num_attention_ranks).nonzero().flatten().tolist()
+
+    @property
+    def combine_rows(self) -> int:
+        """Rows of one combine slot: every token may come back once from each of min(k, E) ranks."""
+        return self.max_tokens * min(self.top_k, self.num_expert_ranks)
+
+
+class _Buffers:
+    """The symmetric buffers of one MoE group; allocated collectively, in this order, on every PE."""
+
+    def __init__(self, comm, plan: MoEPlan) -> None:
+        if comm.world_size != plan.world_size:
+            raise ValueError(f"MoE: the communicator has {comm.world_size} PEs but the plan needs "
+                             f"{plan.num_attention_ranks} attention + {plan.num_expert_ranks} expert = "
+                             f"{plan.world_size}")
+        A, S, T, H, k = plan.num_attention_ranks, plan.max_inflight, plan.max_tokens, plan.hidden, plan.top_k
+        # dispatch area (read on expert PEs): region (a, s) holds up to T rows and their routing
+        self.tokens = comm.empty((A, S, T, H), plan.dtype)  # [A, S, T, H]
+        self.expert_ids = comm.empty((A, S, T, k), torch.int32)  # [A, S, T, k], -1: not on this rank
+        self.weights = comm.empty((A, S, T, k), torch.float32)  # [A, S, T, k]
+        # combine area (read on attention PEs): slot s holds the rows every contacted rank returns
+        self.combine = comm.empty((S, plan.combine_rows, H), plan.dtype)  # [S, R, H]
+        self.done = comm.signals(S)  # per slot: how many expert ranks have returned their rows (cumulative)
+        self.inbox = comm.mailbox(_DESC_WORDS * 8, A * (S + 1))  # descriptors, never full
+
+
+@dataclass(eq=False)
+class DispatchHandle:
+    """One micro-batch in flight: returned by ``dispatch_send``, consumed by ``combine_recv``."""
+
+    slot: int
+    layer: int
+    num_tokens: int
+    target: int  # value of the slot's counter once every contacted rank has returned
+    parts: list = field(default_factory=list)  # (expert PE, rows [n] int64, combine offset, n)
+
+    @property
+    def expert_pes(self) -> list[int]:
+        """The expert PEs this micro-batch contacted."""
+        return [p[0] for p in self.parts]
+
+
+class AttentionEnd:
+    """The attention-rank half: ``dispatch_send`` and ``combine_recv``.
+
+    Construct on every attention PE while every expert PE constructs its
+    ``ExpertEnd`` (collective allocation, once). Single-threaded.
+    """
+
+    def __init__(self, comm, plan: MoEPlan) -> None:
+        if not 0 <= comm.rank < plan.num_attention_ranks:
+            raise ValueError(f"AttentionEnd: PE {comm.rank} is not an attention rank "
+                             f"(attention ranks are 0..{plan.num_attention_ranks - 1})")
+        self.comm, self.plan = comm, plan
+        self._buf = _Buffers(comm, plan)
+        a, A, S = comm.rank, plan.num_attention_ranks, plan.max_inflight
+        # Views of every expert PE's dispatch region (a, s), writable in place.
+        self._remote = {(pe, s): (comm.remote(self._buf.tokens[a, s], pe), comm.remote(self._buf.expert_ids[a, s], pe),
+                                  comm.remote(self._buf.weights[a, s], pe))
+                        for pe in range(A, plan.world_size) for s in range(S)}
+        self._desc = torch.zeros(_DESC_WORDS, dtype=torch.int64)  # staging for descriptors
+        self._desc_words = memoryview(self._desc.numpy()).cast("B").cast("q")
+        self._send_desc = {pe: self._buf.inbox.prepare_send(pe, self._desc) for pe in range(A, plan.world_size)}
+        self._free = list(range(S - 1, -1, -1))  # free slots, pop() takes the lowest
+        self._outstanding: dict[int, DispatchHandle] = {}
+        self._counted = [0] * S  # per slot: rows-returns expected so far (the counter is cumulative)
+        self._finished = False
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._outstanding)
+
+    def _check(self, x, topk_ids, topk_weights, layer) -> int:
+        fn, plan = "dispatch_send", self.plan
+        for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device.type != "cpu":
+                raise ValueError(f"{fn}: {name} is on {t.device}; the shm backend moves CPU tensors only")
+        _check_int(fn, "layer", layer, 0)
+        if x.dim() != 2 or x.shape[1] != plan.hidden:
+            raise ValueError(f"{fn}: x must be [T, hidden={plan.hidden}], got {tuple(x.shape)}")
+        if x.dtype != plan.dtype:
+            raise ValueError(f"{fn}: x dtype {x.dtype} != plan dtype {plan.dtype}")
+        T = x.shape[0]
+        if T > plan.max_tokens:
+            raise ValueError(f"{fn}: {T} tokens > max_tokens={plan.max_tokens}")
+        for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if tuple(t.shape) != (T, plan.top_k):
+                raise ValueError(f"{fn}: {name} must be [T={T}, top_k={plan.top_k}], got {tuple(t.shape)}")
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+            raise ValueError(f"{fn}: topk_ids must be an integer tensor, got {topk_ids.dtype}")
+        if not topk_weights.dtype.is_floating_point:
+            raise ValueError(f"{fn}: topk_weights must be a floating tensor, got {topk_weights.dtype}")
+        if T:
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            if lo < 0 or hi >= plan.num_experts:
+                raise ValueError(f"{fn}: expert ids must be in [0, {plan.num_experts}), got min {lo} max {hi}")
+        if self._finished:
+            raise CommError(f"{fn}: finish() was called on this AttentionEnd")
+        if not self._free:
+            raise InflightLimitError(f"{fn}: {len(self._outstanding)} handles already in flight "
+                                     f"(max_inflight={plan.max_inflight}); combine_recv one first")
+        return T
+
+    def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      layer: int) -> DispatchHandle:
+        """Send micro-batch ``x [T,H]`` with routing ``topk_ids [T,k]``, ``topk_weights [T,k]``; returns at once.
+
+        Never waits: the handle owns a slot (an error if ``max_inflight`` are
+        outstanding). Each token is written once into each expert rank that
+        holds any of its experts, with the ids (-1 for experts elsewhere) and
+        weights; then that rank gets a descriptor (release: it sees the rows).
+        """
+        T = self._check(x, topk_ids, topk_weights, layer)
+        plan, comm = self.plan, self.comm
+        slot = self._free.pop()
+        h = DispatchHandle(slot, layer, T, 0)
+        if T:
+            ids = topk_ids.to(torch.int64)
+            weights = topk_weights.to(torch.float32)
+            rank_of = plan.rank_of_expert[ids]  # [T, k] expert-rank index of each choice
+            off = 0
+            for r in range(plan.num_expert_ranks):
+                on_r = rank_of == r  # [T, k]
+                rows = on_r.any(1).nonzero().flatten()  # [n] tokens with an expert on r
+                n = rows.numel()
+                if n == 0:
+                    continue  # not contacted
+                pe = plan.num_attention_ranks + r
+                tok, eid, w = self._remote[(pe, slot)]
+                torch.index_select(x, 0, rows, out=tok[:n])  # rows straight into the peer's region
+                eid[:n].copy_(torch.where(on_r, ids, -1)[rows])
+                w[:n].copy_(weights[rows])
+                words = self._desc_words
+                words[0], words[1], words[2], words[3] = slot, layer, n, off
+                self._send_desc[pe]()  # release: the rows above are visible before the descriptor
+                h.parts.append((pe, rows, off, n))
+                off += n
+        self._counted[slot] += len(h.parts)
+        h.target = self._counted[slot]
+        self._outstanding[slot] = h
+        return h
+
+    def combine_recv(self, handle: DispatchHandle, timeout=None) -> torch.Tensor:
+        """Wait for ``handle``'s micro-batch only; return its routed-expert output ``[T,H]``.
+
+        ``y[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t])``: the
+        partial sums each contacted expert rank returned, reduced (in float32
+        for lower-precision dtypes). Frees the handle's slot. Raises
+        ``TimeoutError`` after ``timeout`` s, ``PeerFailure`` if a PE died.
+        """
+        if not isinstance(handle, DispatchHandle) or self._outstanding.get(handle.slot) is not handle:
+            raise ValueError(f"combine_recv: unknown handle {handle!r} (already combined, or from another "
+                             "AttentionEnd)")
+        plan, buf, s = self.plan, self._buf, handle.slot
+        if handle.parts:
+            self.comm.signal_wait_until(buf.done, s, ">=", handle.target, timeout)
+        acc_dtype = torch.float32 if plan.dtype in (torch.float16, torch.bfloat16) else plan.dtype
+        y = torch.zeros(handle.num_tokens, plan.hidden, dtype=acc_dtype)
+        area = buf.combine[s]
+        for _pe, rows, off, n in handle.parts:
+            y.index_add_(0, rows, area[off:off + n].to(acc_dtype))
+        del self._outstanding[s]
+        self._free.append(s)
+        return y if acc_dtype == plan.dtype else y.to(plan.dtype)
+
+    def finish(self) -> None:
+        """Tell every expert rank that this attention rank sends no more micro-batches.
+
+        An ``ExpertEnd`` returns None from ``dispatch_recv`` (and ends
+        iteration) once every attention rank has finished and it has served
+        everything before.
+        """
+        if self._finished:
+            return
+        self._finished = True
+        words = self._desc_words
+        words[0], words[1], words[2], words[3] = _FIN, 0, 0, 0
+        for send in self._send_desc.values():
+            send()
+
+
+@dataclass(eq=False)
+class ExpertBatch:
+    """Rows an expert rank received (one micro-batch, or several merged).
+
+    ``tokens [n,H]``, ``expert_ids [n,k]`` int32 (global ids; -1 where that
+    choice's expert is held by another rank), ``weights [n,k]`` float32 are
+    zero-copy views into this PE's dispatch region while the batch is not
+    merged; they stay valid until ``combine_send``. ``parts``: per origin
+    micro-batch, (attention PE, slot, combine offset, rows, first row here).
+    """
+
+    layer: int
+    tokens: torch.Tensor
+    expert_ids: torch.Tensor
+    weights: torch.Tensor
+    parts: list
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def sources(self) -> list[int]:
+        """Attention PEs whose micro-batches this batch holds."""
+        return [p[0] for p in self.parts]
+
+    def groups(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(expert, rows [m] int64, weights [m] float32)`` per local expert present, experts ascending.
+
+        ``rows`` index this batch's rows; each row appears at most once per
+        expert. Compute each expert once on ``tokens[rows]``.
+        """
+        n, k = self.expert_ids.shape
+        flat = self.expert_ids.reshape(-1).to(torch.int64)  # [n*k]
+        pairs = (flat >= 0).nonzero().flatten()  # choices held here
+        if pairs.numel() == 0:
+            return
+        experts = flat[pairs]
+        order = experts.argsort(stable=True)
+        pairs, experts = pairs[order], experts[order]
+        uniq, counts = torch.unique_consecutive(experts, return_counts=True)
+        w = self.weights.reshape(-1)
+        start = 0
+        for e, c in zip(uniq.tolist(), counts.tolist()):
+            sel = pairs[start:start + c]
+            start += c
+            yield e, sel // k, w[sel]
+
+    @staticmethod
+    def merge(batches: "list[ExpertBatch]") -> "ExpertBatch":
+        """One batch from several of the same layer (rows concatenated; ``combine_send`` splits them back)."""
+        if not batches:
+            raise ValueError("ExpertBatch.merge: no batches")
+        layers = {b.layer for b in batches}
+        if len(layers) != 1:
+            raise ValueError(f"ExpertBatch.merge: batches of different layers {sorted(layers)}")
+        if len(batches) == 1:
+            return batches[0]
+        parts, row = [], 0
+        for b in batches:
+            for a, slot, off, n, first in b.parts:
+                parts.append((a, slot, off, n, row + first))
+            row += b.num_rows
+        return ExpertBatch(batches[0].layer, torch.cat([b.tokens for b in batches]),
+                           torch.cat([b.expert_ids for b in batches]), torch.cat([b.weights for b in batches]),
+                           parts)
+
+
+def apply_experts(batch: ExpertBatch, expert_fn: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``out [n,H]``: for each row, sum over its local choices j of ``weights[i,j] * expert_fn(e, tokens[i])``.
+
+    ``expert_fn(expert, x [m,H]) -> [m,H]`` runs once per local expert on all
+    its rows (no loop over tokens). Accumulates in float32 for 16-bit dtypes.
+    """
+    tokens = batch.tokens
+    acc_dtype = torch.float32 if tokens.dtype in (torch.float16, torch.bfloat16) else tokens.dtype
+    out = torch.zeros(tokens.shape, dtype=acc_dtype)
+    for e, rows, w in batch.groups():
+        y = expert_fn(e, tokens[rows])
+        out.index_add_(0, rows, y.to(acc_dtype) * w[:, None].to(acc_dtype))
+    return out if acc_dtype == tokens.dtype else out.to(tokens.dtype)
+
+
+class ExpertEnd:
+    """The expert-rank half: ``dispatch_recv`` and ``combine_send``.
+
+    Construct on every expert PE while every attention PE constructs its
+    ``AttentionEnd`` (collective allocation, once). Single-threaded.
+    Iterating yields batches until every attention rank has called ``finish``.
+    """
+
+    def __init__(self, comm, plan: MoEPlan) -> None:
+        if not plan.num_attention_ranks <= comm.rank < plan.world_size:
+            raise ValueError(f"ExpertEnd: PE {comm.rank} is not an expert rank (expert ranks are "
+                             f"{plan.num_attention_ranks}..{plan.world_size - 1})")
+        self.comm, self.plan = comm, plan
+        self._buf = _Buffers(comm, plan)
+        self.experts = plan.local_experts(comm.rank)
+        self._finished: set[int] = set()
+
+    @property
+    def finished(self) -> bool:
+        """True once every attention rank has called ``finish`` and its descriptor was received."""
+        return len(self._finished) == self.plan.num_attention_ranks
+
+    def _batch(self, msg) -> "ExpertBatch | None":
+        plan = self.plan
+        a = msg.src
+        slot, layer, n, off = msg.tensor.tolist() if msg.tensor.numel() == _DESC_WORDS else (None,) * 4
+        msg.release()
+        if slot == _FIN and 0 <= a < plan.num_attention_ranks:
+            self._finished.add(a)
+            return None
+        ok = (slot is not None and 0 <= a < plan.num_attention_ranks and 0 <= slot < plan.max_inflight
+              and 0 < n <= plan.max_tokens and 0 <= off and off + n <= plan.combine_rows and layer >= 0)
+        if not ok:
+            raise CommError(f"dispatch_recv: corrupt descriptor from PE {a}: slot={slot} layer={layer} "
+                            f"rows={n} offset={off}")
+        buf = self._buf
+        return ExpertBatch(layer, buf.tokens[a, slot, :n], buf.expert_ids[a, slot, :n], buf.weights[a, slot, :n],
+                           [(a, slot, off, n, 0)])
+
+    def dispatch_recv(self, timeout=None) -> "ExpertBatch | None":
+        """The next micro-batch from any attention rank, any layer (waits, bounded).
+
+        Returns None once every attention rank has finished. Ordering:
+        acquire: the rows are complete. Raises ``TimeoutError``, or
+        ``PeerFailure`` if a PE died.
+        """
+        while not self.finished:
+            b = self._batch(self._buf.inbox.recv(timeout))
+            if b is not None:
+                return b
+        return None
+
+    def dispatch_recv_many(self, max_batches: "int | None" = None, timeout=None) -> list:
+        """Wait (bounded) for one micro-batch, then take every other one already pending, up to ``max_batches``.
+
+        For adaptive batching: merge the ones of the same layer with
+        ``ExpertBatch.merge`` (or ``by_layer``). Empty once every attention
+        rank has finished.
+        """
+        first = self.dispatch_recv(timeout)
+        if first is None:
+            return []
+        out = [first]
+        while max_batches is None or len(out) < max_batches:
+            msg = self._buf.inbox.poll()
+            if msg is None:
+                break
+            b = self._batch(msg)
+            if b is not None:
+                out.append(b)
+        return out
+
+    @staticmethod
+    def by_layer(batches: list) -> list:
+        """Merge a list of batches into one ``ExpertBatch`` per layer (layers in first-seen order)."""
+        groups: dict[int, list] = {}
+        for b in batches:
+            groups.setdefault(b.layer, []).append(b)
+        return [ExpertBatch.merge(g) for g in groups.values()]
+
+    def __iter__(self) -> Iterator[ExpertBatch]:
+        while True:
+            b = self.dispatch_recv()
+            if b is None:
+                return
+            yield b
+
+    def combine_send(self, batch: ExpertBatch, out: torch.Tensor) -> None:
+        """Return ``out [n,H]`` (each row's weighted sum over this rank's experts) to the origin rank(s).
+
+        Rows go straight into each origin attention rank's combine area at
+        the offset it assigned; then that slot's counter gets +1 (release:
+        the rows are visible first). Never waits.
+        """
+        fn, plan = "combine_send", self.plan
+        if not isinstance(batch, ExpertBatch):
+            raise TypeError(f"{fn}: batch must be an ExpertBatch, got {type(batch).__name__}")
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{fn}: out must be a torch.Tensor, got {type(out).__name__}")
+        if tuple(out.shape) != (batch.num_rows, plan.hidden):
+            raise ValueError(f"{fn}: out must be [n={batch.num_rows}, hidden={plan.hidden}], got {tuple(out.shape)}")
+        if out.dtype != plan.dtype:
+            raise ValueError(f"{fn}: out dtype {out.dtype} != plan dtype {plan.dtype}")
+        if out.device.type != "cpu":
+            raise ValueError(f"{fn}: out is on {out.device}; the shm backend moves CPU tensors only")
+        buf, comm = self._buf, self.comm
+        for a, slot, off, n, first in batch.parts:
+            comm.remote(buf.combine[slot, off:off + n], a).copy_(out[first:first + n])
+            comm.signal_op(buf.done, slot, 1, "add", a)  # release: rows first
+
+
+# ----------------------------------------------------------------------------- pure-torch reference
+def reference_combine(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      expert_fn: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """What dispatch + experts + combine must compute, on one process: ``[T,H]``.
+
+    ``y[t] = sum_j topk_weights[t,j] * expert_fn(topk_ids[t,j], x[t:t+1])``.
+    """
+    T = x.shape[0]
+    y = torch.zeros(T, x.shape[1], dtype=torch.float64)
+    for t in range(T):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            y[t] += float(topk_weights[t, j]) * expert_fn(e, x[t:t + 1])[0].double()
+    return y.to(x.dtype)
+
+
+def reference_dispatch(plan: MoEPlan, x: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> dict:
+    """What each expert PE must receive from one micro-batch: ``{pe: (rows, tokens, expert_ids, weights)}``.
+
+    ``rows [n]`` ascending token indices with at least one expert on ``pe``;
+    ``expert_ids [n,k]`` global ids with -1 for experts elsewhere. PEs with
+    nothing to receive are absent.
+    """
+    out = {}
+    for pe in range(plan.num_attention_ranks, plan.world_size):
+        held = set(plan.local_experts(pe))
+        rows = [t for t in range(x.shape[0]) if any(int(e) in held for e in topk_ids[t])]
+        if not rows:
+            continue
+        ids = torch.tensor([[int(e) if int(e) in held else -1 for e in topk_ids[t]] for t in rows], dtype=torch.int32)
+        out[pe] = (torch.tensor(rows, dtype=torch.int64), x[rows], ids, topk_weights[rows].float())
+    return out
