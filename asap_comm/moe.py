@@ -186,6 +186,7 @@ class AttentionEnd:
         self._remote = {(pe, s): (comm.remote(self._buf.tokens[a, s], pe), comm.remote(self._buf.expert_ids[a, s], pe),
                                   comm.remote(self._buf.weights[a, s], pe))
                         for pe in range(A, plan.world_size) for s in range(S)}
+        self._minus1 = torch.tensor(-1, dtype=torch.int32)
         self._desc = torch.zeros(_DESC_WORDS, dtype=torch.int64)  # staging for descriptors
         self._desc_words = memoryview(self._desc.numpy()).cast("B").cast("q")
         self._send_desc = {pe: self._buf.inbox.prepare_send(pe, self._desc) for pe in range(A, plan.world_size)}
@@ -221,7 +222,7 @@ class AttentionEnd:
         if not topk_weights.dtype.is_floating_point:
             raise ValueError(f"{fn}: topk_weights must be a floating tensor, got {topk_weights.dtype}")
         if T:
-            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            lo, hi = (int(v) for v in torch.aminmax(topk_ids))
             if lo < 0 or hi >= plan.num_experts:
                 raise ValueError(f"{fn}: expert ids must be in [0, {plan.num_experts}), got min {lo} max {hi}")
         if self._finished:
@@ -245,9 +246,9 @@ class AttentionEnd:
         slot = self._free.pop()
         h = DispatchHandle(slot, layer, T, 0)
         if T:
-            ids = topk_ids.to(torch.int64)
+            ids32 = topk_ids.to(torch.int32)
             weights = topk_weights.to(torch.float32)
-            rank_of = plan.rank_of_expert[ids]  # [T, k] expert-rank index of each choice
+            rank_of = plan.rank_of_expert[topk_ids]  # [T, k] expert-rank index of each choice
             off = 0
             for r in range(plan.num_expert_ranks):
                 on_r = rank_of == r  # [T, k]
@@ -257,9 +258,15 @@ class AttentionEnd:
                     continue  # not contacted
                 pe = plan.num_attention_ranks + r
                 tok, eid, w = self._remote[(pe, slot)]
-                torch.index_select(x, 0, rows, out=tok[:n])  # rows straight into the peer's region
-                eid[:n].copy_(torch.where(on_r, ids, -1)[rows])
-                w[:n].copy_(weights[rows])
+                # rows, routing ids (-1: expert elsewhere) and weights straight into the peer's region
+                if n == T:  # every token: plain copies, rows are 0..T-1
+                    tok[:n].copy_(x)
+                    torch.where(on_r, ids32, self._minus1, out=eid[:n])
+                    w[:n].copy_(weights)
+                else:
+                    torch.index_select(x, 0, rows, out=tok[:n])
+                    torch.index_select(torch.where(on_r, ids32, self._minus1), 0, rows, out=eid[:n])
+                    torch.index_select(weights, 0, rows, out=w[:n])
                 words = self._desc_words
                 words[0], words[1], words[2], words[3] = slot, layer, n, off
                 self._send_desc[pe]()  # release: the rows above are visible before the descriptor
@@ -285,10 +292,21 @@ class AttentionEnd:
         if handle.parts:
             self.comm.signal_wait_until(buf.done, s, ">=", handle.target, timeout)
         acc_dtype = torch.float32 if plan.dtype in (torch.float16, torch.bfloat16) else plan.dtype
-        y = torch.zeros(handle.num_tokens, plan.hidden, dtype=acc_dtype)
-        area = buf.combine[s]
+        area, T = buf.combine[s], handle.num_tokens
+        # Parts that cover every token are added whole (rows are 0..T-1); the rest by index.
+        full = [area[off:off + n] for _pe, _rows, off, n in handle.parts if n == T]
+        if len(full) >= 2:
+            y = torch.add(full[0], full[1], dtype=acc_dtype) if acc_dtype != plan.dtype else \
+                torch.add(full[0], full[1])
+            for part in full[2:]:
+                y += part
+        elif full:
+            y = full[0].to(acc_dtype, copy=True)
+        else:
+            y = torch.zeros(T, plan.hidden, dtype=acc_dtype)
         for _pe, rows, off, n in handle.parts:
-            y.index_add_(0, rows, area[off:off + n].to(acc_dtype))
+            if n != T:
+                y.index_add_(0, rows, area[off:off + n].to(acc_dtype))
         del self._outstanding[s]
         self._free.append(s)
         return y if acc_dtype == plan.dtype else y.to(plan.dtype)
@@ -377,23 +395,30 @@ class ExpertBatch:
                            parts)
 
 
-def apply_experts(batch: ExpertBatch, expert_fn: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``out [n,H]``: for each row, sum over its local choices j of ``weights[i,j] * expert_fn(e, tokens[i])``.
+def apply_experts(batch: ExpertBatch, expert_fn: Callable[[int, torch.Tensor], torch.Tensor],
+                  out: "torch.Tensor | None" = None) -> torch.Tensor:
+    """``[n,H]``: for each row, sum over its local choices j of ``weights[i,j] * expert_fn(e, tokens[i])``.
 
     ``expert_fn(expert, x [m,H]) -> [m,H]`` runs once per local expert on all
     its rows (no loop over tokens). Accumulates in float32 for 16-bit dtypes.
+    ``out``: write the result there (e.g. ``ExpertEnd.output_buffer(batch)``).
     """
     tokens = batch.tokens
     acc_dtype = torch.float32 if tokens.dtype in (torch.float16, torch.bfloat16) else tokens.dtype
-    out = torch.zeros(tokens.shape, dtype=acc_dtype)
+    acc = out if out is not None and acc_dtype == tokens.dtype else torch.empty(tokens.shape, dtype=acc_dtype)
+    acc.zero_()
     for e, rows, w in batch.groups():
         y = expert_fn(e, tokens[rows])
-        out.index_add_(0, rows, y.to(acc_dtype) * w[:, None].to(acc_dtype))
-    return out if acc_dtype == tokens.dtype else out.to(tokens.dtype)
+        acc.index_add_(0, rows, y.to(acc_dtype) * w[:, None].to(acc_dtype))
+    if acc is out:
+        return out
+    if out is not None:
+        return out.copy_(acc)
+    return acc if acc_dtype == tokens.dtype else acc.to(tokens.dtype)
 
 
 class ExpertEnd:
-    """The expert-rank half: ``dispatch_recv`` and ``combine_send``.
+    """The expert-rank half: ``dispatch_recv``, ``output_buffer`` and ``combine_send``.
 
     Construct on every expert PE while every attention PE constructs its
     ``AttentionEnd`` (collective allocation, once). Single-threaded.
@@ -408,6 +433,8 @@ class ExpertEnd:
         self._buf = _Buffers(comm, plan)
         self.experts = plan.local_experts(comm.rank)
         self._finished: set[int] = set()
+        # address of combine[0, 0] on each attention PE, as mapped here
+        self._combine_remote = [comm.remote(self._buf.combine, a).data_ptr() for a in range(plan.num_attention_ranks)]
 
     @property
     def finished(self) -> bool:
@@ -479,6 +506,20 @@ class ExpertEnd:
                 return
             yield b
 
+    def output_buffer(self, batch: ExpertBatch) -> torch.Tensor:
+        """Where to compute ``batch``'s output ``[n,H]`` so that ``combine_send`` need not copy it.
+
+        For a batch from one micro-batch: a view of the origin attention
+        rank's combine area at the rows reserved for this rank (``comm.remote``);
+        write the result into it (``torch.mul(..., out=buf)``, ``apply_experts(...,
+        out=buf)``) and pass it to ``combine_send``, which then only signals.
+        For a merged batch: a new local tensor.
+        """
+        if len(batch.parts) != 1:
+            return torch.empty(batch.num_rows, self.plan.hidden, dtype=self.plan.dtype)
+        a, slot, off, n, _first = batch.parts[0]
+        return self.comm.remote(self._buf.combine[slot, off:off + n], a)
+
     def combine_send(self, batch: ExpertBatch, out: torch.Tensor) -> None:
         """Return ``out [n,H]`` (each row's weighted sum over this rank's experts) to the origin rank(s).
 
@@ -498,8 +539,12 @@ class ExpertEnd:
         if out.device.type != "cpu":
             raise ValueError(f"{fn}: out is on {out.device}; the shm backend moves CPU tensors only")
         buf, comm = self._buf, self.comm
+        row_bytes = plan.hidden * out.element_size()
         for a, slot, off, n, first in batch.parts:
-            comm.remote(buf.combine[slot, off:off + n], a).copy_(out[first:first + n])
+            dst = self._combine_remote[a] + (slot * plan.combine_rows + off) * row_bytes
+            if len(batch.parts) != 1 or out.data_ptr() != dst or not out.is_contiguous():
+                comm.remote(buf.combine[slot, off:off + n], a).copy_(out[first:first + n])
+            # else: computed in place by output_buffer(): nothing to copy
             comm.signal_op(buf.done, slot, 1, "add", a)  # release: rows first
 
 
