@@ -242,7 +242,7 @@ class AttentionEnd:
         weights; then that rank gets a descriptor (release: it sees the rows).
         """
         T = self._check(x, topk_ids, topk_weights, layer)
-        plan, comm = self.plan, self.comm
+        plan = self.plan
         slot = self._free.pop()
         h = DispatchHandle(slot, layer, T, 0)
         if T:

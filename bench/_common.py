@@ -18,6 +18,7 @@ import hashlib
 import multiprocessing as mp
 from multiprocessing.connection import wait as mp_wait
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -361,3 +362,13 @@ def markdown_table(rows: Sequence[dict]) -> str:
 def notes_of(rows: Sequence[dict]) -> list[str]:
     """``name: note`` for every row that carries a note (skips, errors, set-up details)."""
     return [f"{r['name']}: {r['note']}" for r in rows if r.get("note")]
+
+
+def git_commit(cwd: str) -> str:
+    """The short commit hash of the checkout at ``cwd``, or "unknown"."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -38,7 +38,6 @@ import importlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections import deque
@@ -51,7 +50,7 @@ import torch
 
 import asap_bench
 import asap_comm
-from _common import _fmt, log, pinned, summarize
+from _common import _fmt, git_commit, log, pinned, summarize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -635,15 +634,6 @@ def markdown_table(rows: list) -> str:
     return "\n".join(out)
 
 
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def write_results(out_dir: str, rows: list, meta: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
     notes = [f"{r['name']}: {r['note']}" for r in rows if r.get("note")]
@@ -716,7 +706,7 @@ def main(argv=None) -> int:
         "mode": "quick" if args.quick else "full",
         "rounds": cfg.rounds,
         "seconds": round(time.monotonic() - t0, 1),
-        "commit": _git_commit(),
+        "commit": git_commit(HERE),
         "asap_comm": asap_comm.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -28,7 +27,7 @@ import torch
 import asap_comm
 import asap_bench
 import baselines
-from _common import (GBPS, US, BatchPlan, Measurement, Target, log, make_row, markdown_table, notes_of,
+from _common import (GBPS, US, BatchPlan, Measurement, Target, git_commit, log, make_row, markdown_table, notes_of,
                      ns_to_gbps, ns_to_us, text_table)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -221,15 +220,6 @@ def build_rows(m: dict) -> list:
 
 
 # ---------------------------------------------------------------------------- output
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def metadata(quick: bool, cfg: Config, seconds: float) -> dict:
     """Where and how the numbers were taken."""
     return {
@@ -237,7 +227,7 @@ def metadata(quick: bool, cfg: Config, seconds: float) -> dict:
         "mode": "quick" if quick else "full",
         "rounds": cfg.rounds,
         "seconds": round(seconds, 1),
-        "commit": _git_commit(),
+        "commit": git_commit(HERE),
         "asap_comm": asap_comm.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),

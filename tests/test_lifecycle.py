@@ -9,7 +9,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
 from torch.distributed import TCPStore
 
 import asap_comm
