@@ -317,3 +317,17 @@ def test_prepared_handles(comm1):
         box.prepare_send(0, torch.zeros(17))
     with pytest.raises(ValueError, match="prepare_send: tensor must be contiguous"):
         box.prepare_send(0, torch.zeros(4, 4).t())
+
+
+def test_torch_ops_compile_fullgraph(comm1):
+    """The ops trace (schemas + fakes) and run inside torch.compile without graph breaks."""
+    x = comm1.zeros((4,))
+    sig = comm1.signals(1)
+
+    def step(src, v: int):
+        torch.ops.asap_comm.put_signal(x, src * 2, 0, sig, 0, v, "set", comm1.id)
+        return torch.ops.asap_comm.signal_wait_until(sig, 0, ">=", v, None, comm1.id)
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    assert int(compiled(torch.ones(4), 3)) == 3
+    assert torch.equal(x, torch.full((4,), 2.0))
