@@ -1,0 +1,22 @@
+"""asap_comm.serving: the disaggregated prefill runtime's load and measurement side.
+
+``traces``: requests (synthetic Poisson/Gamma arrivals and length
+distributions; the Mooncake JSONL and Azure CSV public traces). ``metrics``:
+per-request records, run summaries (TTFT percentiles, throughput, SLO
+attainment), SLO-compliant throughput of a sweep, Chrome trace timelines.
+
+Layering: this package never imports ``models``; ``asap_comm`` itself does not
+import this package (``import asap_comm.serving`` explicitly).
+"""
+from .metrics import (ChromeTrace, RequestRecord, RunSummary, percentile, slo_compliant_throughput,
+                      summarize_run)
+from .traces import (EmpiricalLengths, FixedLengths, LengthDistribution, LogNormalLengths, Request, TraceError,
+                     TraceSummary, UniformLengths, gamma_arrivals, load_azure, load_mooncake, load_trace,
+                     poisson_arrivals, scale_trace, summarize_trace, synthetic_trace)
+
+__all__ = [
+    "Request", "TraceError", "poisson_arrivals", "gamma_arrivals", "LengthDistribution", "FixedLengths",
+    "UniformLengths", "LogNormalLengths", "EmpiricalLengths", "synthetic_trace", "load_mooncake", "load_azure",
+    "load_trace", "scale_trace", "TraceSummary", "summarize_trace",
+    "percentile", "RequestRecord", "RunSummary", "summarize_run", "slo_compliant_throughput", "ChromeTrace",
+]

@@ -1,0 +1,226 @@
+"""Per-request records, run summaries, SLO-compliant throughput, Chrome traces.
+
+All times are seconds on one clock (the runtime's, e.g. ``time.perf_counter()``
+minus the run start); the Chrome trace writer converts them to microseconds.
+
+Percentiles use **linear interpolation between closest ranks** (Hyndman & Fan
+type 7, numpy's default ``method="linear"``): for sorted values ``v[0..n-1]``
+the q-th percentile sits at position ``h = (n - 1) * q / 100`` and is
+``v[floor(h)] + (h - floor(h)) * (v[floor(h) + 1] - v[floor(h)])``. It is pure
+Python, so numbers match ``numpy.percentile(values, q)`` without depending on
+numpy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "percentile",
+    "RequestRecord",
+    "RunSummary",
+    "summarize_run",
+    "slo_compliant_throughput",
+    "ChromeTrace",
+]
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The q-th percentile (0 <= q <= 100) of ``values``, linear interpolation.
+
+    Raises ``ValueError`` on an empty input, a q outside [0, 100], or a
+    non-finite value.
+    """
+    if not (0.0 <= q <= 100.0):
+        raise ValueError(f"percentile: q={q!r} is outside [0, 100]")
+    v = sorted(float(x) for x in values)
+    if not v:
+        raise ValueError("percentile: no values")
+    if not all(math.isfinite(x) for x in v):
+        raise ValueError("percentile: values must be finite")
+    h = (len(v) - 1) * q / 100.0
+    lo = math.floor(h)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (h - lo) * (v[hi] - v[lo])
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request; filled in by the runtime as it goes.
+
+    ``arrival_s``: when the request arrived; ``start_s``: when it was first
+    scheduled on a rank (None until then); ``done_s``: when its first token was
+    produced (None until then); ``error``: why it failed (None while it has
+    not). A request succeeded (:attr:`ok`) iff it has a ``done_s`` and no
+    ``error``; one that never finished counts as failed in :func:`summarize_run`.
+    """
+
+    request_id: int
+    arrival_s: float
+    prompt_len: int
+    start_s: float | None = None
+    done_s: float | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.done_s is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token (``done_s - arrival_s``); None unless :attr:`ok`."""
+        return self.done_s - self.arrival_s if self.ok else None
+
+    @property
+    def queue_s(self) -> float | None:
+        """Time from arrival to first scheduling; None if never scheduled."""
+        return None if self.start_s is None else self.start_s - self.arrival_s
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The numbers one run reports; :meth:`as_dict` gives the ``summary.json`` keys.
+
+    ``ttft_*_s`` are over successful requests only (None if there is none);
+    ``throughput_tokens_per_s`` is the prompt tokens of successful requests
+    over ``(last done) - (first arrival)`` (0.0 if none succeeded or that span
+    is zero); ``slo_attainment`` is the fraction
+    of ALL requests that succeeded with a TTFT <= the SLO (failed requests are
+    misses).
+    """
+
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    ttft_p99_s: float | None
+    throughput_tokens_per_s: float
+    slo_attainment: float
+    num_requests: int
+    num_failed: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def summarize_run(records: Sequence[RequestRecord], slo_ttft_s: float) -> RunSummary:
+    """Summarize one run's records against a TTFT SLO (seconds, inclusive).
+
+    Raises ``ValueError`` on no records, a non-positive SLO, or a successful
+    record that finished before it arrived (the message names the request).
+    """
+    if not (isinstance(slo_ttft_s, (int, float)) and math.isfinite(slo_ttft_s) and slo_ttft_s > 0):
+        raise ValueError(f"summarize_run: slo_ttft_s={slo_ttft_s!r} must be a positive number of seconds")
+    if not records:
+        raise ValueError("summarize_run: no records")
+    ok = [r for r in records if r.ok]
+    for r in ok:
+        if not (math.isfinite(r.arrival_s) and math.isfinite(r.done_s)) or r.done_s < r.arrival_s:
+            raise ValueError(f"summarize_run: request {r.request_id} has done_s={r.done_s!r} "
+                             f"before arrival_s={r.arrival_s!r}")
+    ttfts = [r.ttft_s for r in ok]
+    p50, p90, p99 = ((percentile(ttfts, q) for q in (50, 90, 99)) if ttfts else (None, None, None))
+    if ok:
+        span = max(r.done_s for r in ok) - min(r.arrival_s for r in records)
+        tokens = sum(r.prompt_len for r in ok)
+        throughput = tokens / span if span > 0 else 0.0
+    else:
+        throughput = 0.0
+    met = sum(1 for t in ttfts if t <= slo_ttft_s)
+    return RunSummary(
+        ttft_p50_s=p50, ttft_p90_s=p90, ttft_p99_s=p99,
+        throughput_tokens_per_s=throughput,
+        slo_attainment=met / len(records),
+        num_requests=len(records),
+        num_failed=len(records) - len(ok),
+    )
+
+
+def slo_compliant_throughput(points: Iterable[tuple[float, float]], target: float = 0.9) -> float | None:
+    """The highest offered load of a sweep at which the SLO still holds.
+
+    ``points``: ``(offered_load, slo_attainment)`` pairs, any order (load in
+    requests/s or tokens/s, as the sweep measured it; the result is in the same
+    unit). Convention: sort by load and walk up from the lowest; the result is
+    the last load before the first one whose attainment is below ``target``
+    (attainment >= target passes). So a load counts only if it AND every lower
+    tested load pass: a noisy pass above the knee is ignored, and nothing is
+    interpolated or extrapolated. Several points at one load pass only if all
+    of them do. Returns None if the lowest tested load already fails.
+    """
+    if not (isinstance(target, (int, float)) and 0.0 < target <= 1.0):
+        raise ValueError(f"slo_compliant_throughput: target={target!r} is outside (0, 1]")
+    by_load: dict[float, bool] = {}
+    for point in points:
+        load, att = point
+        if not (math.isfinite(load) and load >= 0):
+            raise ValueError(f"slo_compliant_throughput: offered load {load!r} must be finite and >= 0")
+        if not (0.0 <= att <= 1.0):
+            raise ValueError(f"slo_compliant_throughput: attainment {att!r} at load {load!r} is outside [0, 1]")
+        by_load[float(load)] = by_load.get(float(load), True) and att >= target
+    if not by_load:
+        raise ValueError("slo_compliant_throughput: no points")
+    best = None
+    for load in sorted(by_load):
+        if not by_load[load]:
+            break
+        best = load
+    return best
+
+
+@dataclass
+class ChromeTrace:
+    """A per-rank timeline in Chrome trace-event format (Perfetto and chrome://tracing open it).
+
+    ``pid`` is the process row (a rank), ``tid`` a track inside it (e.g.
+    0 = compute, 1 = communication). Every span is an ``"X"`` complete event;
+    :meth:`name_process`/:meth:`name_track` add ``"M"`` metadata events so
+    rows read "attention 0" instead of a number. Times go in as seconds and
+    come out as microseconds (``ts``, ``dur``)::
+
+        tl = ChromeTrace()
+        tl.name_process(0, "attention 0"); tl.name_track(0, 0, "compute")
+        tl.complete("layer 3 attn", pid=0, tid=0, start_s=0.012, dur_s=0.004, args={"tokens": 512})
+        tl.write(out_dir / "timeline.json")
+    """
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def name_process(self, pid: int, name: str, sort_index: int | None = None) -> None:
+        self.events.append({"name": "process_name", "ph": "M", "pid": int(pid), "tid": 0, "args": {"name": str(name)}})
+        if sort_index is not None:
+            self.events.append({"name": "process_sort_index", "ph": "M", "pid": int(pid), "tid": 0,
+                                "args": {"sort_index": int(sort_index)}})
+
+    def name_track(self, pid: int, tid: int, name: str) -> None:
+        self.events.append({"name": "thread_name", "ph": "M", "pid": int(pid), "tid": int(tid),
+                            "args": {"name": str(name)}})
+
+    def complete(self, name: str, pid: int, tid: int, start_s: float, dur_s: float,
+                 args: dict[str, Any] | None = None, cat: str | None = None) -> None:
+        """Add one span ``[start_s, start_s + dur_s)`` on row ``pid``, track ``tid``."""
+        if not (math.isfinite(start_s) and math.isfinite(dur_s) and dur_s >= 0):
+            raise ValueError(f"ChromeTrace.complete: {name!r} has start_s={start_s!r}, dur_s={dur_s!r}; "
+                             "need finite values and dur_s >= 0")
+        ev: dict[str, Any] = {"name": str(name), "ph": "X", "ts": start_s * 1e6, "dur": dur_s * 1e6,
+                              "pid": int(pid), "tid": int(tid)}
+        if cat:
+            ev["cat"] = str(cat)
+        if args:
+            ev["args"] = dict(args)
+        self.events.append(ev)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"traceEvents": list(self.events), "displayTimeUnit": "ms"}
+
+    def write(self, path: str | os.PathLike) -> Path:
+        """Write the JSON to ``path`` (atomically: a temporary file, then a rename)."""
+        path = Path(path)
+        text = json.dumps(self.to_dict(), allow_nan=False)  # NaN is not JSON; fail here, not in the viewer
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        return path
