@@ -1,5 +1,7 @@
 """asap_comm.serving: the disaggregated prefill runtime's load and measurement side.
 
+``policies``: the scheduling decisions the runtime and the simulator share
+(placement, long-prompt chunking, micro-batching, expert-side batching).
 ``traces``: requests (synthetic Poisson/Gamma arrivals and length
 distributions; the Mooncake JSONL and Azure CSV public traces). ``metrics``:
 per-request records, run summaries (TTFT percentiles, throughput, SLO
@@ -10,6 +12,7 @@ import this package (``import asap_comm.serving`` explicitly).
 """
 from .metrics import (ChromeTrace, RequestRecord, RunSummary, percentile, slo_compliant_throughput,
                       summarize_run)
+from .policies import Chunk, ExpertBatcher, MicroBatcher, Placer, attention_cost, split_prompt
 from .traces import (EmpiricalLengths, FixedLengths, LengthDistribution, LogNormalLengths, Request, TraceError,
                      TraceSummary, UniformLengths, gamma_arrivals, load_azure, load_mooncake, load_trace,
                      poisson_arrivals, scale_trace, summarize_trace, synthetic_trace)
@@ -18,5 +21,6 @@ __all__ = [
     "Request", "TraceError", "poisson_arrivals", "gamma_arrivals", "LengthDistribution", "FixedLengths",
     "UniformLengths", "LogNormalLengths", "EmpiricalLengths", "synthetic_trace", "load_mooncake", "load_azure",
     "load_trace", "scale_trace", "TraceSummary", "summarize_trace",
+    "attention_cost", "Chunk", "split_prompt", "Placer", "MicroBatcher", "ExpertBatcher",
     "percentile", "RequestRecord", "RunSummary", "summarize_run", "slo_compliant_throughput", "ChromeTrace",
 ]

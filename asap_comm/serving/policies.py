@@ -1,0 +1,267 @@
+"""Scheduling policies of the prefill runtime, shared with the cluster simulator.
+
+Pure decision code: no processes, no clocks (callers pass ``now``), no I/O.
+The runtime and ``asap_comm.sim`` make their placement, chunking and batching
+decisions by calling these same objects (DESIGN.md: the simulator reuses the
+runtime's policies; only time is simulated).
+
+Legend: A = attention ranks, T = tokens of a chunk, C = tokens already in a
+request's KV cache.
+
+* :func:`attention_cost`: the estimated work of prefilling a chunk (quadratic
+  in the prompt, because of causal attention over the cached prefix).
+* :func:`split_prompt`: optimization 3b, very long prompts become balanced
+  chunks (prefilled in order against the request's cache).
+* :class:`Placer`: optimization 3a, each request goes to the attention rank
+  with the least outstanding estimated work (or round-robin, for ablation).
+* :class:`MicroBatcher`: micro-batches of whole chunks under a token budget on
+  one attention rank; a request never has two chunks in flight.
+* :class:`ExpertBatcher`: optimization 4, an expert rank gathers rows of one
+  layer from several attention ranks until a token budget or a deadline.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+__all__ = ["attention_cost", "Chunk", "split_prompt", "Placer", "MicroBatcher", "ExpertBatcher"]
+
+LINEAR_WEIGHT = 512.0  # per-token work (projections, MLPs) in units of one query-key pair
+
+
+def _int(fn: str, name: str, v, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{fn}: {name}={v} must be >= {minimum}")
+    return v
+
+
+def attention_cost(num_tokens: int, cached: int = 0, linear_weight: float = LINEAR_WEIGHT) -> float:
+    """Estimated work of prefilling ``num_tokens`` new tokens after ``cached`` ones (relative units).
+
+    Causal attention pairs each new token i (1-based) with ``cached + i`` keys:
+    ``T*C + T*(T+1)/2`` query-key pairs, plus ``linear_weight * T`` for the
+    per-token work (projections, router, dense and shared MLPs). Only ratios
+    matter: it ranks ranks by load, it is not a time.
+    """
+    _int("attention_cost", "num_tokens", num_tokens, 0)
+    _int("attention_cost", "cached", cached, 0)
+    return num_tokens * cached + num_tokens * (num_tokens + 1) / 2 + linear_weight * num_tokens
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens ``[start, start + length)`` of request ``request_id``; chunk ``index`` of ``num_chunks``."""
+
+    request_id: int
+    index: int
+    start: int
+    length: int
+    num_chunks: int
+
+    @property
+    def last(self) -> bool:
+        """The chunk whose completion completes the request (its last token yields the first output)."""
+        return self.index == self.num_chunks - 1
+
+    @property
+    def cost(self) -> float:
+        """:func:`attention_cost` of this chunk against the cache of the chunks before it."""
+        return attention_cost(self.length, self.start)
+
+
+def split_prompt(request_id: int, prompt_len: int, chunk_len: "int | None") -> list[Chunk]:
+    """Split a prompt into ``ceil(prompt_len / chunk_len)`` contiguous chunks of near-equal length.
+
+    Balanced rather than "full chunks then a remainder", so no chunk is tiny.
+    ``chunk_len=None`` (splitting off) gives one chunk.
+    """
+    fn = "split_prompt"
+    _int(fn, "prompt_len", prompt_len, 1)
+    if chunk_len is None:
+        return [Chunk(request_id, 0, 0, prompt_len, 1)]
+    _int(fn, "chunk_len", chunk_len, 1)
+    n = -(-prompt_len // chunk_len)
+    base, extra = divmod(prompt_len, n)
+    chunks, start = [], 0
+    for i in range(n):
+        length = base + (1 if i < extra else 0)
+        chunks.append(Chunk(request_id, i, start, length, n))
+        start += length
+    return chunks
+
+
+class Placer:
+    """Front-end placement of requests on attention ranks.
+
+    ``load_aware=True``: the rank with the least outstanding estimated work
+    (sum of its unfinished chunks' :attr:`Chunk.cost`), ties to the lowest
+    rank. ``load_aware=False``: round-robin (the ablation baseline).
+    """
+
+    def __init__(self, num_ranks: int, *, load_aware: bool = True) -> None:
+        self.num_ranks = _int("Placer", "num_ranks", num_ranks, 1)
+        self.load_aware = load_aware
+        self._work = [0.0] * num_ranks
+        self._held: dict[int, tuple[int, float]] = {}  # request -> (rank, work)
+        self._next = 0
+
+    @property
+    def outstanding(self) -> list[float]:
+        """Estimated unfinished work per rank."""
+        return list(self._work)
+
+    def place(self, request_id: int, chunks: Iterable[Chunk]) -> int:
+        """Choose the rank for a request (all its chunks go there: they share its KV cache)."""
+        if request_id in self._held:
+            raise ValueError(f"Placer.place: request {request_id} is already placed on rank "
+                             f"{self._held[request_id][0]}")
+        work = sum(c.cost for c in chunks)
+        if self.load_aware:
+            rank = min(range(self.num_ranks), key=lambda r: (self._work[r], r))
+        else:
+            rank = self._next
+            self._next = (self._next + 1) % self.num_ranks
+        self._work[rank] += work
+        self._held[request_id] = (rank, work)
+        return rank
+
+    def complete(self, request_id: int) -> int:
+        """The request finished (or failed): its work leaves its rank. Returns the rank."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            raise ValueError(f"Placer.complete: request {request_id} is not placed")
+        rank, work = held
+        self._work[rank] = max(0.0, self._work[rank] - work)
+        return rank
+
+
+class MicroBatcher:
+    """Forms the micro-batches of one attention rank from its queued chunks.
+
+    FIFO by arrival. A micro-batch holds whole chunks whose tokens sum to at
+    most ``token_budget`` (a chunk longer than the budget goes alone). A
+    request's chunks run in order, one at a time: a chunk is eligible only
+    when its predecessor has completed (its keys must be in the cache), so a
+    request never appears twice in one micro-batch or in two in flight.
+    """
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = _int("MicroBatcher", "token_budget", token_budget, 1)
+        self._queue: deque[Chunk] = deque()
+        self._busy: dict[int, Chunk] = {}  # request -> its chunk in flight
+        self._next_index: dict[int, int] = {}  # request -> index of its next chunk to run
+
+    def add(self, chunk: Chunk) -> None:
+        """Queue a chunk (a request's chunks must be added in index order)."""
+        expected = self._next_index.get(chunk.request_id, 0)
+        queued = sum(1 for c in self._queue if c.request_id == chunk.request_id)
+        if chunk.index != expected + queued + (1 if chunk.request_id in self._busy else 0):
+            raise ValueError(f"MicroBatcher.add: chunk {chunk.index} of request {chunk.request_id} is out of order")
+        self._queue.append(chunk)
+
+    @property
+    def pending_tokens(self) -> int:
+        return sum(c.length for c in self._queue)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def next_batch(self) -> list[Chunk]:
+        """The next micro-batch (possibly empty): eligible chunks in FIFO order under the budget."""
+        batch, tokens, taken_requests = [], 0, set()
+        for c in list(self._queue):
+            if c.request_id in self._busy or c.request_id in taken_requests:
+                continue  # waits for its predecessor
+            if batch and tokens + c.length > self.token_budget:
+                continue  # does not fit; a smaller later chunk may
+            batch.append(c)
+            taken_requests.add(c.request_id)
+            tokens += c.length
+            if tokens >= self.token_budget:
+                break
+        for c in batch:
+            self._queue.remove(c)
+            self._busy[c.request_id] = c
+        return batch
+
+    def done(self, chunk: Chunk) -> None:
+        """A chunk's micro-batch completed: the request's next chunk becomes eligible."""
+        if self._busy.get(chunk.request_id) != chunk:
+            raise ValueError(f"MicroBatcher.done: chunk {chunk.index} of request {chunk.request_id} is not in flight")
+        del self._busy[chunk.request_id]
+        if chunk.last:
+            self._next_index.pop(chunk.request_id, None)
+        else:
+            self._next_index[chunk.request_id] = chunk.index + 1
+
+
+@dataclass
+class _Pending:
+    rows: int
+    since: float
+    items: list
+
+
+class ExpertBatcher:
+    """When an expert rank computes, and on what (optimization 4).
+
+    Rows arriving for a layer are held until that layer has ``token_budget``
+    rows or its oldest rows have waited ``deadline_s``; then the whole layer
+    is taken at once (one expert matmul per expert instead of one per
+    micro-batch). ``enabled=False`` runs every arrival at once (ablation).
+    """
+
+    def __init__(self, token_budget: int, deadline_s: float, *, enabled: bool = True) -> None:
+        self.token_budget = _int("ExpertBatcher", "token_budget", token_budget, 1)
+        if not deadline_s >= 0:
+            raise ValueError(f"ExpertBatcher: deadline_s={deadline_s!r} must be >= 0")
+        self.deadline_s = float(deadline_s)
+        self.enabled = enabled
+        self._layers: dict[int, _Pending] = {}
+
+    def add(self, layer: int, rows: int, item: Any, now: float) -> None:
+        """Hold ``item`` (``rows`` rows of ``layer``) that arrived at time ``now``."""
+        p = self._layers.get(layer)
+        if p is None:
+            self._layers[layer] = _Pending(rows, now, [item])
+        else:
+            p.rows += rows
+            p.items.append(item)
+
+    def ready(self, now: float) -> "int | None":
+        """The layer to compute now, or None to keep gathering.
+
+        A layer at its token budget first (most rows), else the layer whose
+        oldest rows passed the deadline (oldest first), else None.
+        """
+        if not self._layers:
+            return None
+        if not self.enabled:
+            return min(self._layers, key=lambda layer: self._layers[layer].since)
+        full = [layer for layer, p in self._layers.items() if p.rows >= self.token_budget]
+        if full:
+            return max(full, key=lambda layer: self._layers[layer].rows)
+        layer = min(self._layers, key=lambda layer: self._layers[layer].since)
+        return layer if now - self._layers[layer].since >= self.deadline_s else None
+
+    def take(self, layer: int) -> list:
+        """Remove and return everything held for ``layer`` (in arrival order)."""
+        p = self._layers.pop(layer, None)
+        return [] if p is None else p.items
+
+    def wait_s(self, now: float) -> "float | None":
+        """How long the caller may wait for more arrivals before something becomes ready (None: nothing held)."""
+        if not self._layers:
+            return None
+        if self.ready(now) is not None:
+            return 0.0
+        oldest = min(p.since for p in self._layers.values())
+        return max(0.0, oldest + self.deadline_s - now)
+
+    @property
+    def held_rows(self) -> int:
+        return sum(p.rows for p in self._layers.values())
+

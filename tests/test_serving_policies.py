@@ -1,0 +1,104 @@
+"""The scheduling policies shared by the runtime and the simulator (pure functions and objects)."""
+import pytest
+
+from asap_comm.serving.policies import (Chunk, ExpertBatcher, MicroBatcher, Placer, attention_cost,
+                                        split_prompt)
+
+
+def test_attention_cost_by_hand():
+    # 3 new tokens after 2 cached: pairs 3*2 + 3*4/2 = 12, plus 3 linear units
+    assert attention_cost(3, 2, linear_weight=1.0) == 15.0
+    assert attention_cost(0, 100) == 0.0
+    # quadratic: doubling a long prompt costs about 4x its pairs
+    big = attention_cost(8192, linear_weight=0.0) / attention_cost(4096, linear_weight=0.0)
+    assert 3.99 < big < 4.01
+    # a chunk late in a prompt costs more than the same chunk at the start
+    assert attention_cost(1024, 3072) > attention_cost(1024, 0)
+    with pytest.raises(ValueError, match="attention_cost: num_tokens=-1 must be >= 0"):
+        attention_cost(-1)
+
+
+def test_split_prompt_is_balanced_and_covers_the_prompt():
+    chunks = split_prompt(7, 2500, 1024)
+    assert [c.length for c in chunks] == [834, 833, 833]
+    assert [c.start for c in chunks] == [0, 834, 1667] and chunks[-1].last and not chunks[0].last
+    assert all(c.request_id == 7 and c.num_chunks == 3 for c in chunks)
+    assert split_prompt(1, 1024, 1024) == [Chunk(1, 0, 0, 1024, 1)]
+    assert split_prompt(1, 5, None) == [Chunk(1, 0, 0, 5, 1)]
+    for n in (1, 2, 999, 1000, 1001, 4097):
+        cs = split_prompt(0, n, 1000)
+        assert sum(c.length for c in cs) == n and max(c.length for c in cs) <= 1000
+        assert max(c.length for c in cs) - min(c.length for c in cs) <= 1
+    with pytest.raises(ValueError, match="split_prompt: prompt_len=0 must be >= 1"):
+        split_prompt(0, 0, 10)
+    # the chunked work is less than whole-prompt work only by the linear term's rounding: same pairs
+    whole = attention_cost(2500)
+    assert abs(sum(c.cost for c in chunks) - whole) < 1e-6
+
+
+def test_placer_least_outstanding_work_and_round_robin():
+    p = Placer(3)
+    long = split_prompt(0, 8000, None)
+    assert p.place(0, long) == 0
+    assert p.place(1, split_prompt(1, 100, None)) == 1
+    assert p.place(2, split_prompt(2, 100, None)) == 2
+    assert p.place(3, split_prompt(3, 100, None)) == 1  # ties between 1 and 2 go to the lower rank
+    assert p.place(4, split_prompt(4, 100, None)) == 2
+    assert p.outstanding[0] == long[0].cost
+    assert p.complete(0) == 0 and p.outstanding[0] == 0.0
+    assert p.place(5, split_prompt(5, 100, None)) == 0
+    with pytest.raises(ValueError, match="request 5 is already placed"):
+        p.place(5, split_prompt(5, 1, None))
+    with pytest.raises(ValueError, match="request 42 is not placed"):
+        p.complete(42)
+    rr = Placer(2, load_aware=False)
+    assert [rr.place(i, split_prompt(i, 10 ** (i % 3 + 1), None)) for i in range(5)] == [0, 1, 0, 1, 0]
+
+
+def test_micro_batcher_budget_order_and_one_chunk_in_flight_per_request():
+    mb = MicroBatcher(token_budget=100)
+    a = split_prompt(1, 150, 60)  # 3 chunks of 50
+    for c in a:
+        mb.add(c)
+    mb.add(Chunk(2, 0, 0, 40, 1))
+    mb.add(Chunk(3, 0, 0, 30, 1))
+    b1 = mb.next_batch()
+    # request 1's first chunk, then request 2 (90 tokens); request 3 does not fit; 1's next chunk must wait
+    assert [(c.request_id, c.index) for c in b1] == [(1, 0), (2, 0)]
+    b2 = mb.next_batch()
+    assert [(c.request_id, c.index) for c in b2] == [(3, 0)]  # request 1 still in flight
+    assert mb.next_batch() == []
+    mb.done(b1[0])
+    mb.done(b1[1])
+    assert [(c.request_id, c.index) for c in mb.next_batch()] == [(1, 1)]
+    with pytest.raises(ValueError, match="chunk 0 of request 1 is not in flight"):
+        mb.done(a[0])
+    with pytest.raises(ValueError, match="chunk 0 of request 1 is out of order"):
+        mb.add(a[0])
+    big = MicroBatcher(token_budget=10)
+    big.add(Chunk(9, 0, 0, 50, 1))  # longer than the budget: goes alone
+    big.add(Chunk(8, 0, 0, 5, 1))
+    assert [c.request_id for c in big.next_batch()] == [9]
+    assert [c.request_id for c in big.next_batch()] == [8]
+    assert len(big) == 0 and big.pending_tokens == 0
+
+
+def test_expert_batcher_budget_deadline_and_ablation():
+    eb = ExpertBatcher(token_budget=100, deadline_s=0.01)
+    assert eb.ready(0.0) is None and eb.wait_s(0.0) is None
+    eb.add(layer=3, rows=40, item="a", now=0.0)
+    eb.add(layer=5, rows=30, item="b", now=0.001)
+    assert eb.ready(0.002) is None
+    assert eb.wait_s(0.002) == pytest.approx(0.008)
+    eb.add(layer=5, rows=80, item="c", now=0.003)  # layer 5 reaches the budget
+    assert eb.ready(0.003) == 5 and eb.wait_s(0.003) == 0.0
+    assert eb.take(5) == ["b", "c"] and eb.held_rows == 40
+    assert eb.ready(0.005) is None
+    assert eb.ready(0.010) == 3  # layer 3's oldest rows passed the deadline
+    assert eb.take(3) == ["a"] and eb.take(3) == []
+    off = ExpertBatcher(token_budget=100, deadline_s=1.0, enabled=False)
+    off.add(1, 1, "x", now=0.0)
+    off.add(2, 1, "y", now=0.5)
+    assert off.ready(0.0) == 1  # no gathering: oldest first, at once
+    with pytest.raises(ValueError, match="deadline_s=-1"):
+        ExpertBatcher(10, -1)
