@@ -296,8 +296,8 @@ class AttentionEnd:
         # Parts that cover every token are added whole (rows are 0..T-1); the rest by index.
         full = [area[off:off + n] for _pe, _rows, off, n in handle.parts if n == T]
         if len(full) >= 2:
-            y = torch.add(full[0], full[1], dtype=acc_dtype) if acc_dtype != plan.dtype else \
-                torch.add(full[0], full[1])
+            first = full[0] if acc_dtype == plan.dtype else full[0].to(acc_dtype)
+            y = torch.add(first, full[1])  # one pass: reads both parts, writes y
             for part in full[2:]:
                 y += part
         elif full:
