@@ -51,6 +51,7 @@ import torch
 from .errors import CommError
 
 __all__ = ["MoEPlan", "AttentionEnd", "ExpertEnd", "DispatchHandle", "ExpertBatch", "InflightLimitError",
+           "join_as_bystander",
            "apply_experts", "reference_combine", "reference_dispatch"]
 
 _DESC_WORDS = 4  # descriptor: (slot, layer, rows, combine offset), int64
@@ -137,7 +138,7 @@ class _Buffers:
     """The symmetric buffers of one MoE group; allocated collectively, in this order, on every PE."""
 
     def __init__(self, comm, plan: MoEPlan) -> None:
-        if comm.world_size != plan.world_size:
+        if comm.world_size < plan.world_size:
             raise ValueError(f"MoE: the communicator has {comm.world_size} PEs but the plan needs "
                              f"{plan.num_attention_ranks} attention + {plan.num_expert_ranks} expert = "
                              f"{plan.world_size}")
@@ -150,6 +151,14 @@ class _Buffers:
         self.combine = comm.empty((S, plan.combine_rows, H), plan.dtype)  # [S, R, H]
         self.done = comm.signals(S)  # per slot: how many expert ranks have returned their rows (cumulative)
         self.inbox = comm.mailbox(_DESC_WORDS * 8, A * (S + 1))  # descriptors, never full
+
+
+def join_as_bystander(comm, plan: MoEPlan) -> None:
+    """On a PE outside the plan (``rank >= plan.world_size``, e.g. a front end): take part in the
+    collective allocation that the ``AttentionEnd``/``ExpertEnd`` constructors make, and nothing else."""
+    if comm.rank < plan.world_size:
+        raise ValueError(f"join_as_bystander: PE {comm.rank} is part of the plan (PEs 0..{plan.world_size - 1})")
+    _Buffers(comm, plan)
 
 
 @dataclass(eq=False)
@@ -276,6 +285,10 @@ class AttentionEnd:
         h.target = self._counted[slot]
         self._outstanding[slot] = h
         return h
+
+    def is_ready(self, handle: DispatchHandle) -> bool:
+        """True once every expert rank ``handle`` contacted has returned its rows (never waits)."""
+        return not handle.parts or self.comm.signal_fetch(self._buf.done, handle.slot) >= handle.target
 
     def combine_recv(self, handle: DispatchHandle, timeout=None) -> torch.Tensor:
         """Wait for ``handle``'s micro-batch only; return its routed-expert output ``[T,H]``.
