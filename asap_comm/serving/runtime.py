@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class RuntimeConfig:
     expert_token_budget: int = 1024
     expert_deadline_s: float = 0.002
     timeout_s: float = 600.0  # bound on the whole run
+    progress: bool = False  # a live progress line on stderr from the front end
 
     def __post_init__(self) -> None:
         for name in ("num_attention_ranks", "num_expert_ranks", "token_budget", "max_prompt_len",
@@ -278,7 +280,7 @@ def _expert_main(comm, cfg, info, model_factory, plan):
 
 
 # ----------------------------------------------------------------------------- front end
-def _front_main(comm, cfg, info, requests, plan, report_path):
+def _front_main(comm, cfg, info, requests, plan, report_path, label="async"):
     torch.set_num_threads(1)
     join_as_bystander(comm, plan)
     box = _mailbox(comm, cfg, info)
@@ -316,8 +318,14 @@ def _front_main(comm, cfg, info, requests, plan, report_path):
                 if m is not None:
                     take(m)
     try:
+        last_report = 0.0
         while i < len(order) or outstanding:
             now = time.monotonic() - t0
+            if cfg.progress and now - last_report >= 0.5:
+                last_report = now
+                done = sum(1 for rec in records.values() if rec.done_s is not None)
+                print(f"\r  [{label}] {now:6.1f} s  arrived {i}/{len(order)}  done {done}  in flight "
+                      f"{len(outstanding)}  ", end="", file=sys.stderr, flush=True)
             while i < len(order) and order[i].arrival_s <= now:
                 r = order[i]
                 i += 1
@@ -350,6 +358,9 @@ def _front_main(comm, cfg, info, requests, plan, report_path):
         records[rid].error = failure or "not completed"
     for r in order[i:]:
         records[r.request_id].error = failure or "not admitted"
+    if cfg.progress:
+        print(f"\r  [{label}] {now:6.1f} s  {len(outputs)}/{len(order)} completed" + " " * 30, file=sys.stderr,
+              flush=True)
     result = ([records[r.request_id] for r in requests], outputs)
     with open(report_path, "wb") as f:  # survives a LaunchError caused by a dead worker
         pickle.dump(result, f)

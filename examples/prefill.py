@@ -1,0 +1,248 @@
+"""MoE prefill, ASAP against the synchronous DP+EP baseline, on one host.
+
+    python examples/prefill.py                       # defaults: `small` model, skewed trace
+    python examples/prefill.py --sweep 2,4,8 --out runs/sweep
+
+Runs the same requests through the asynchronous disaggregated runtime
+(``asap_comm.serving.run_async``: A attention + E expert processes) and the
+synchronous baseline (``run_sync``: A + E processes doing DP attention + EP
+experts with gloo all-to-alls), checks every request's first token and final
+hidden state against the single-process reference forward, prints a table
+and writes ``summary.json``, ``ttft.png`` and ``timeline_<mode>.json``
+(Chrome trace format: open in https://ui.perfetto.dev) into ``--out``.
+
+The TTFT SLO defaults to 3x the unloaded single-process prefill time of the
+trace's 90th-percentile prompt, measured here before the runs: production
+SLOs are set as a multiple of unloaded latency, and tying it to this
+machine's speed keeps the default meaningful on any host.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from asap_comm.serving import ChromeTrace, load_trace, percentile, slo_compliant_throughput, summarize_run
+from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig, run_async
+from asap_comm.serving.traces import LogNormalLengths, scale_trace, synthetic_trace
+
+try:
+    from asap_comm.serving.sync import run_sync
+except ImportError:  # pragma: no cover - the baseline lands separately
+    run_sync = None
+
+from asap_models import load_checkpoint, preset, random_init
+
+
+class ModelFactory:
+    """Builds each worker's share of the model: a preset with seeded random weights, or a checkpoint."""
+
+    def __init__(self, model: str, seed: int) -> None:
+        self.model, self.seed = model, seed
+
+    def config(self):
+        if os.path.isdir(self.model):
+            from asap_models import ModelConfig
+
+            return ModelConfig.from_json(Path(self.model) / "config.json")
+        return preset(self.model)
+
+    def __call__(self, role: str, experts: list):
+        attention = role == "attention"
+        if os.path.isdir(self.model):
+            return load_checkpoint(self.model, experts=experts, attention_side=attention)
+        return random_init(self.config(), seed=self.seed, experts=experts, attention_side=attention)
+
+    def full(self):
+        return load_checkpoint(self.model) if os.path.isdir(self.model) else random_init(self.config(), seed=self.seed)
+
+
+def model_info(cfg) -> ModelInfo:
+    return ModelInfo(cfg.num_hidden_layers, tuple(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
+                     cfg.hidden_size, cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok)
+
+
+def make_requests(args, vocab: int) -> list:
+    """The load: a trace file (Mooncake JSONL / Azure CSV) or a synthetic skewed trace."""
+    if args.trace == "synthetic":
+        trace = synthetic_trace(args.rate, num_requests=args.num_requests, arrival="gamma", cv=args.burstiness,
+                                lengths=LogNormalLengths(args.median_len, 1.0, 4, args.max_prompt_len), seed=args.seed)
+    else:
+        trace = load_trace(args.trace, limit=args.num_requests, target_rate=args.rate,
+                           max_prompt_len=args.max_prompt_len, length_scale=args.length_scale)
+    g = torch.Generator().manual_seed(args.seed)
+    return [PromptRequest(r.request_id, r.arrival_s, torch.randint(0, vocab, (r.prompt_len,), generator=g))
+            for r in trace]
+
+
+def at_rate(requests: list, rate: float) -> list:
+    """The same prompts with arrivals rescaled to ``rate`` requests/s."""
+    scaled = scale_trace([_as_trace(r) for r in requests], target_rate=rate)
+    return [PromptRequest(r.request_id, s.arrival_s, r.token_ids) for r, s in zip(requests, scaled)]
+
+
+def _as_trace(r: PromptRequest):
+    from asap_comm.serving import Request
+
+    return Request(r.request_id, r.arrival_s, int(r.token_ids.numel()))
+
+
+def check(result, references: dict) -> tuple[int, int, list]:
+    """(checked, mismatches, details) of a run's outputs against the reference outputs."""
+    checked, bad, details = 0, 0, []
+    for rid, (token, hidden) in result.outputs.items():
+        ref_token, ref_hidden = references[rid]
+        checked += 1
+        if token != ref_token or not torch.allclose(hidden, ref_hidden, rtol=1e-4, atol=1e-5):
+            bad += 1
+            details.append(f"{result.mode} request {rid}: token {token} vs {ref_token}, "
+                           f"max |dh| {(hidden - ref_hidden).abs().max():.3g}")
+    return checked, bad, details
+
+
+def references(factory: ModelFactory, requests: list) -> tuple[dict, float]:
+    """Reference outputs of every request (single process), and the unloaded TTFT of the p90 prompt."""
+    model = factory.full()
+    out = {}
+    for r in requests:
+        with torch.no_grad():
+            o = model.prefill(r.token_ids)
+        out[r.request_id] = (int(o.logits[-1].argmax()), o.final_hidden[-1])
+    lens = sorted(int(r.token_ids.numel()) for r in requests)
+    p90 = torch.randint(0, factory.config().vocab_size, (lens[min(len(lens) - 1, int(0.9 * len(lens)))],))
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.prefill(p90)
+    return out, time.perf_counter() - t0
+
+
+def run_mode(mode: str, factory, info, requests, cfg):
+    runner = run_async if mode == "async" else run_sync
+    if runner is None:
+        raise SystemExit("prefill.py: the synchronous baseline (asap_comm.serving.sync) is not available")
+    print(f"{mode}: {len(requests)} requests, {cfg.num_attention_ranks} attention + {cfg.num_expert_ranks} expert "
+          f"processes", file=sys.stderr, flush=True)
+    return runner(factory, info, requests, cfg)
+
+
+def write_timeline(path: Path, result) -> None:
+    trace = ChromeTrace()
+    for pe, track, name, start, dur in result.spans:
+        trace.complete(name, pe, track, start, dur)
+    trace.write(path)
+
+
+def table(rows: list) -> str:
+    head = ["mode", "rate req/s", "offered tok/s", "TTFT p50 s", "p90 s", "p99 s", "tok/s", "SLO att.", "failed"]
+    lines = [head] + rows
+    widths = [max(len(str(r[i])) for r in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in lines)
+
+
+def plot(path: Path, points: dict, slo: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, pts in points.items():
+        pts = sorted(pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{mode} TTFT p90")
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", label=f"{mode} TTFT p50")
+    ax.axhline(slo, color="gray", lw=0.8, ls=":", label=f"SLO {slo:.2f} s")
+    ax.set_xlabel("offered load (prompt tokens/s)")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("ASAP (async) vs synchronous DP+EP")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="small", help="preset name (tiny, small) or a checkpoint directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-ranks", type=int, default=2)
+    p.add_argument("--expert-ranks", type=int, default=2)
+    p.add_argument("--trace", default="synthetic", help="synthetic, or a Mooncake .jsonl / Azure .csv file")
+    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--rate", type=float, default=3.0, help="requests/s (synthetic, or the file's rate is rescaled)")
+    p.add_argument("--burstiness", type=float, default=2.0, help="coefficient of variation of inter-arrivals")
+    p.add_argument("--median-len", type=int, default=48)
+    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--length-scale", type=float, default=1.0, help="scale file prompt lengths (CPU-sized runs)")
+    p.add_argument("--token-budget", type=int, default=256)
+    p.add_argument("--chunk-len", type=int, default=256)
+    p.add_argument("--slo", default="auto", help="TTFT SLO in seconds, or auto (3x unloaded p90 prefill)")
+    p.add_argument("--sweep", default="", help="comma-separated request rates for an SLO sweep")
+    p.add_argument("--modes", default="async,sync")
+    for opt in ("ping-pong", "load-aware", "expert-batching"):
+        p.add_argument(f"--no-{opt}", action="store_true", help=f"turn optimization '{opt}' off (ablation)")
+    p.add_argument("--out", default="runs/prefill", help="directory for summary.json, ttft.png, timelines")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(1)
+    factory = ModelFactory(args.model, args.seed)
+    mcfg = factory.config()
+    info = model_info(mcfg)
+    requests = make_requests(args, mcfg.vocab_size)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    modes = [m for m in args.modes.split(",") if m]
+    print(f"model {args.model}: {mcfg.num_hidden_layers} layers, {mcfg.n_routed_experts} experts (top "
+          f"{mcfg.num_experts_per_tok}); {len(requests)} requests; computing reference outputs ...",
+          file=sys.stderr, flush=True)
+    refs, unloaded = references(factory, requests)
+    slo = 3 * unloaded if args.slo == "auto" else float(args.slo)
+    cfg = RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
+                        token_budget=args.token_budget, chunk_len=args.chunk_len,
+                        max_prompt_len=args.max_prompt_len, ping_pong=not args.no_ping_pong,
+                        load_aware=not args.no_load_aware, expert_batching=not args.no_expert_batching,
+                        progress=True)
+    rates = [float(x) for x in args.sweep.split(",") if x] or [args.rate]
+    mean_len = sum(int(r.token_ids.numel()) for r in requests) / len(requests)
+    summary = {"config": {**vars(args), "slo_s": slo, "unloaded_p90_prefill_s": unloaded}, "runs": []}
+    rows, points, checked, mismatches, details = [], {m: [] for m in modes}, 0, 0, []
+    for rate in rates:
+        load = at_rate(requests, rate) if len(rates) > 1 or args.trace != "synthetic" else requests
+        for mode in modes:
+            result = run_mode(mode, factory, info, load, cfg)
+            s = summarize_run(result.records, slo).as_dict()
+            c, b, d = check(result, refs)
+            checked, mismatches, details = checked + c, mismatches + b, details + d
+            summary["runs"].append({"mode": mode, "rate_req_s": rate, "offered_tokens_per_s": rate * mean_len, **s})
+            summary.setdefault(mode, s)  # the first (or only) load's numbers, per mode
+            write_timeline(out / f"timeline_{mode}.json", result)
+            fmt = (lambda v: "-" if v is None else f"{v:.3f}")
+            rows.append([mode, f"{rate:g}", f"{rate * mean_len:.0f}", fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]),
+                         fmt(s["ttft_p99_s"]), f"{s['throughput_tokens_per_s']:.0f}", f"{s['slo_attainment']:.2f}",
+                         s["num_failed"]])
+            if s["ttft_p90_s"] is not None:
+                points[mode].append((rate * mean_len, s["ttft_p90_s"], s["ttft_p50_s"]))
+    summary["correctness"] = {"checked": checked, "mismatches": mismatches, "details": details[:20]}
+    if len(rates) > 1:
+        for mode in modes:
+            pts = [(r["offered_tokens_per_s"], r["slo_attainment"]) for r in summary["runs"] if r["mode"] == mode]
+            summary[mode]["slo_compliant_throughput"] = slo_compliant_throughput(pts)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    plot(out / "ttft.png", points, slo)
+    print()
+    print(table(rows))
+    print(f"\nTTFT SLO {slo:.3f} s; correctness: {checked} outputs checked, {mismatches} mismatches")
+    if len(rates) > 1:
+        for mode in modes:
+            print(f"SLO-compliant throughput ({mode}): {summary[mode].get('slo_compliant_throughput')} tokens/s")
+    print(f"artifacts in {out}/: summary.json, ttft.png, " + ", ".join(f"timeline_{m}.json" for m in modes))
+    return 0 if mismatches == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
