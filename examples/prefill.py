@@ -130,8 +130,12 @@ def run_mode(mode: str, factory, info, requests, cfg):
     return runner(factory, info, requests, cfg)
 
 
-def write_timeline(path: Path, result) -> None:
+def write_timeline(path: Path, result, cfg) -> None:
+    """Chrome trace of the run: one row per worker process, a span per unit of work (gaps are stalls)."""
     trace = ChromeTrace()
+    for pe in sorted({s[0] for s in result.spans}):
+        role = "attention" if pe < cfg.num_attention_ranks or result.mode == "sync" else "expert"
+        trace.name_process(pe, f"{result.mode} {role} PE {pe}")
     for pe, track, name, start, dur in result.spans:
         trace.complete(name, pe, track, start, dur)
     trace.write(path)
@@ -220,7 +224,7 @@ def main(argv=None) -> int:
             checked, mismatches, details = checked + c, mismatches + b, details + d
             summary["runs"].append({"mode": mode, "rate_req_s": rate, "offered_tokens_per_s": rate * mean_len, **s})
             summary.setdefault(mode, s)  # the first (or only) load's numbers, per mode
-            write_timeline(out / f"timeline_{mode}.json", result)
+            write_timeline(out / f"timeline_{mode}.json", result, cfg)
             fmt = (lambda v: "-" if v is None else f"{v:.3f}")
             rows.append([mode, f"{rate:g}", f"{rate * mean_len:.0f}", fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]),
                          fmt(s["ttft_p99_s"]), f"{s['throughput_tokens_per_s']:.0f}", f"{s['slo_attainment']:.2f}",

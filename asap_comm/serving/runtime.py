@@ -113,7 +113,7 @@ class RunResult:
 
     records: list
     outputs: dict
-    spans: list = field(default_factory=list)  # (pe, track, name, start_s, dur_s)
+    spans: list = field(default_factory=list)  # (pe, track, name, start_s from the first span, dur_s)
     mode: str = "async"
 
 
@@ -154,8 +154,7 @@ class _AttentionRank:
         self.batcher = MicroBatcher(cfg.token_budget)
         self.tokens: dict = {}  # (request, chunk index) -> token ids
         self.caches: dict = {}  # request -> KV cache
-        self.spans: list = []
-        self.t0 = time.monotonic()
+        self.spans: list = []  # (pe, track, name, start on the host's monotonic clock, duration)
 
     def _take(self, m) -> bool:
         """Handle one mailbox message; False on the stop message."""
@@ -183,8 +182,7 @@ class _AttentionRank:
                 routing = model.route(layer, mlp)
                 handle = att.dispatch_send(mlp, routing.topk_ids, routing.topk_weights, layer)
                 shared = model.shared_experts(layer, mlp)
-                self.spans.append((self.comm.rank, 0, f"attn L{layer}", t_start - self.t0,
-                                   time.monotonic() - t_start))
+                self.spans.append((self.comm.rank, 0, f"attn L{layer}", t_start, time.monotonic() - t_start))
                 yield handle
                 t_start = time.monotonic()
                 y = att.combine_recv(handle) + shared
@@ -200,7 +198,7 @@ class _AttentionRank:
                 self.box.send(self.front, out, c.request_id)
                 del self.caches[c.request_id]
             self.batcher.done(c)
-        self.spans.append((self.comm.rank, 0, "attn tail", t_start - self.t0, time.monotonic() - t_start))
+        self.spans.append((self.comm.rank, 0, "attn tail", t_start, time.monotonic() - t_start))
 
     def run(self) -> list:
         running: list = []  # [generator, handle or None]
@@ -256,7 +254,7 @@ def _expert_main(comm, cfg, info, model_factory, plan):
     ex = ExpertEnd(comm, plan)
     _mailbox(comm, cfg, info)
     batcher = ExpertBatcher(cfg.expert_token_budget, cfg.expert_deadline_s, enabled=cfg.expert_batching)
-    t0, spans = time.monotonic(), []
+    spans = []
     while True:
         now = time.monotonic()
         layer = batcher.ready(now)
@@ -264,7 +262,7 @@ def _expert_main(comm, cfg, info, model_factory, plan):
             batch = ExpertBatch.merge(batcher.take(layer))
             out = apply_experts(batch, lambda e, x: model.expert(layer, e, x), out=ex.output_buffer(batch))
             ex.combine_send(batch, out)
-            spans.append((comm.rank, 0, f"experts L{layer} ({batch.num_rows} rows)", now - t0, time.monotonic() - now))
+            spans.append((comm.rank, 0, f"experts L{layer} ({batch.num_rows} rows)", now, time.monotonic() - now))
             continue
         if ex.finished and batcher.held_rows == 0:
             break
@@ -406,6 +404,8 @@ def run_async(model_factory: Callable[[str, list], Any], info: ModelInfo, reques
                     rec.error = f"run aborted: {str(e).splitlines()[0]}"
             return RunResult(records, outputs, [], "async")
         spans = [s for role, payload in results if role != "front" for s in payload]
+        origin = min((s[3] for s in spans), default=0.0)  # CLOCK_MONOTONIC is shared by the host's processes
+        spans = [(pe, track, name, start - origin, dur) for pe, track, name, start, dur in spans]
         records, outputs = results[-1][1]
         return RunResult(records, outputs, spans, "async")
     finally:
