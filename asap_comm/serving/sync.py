@@ -1,0 +1,447 @@
+"""The synchronous prefill baseline (DP attention + EP experts, lock-step all-to-alls).
+
+What ASAP is measured against: the same model, on the same number of worker
+processes as :func:`asap_comm.serving.runtime.run_async` (``W = A + E``), run
+the way SGLang and vLLM run DP attention with expert parallelism:
+
+* PEs ``0..W-1``, workers: each is an attention rank for its own requests
+  (data-parallel: its own KV caches, embedding, attention, router, dense
+  layers, shared experts, final norm and head) *and* holds an equal share of
+  the routed experts (contiguous blocks, as ``MoEPlan`` splits them). At every
+  MoE layer, every worker routes its micro-batch, exchanges per-destination
+  row counts with an ``all_to_all``, then a dispatch ``all_to_all_single``
+  sends each token once to every worker holding one of its experts (packed:
+  hidden state, expert ids with -1 for experts held elsewhere, weights), the
+  workers compute their experts, and a combine ``all_to_all_single`` returns
+  the weighted partial sums, added back in token order. The collectives run
+  on a ``torch.distributed`` gloo group over the workers only.
+* All workers step together: in each step every worker runs its next
+  micro-batch (``MicroBatcher`` under the token budget, chunks from
+  ``split_prompt``) or, if it has none, a dummy batch of 0 tokens that still
+  joins every collective of every layer. A step starts with an
+  ``all_reduce`` of two flags (does anyone have work; is anyone still
+  active); when nobody has work the workers wait ~1 ms on their inboxes
+  instead of stepping.
+* PE ``W``, the front end: identical to the asynchronous runtime's (replays
+  arrivals in real time, validates, ``Placer`` placement, mailboxes).
+
+Same interface and result format as ``run_async``; ``RunResult.mode`` is
+``"sync"``. ``cfg.ping_pong`` and ``cfg.expert_batching`` have no meaning
+here (one micro-batch per step; experts compute each step's rows at once).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommError, LaunchError, PeerFailure
+from ..errors import TimeoutError as CommTimeoutError
+from ..launch import launch
+from ..moe import ExpertBatch, apply_experts
+from .metrics import RequestRecord
+from .policies import Chunk, MicroBatcher, Placer, split_prompt
+from .runtime import ModelInfo, PromptRequest, RunResult, RuntimeConfig, _validate
+
+__all__ = ["run_sync"]
+
+_STOP = -1  # tag of the front end's "no more requests" message
+_HDR = 4  # chunk message header words: request id, chunk index, number of chunks, start
+_IDLE_S = 0.001  # how long workers wait for arrivals when no worker has work
+
+
+def _mailbox(comm, cfg: RuntimeConfig, info: ModelInfo, workers: int):
+    """Requests (front end -> workers) and results (workers -> front end) share one mailbox."""
+    slot = max(8 * (cfg.max_chunk_tokens + _HDR), 4 * (info.hidden + 1), 256)
+    return comm.mailbox(slot, 8 * (workers + 4))
+
+
+def rank_of_expert(num_experts: int, num_ranks: int) -> torch.Tensor:
+    """``[N]`` int64: the worker holding each routed expert (contiguous near-equal blocks, as ``MoEPlan``)."""
+    base, extra = divmod(num_experts, num_ranks)
+    sizes = [base + (1 if r < extra else 0) for r in range(num_ranks)]
+    return torch.repeat_interleave(torch.arange(num_ranks), torch.tensor(sizes, dtype=torch.int64))
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``[n, m]`` any dtype -> ``[n, m * itemsize]`` uint8 (a view when contiguous)."""
+    return x.contiguous().view(torch.uint8)
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return b.contiguous().view(dtype)
+
+
+class _InOrderMicroBatcher(MicroBatcher):
+    """``MicroBatcher`` whose ``next_batch`` never takes a chunk whose predecessor is still queued.
+
+    ``policies.MicroBatcher.next_batch`` (as of this writing) skips a chunk
+    that does not fit the budget but may then take the same request's next
+    chunk if that one fits, so chunk 1 runs before chunk 0, on an empty KV
+    cache (a wrong result, not an error). Same FIFO/budget rule otherwise:
+    a skipped chunk blocks the rest of its request for this batch.
+    """
+
+    def next_batch(self) -> list[Chunk]:
+        batch, tokens, seen = [], 0, set()
+        for c in list(self._queue):
+            if c.request_id in self._busy or c.request_id in seen:
+                continue  # waits for its predecessor
+            seen.add(c.request_id)  # taken or skipped: later chunks of this request wait either way
+            if batch and tokens + c.length > self.token_budget:
+                continue  # does not fit; a smaller later chunk (of another request) may
+            batch.append(c)
+            tokens += c.length
+            if tokens >= self.token_budget:
+                break
+        for c in batch:
+            self._queue.remove(c)
+            self._busy[c.request_id] = c
+        return batch
+
+
+# ----------------------------------------------------------------------------- worker
+class _Worker:
+    """One DP-attention + EP-expert worker; PE ``rank`` of ``W`` workers."""
+
+    def __init__(self, comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, workers: int) -> None:
+        self.comm, self.cfg, self.info, self.W = comm, cfg, info, workers
+        self.rank = comm.rank
+        self.rank_of = rank_of_expert(info.num_experts, workers)
+        self.experts = (self.rank_of == self.rank).nonzero().flatten().tolist()
+        self.model = model_factory("attention", [])
+        self.expert_model = model_factory("expert", self.experts) if self.experts else None
+        self.front = workers
+        self.batcher = _InOrderMicroBatcher(cfg.token_budget)
+        self.tokens: dict = {}  # (request, chunk index) -> token ids
+        self.caches: dict = {}  # request -> KV cache
+        self.spans: list = []
+        k = info.top_k
+        self.hbytes = info.hidden * torch.empty(0, dtype=info.dtype).element_size()
+        self.width = self.hbytes + 8 * k  # packed row: hidden bytes, k int32 ids, k float32 weights
+
+    def _span(self, name: str, start: float) -> float:
+        now = time.monotonic()
+        self.spans.append((self.rank, 0, name, start, now - start))  # start on the host's monotonic clock
+        return now
+
+    def _take(self, m) -> bool:
+        """Handle one mailbox message; False on the stop message."""
+        with m:
+            if m.tag == _STOP:
+                return False
+            rid, index, n, start = m.tensor[:_HDR].tolist()
+            toks = m.tensor[_HDR:].clone()
+        self.tokens[(rid, index)] = toks
+        self.batcher.add(Chunk(rid, index, start, toks.numel(), n))
+        return True
+
+    # ------------------------------------------------------------------ one MoE layer's exchange
+    def _moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, tag: str) -> torch.Tensor:
+        """Routed experts of ``x [T,H]`` (``T`` may be 0) across all workers: counts, dispatch, compute, combine."""
+        W, H, k, dtype = self.W, self.info.hidden, self.info.top_k, self.info.dtype
+        T = x.shape[0]
+        t = time.monotonic()
+        dest = self.rank_of[ids] if T else torch.empty(0, k, dtype=torch.int64)  # [T,k] worker of each choice
+        masks = [dest == r for r in range(W)]
+        index = [m.any(1).nonzero().flatten() for m in masks]  # tokens for each worker
+        send_counts = [int(i.numel()) for i in index]
+        send = torch.empty(sum(send_counts), self.width, dtype=torch.uint8)
+        first = 0
+        ids32, w32 = ids.to(torch.int32), weights.to(torch.float32)
+        for mine, rows in zip(masks, index):
+            n = rows.numel()
+            if n == 0:
+                continue
+            part = send[first:first + n]
+            part[:, :self.hbytes] = _as_bytes(x[rows])
+            part[:, self.hbytes:self.hbytes + 4 * k] = _as_bytes(torch.where(mine[rows], ids32[rows], -1))
+            part[:, self.hbytes + 4 * k:] = _as_bytes(w32[rows])
+            first += n
+        t = self._span(f"{tag}route+pack L{layer}", t)
+        recv_counts_t = torch.empty(W, dtype=torch.int64)
+        dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64))
+        recv_counts = recv_counts_t.tolist()
+        recv = torch.empty(sum(recv_counts), self.width, dtype=torch.uint8)
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts)
+        t = self._span(f"{tag}dispatch a2a L{layer}", t)
+        m = recv.shape[0]
+        if m:
+            batch = ExpertBatch(layer, _from_bytes(recv[:, :self.hbytes], dtype),
+                                _from_bytes(recv[:, self.hbytes:self.hbytes + 4 * k], torch.int32),
+                                _from_bytes(recv[:, self.hbytes + 4 * k:], torch.float32), [])
+            model = self.expert_model
+            out = apply_experts(batch, lambda e, rows: model.expert(layer, e, rows))
+            t = self._span(f"experts L{layer} ({m} rows)", t)
+        else:
+            out = torch.empty(0, H, dtype=dtype)
+        back = torch.empty(sum(send_counts), H, dtype=dtype)
+        dist.all_to_all_single(back, out.contiguous(), output_split_sizes=send_counts, input_split_sizes=recv_counts)
+        t = self._span(f"{tag}combine a2a L{layer}", t)
+        acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        y = torch.zeros(T, H, dtype=acc)
+        if T:
+            y.index_add_(0, torch.cat(index), back.to(acc))
+        return y.to(dtype)
+
+    # ------------------------------------------------------------------ one step
+    def _step(self, chunks: list) -> None:
+        """One micro-batch (``chunks``; empty = dummy batch) through every layer, in lock-step with the others."""
+        model, info = self.model, self.info
+        tag = "" if chunks else "dummy "
+        caches = [self.caches.setdefault(c.request_id, model.new_cache()) for c in chunks]
+        lens = [c.length for c in chunks]
+        hs = [model.embed(self.tokens.pop((c.request_id, c.index))) for c in chunks]
+        empty = torch.empty(0, info.hidden, dtype=info.dtype)
+        t = time.monotonic()
+        for layer in range(info.num_layers):
+            if chunks:
+                outs = [model.attention_stage(layer, h, cache) for h, cache in zip(hs, caches)]
+                mlp = torch.cat([o.mlp_input for o in outs]) if len(outs) > 1 else outs[0].mlp_input
+                t = self._span(f"attn L{layer}", t)
+            else:
+                mlp = empty
+            if info.moe_layers[layer]:
+                if chunks:
+                    routing = model.route(layer, mlp)
+                    ids, weights = routing.topk_ids, routing.topk_weights
+                else:
+                    ids = torch.empty(0, info.top_k, dtype=torch.int64)
+                    weights = torch.empty(0, info.top_k, dtype=torch.float32)
+                routed = self._moe(layer, mlp, ids, weights, tag)
+                t = time.monotonic()
+                if not chunks:
+                    continue
+                y = routed + model.shared_experts(layer, mlp)
+            elif chunks:
+                y = model.dense_mlp(layer, mlp)
+            else:
+                continue
+            ys = y.split(lens) if len(lens) > 1 else (y,)
+            hs = [o.hidden + yi for o, yi in zip(outs, ys)]
+        for c, h in zip(chunks, hs):
+            if c.last:
+                normed = model.final_norm(h[-1:])
+                token = int(model.lm_head_logits(normed).argmax(-1)[0])
+                out = torch.cat([normed[0].float(), torch.tensor([float(token)])])
+                self.box.send(self.front, out, c.request_id)
+                del self.caches[c.request_id]
+            self.batcher.done(c)
+        if chunks:
+            self._span("tail", t)
+
+    def run(self, box) -> list:
+        self.box = box
+        stopped = False
+        flags = torch.zeros(2, dtype=torch.int64)
+        while True:
+            while (m := box.poll()) is not None:
+                stopped |= not self._take(m)
+            batch = self.batcher.next_batch()
+            active = not (stopped and not batch and len(self.batcher) == 0)
+            flags[0], flags[1] = int(bool(batch)), int(active)
+            t = time.monotonic()
+            dist.all_reduce(flags)
+            anyone_working, anyone_active = int(flags[0]), int(flags[1])
+            if not anyone_active:
+                break
+            if anyone_working:
+                if not batch:
+                    self._span("step sync (idle)", t)
+                self._step(batch)
+                continue
+            if stopped:  # nobody has work: do not spin
+                time.sleep(_IDLE_S)
+            else:
+                try:
+                    stopped |= not self._take(box.recv(timeout=_IDLE_S))
+                except CommTimeoutError:
+                    pass
+        return self.spans
+
+
+def _worker_main(comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, store_port: int):
+    torch.set_num_threads(1)
+    W = comm.world_size - 1
+    worker = _Worker(comm, cfg, info, model_factory, W)
+    store = dist.TCPStore("127.0.0.1", store_port, None, False, timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group("gloo", store=dist.PrefixStore("asap-sync", store), rank=comm.rank, world_size=W,
+                            timeout=timedelta(seconds=cfg.timeout_s))
+    try:
+        box = _mailbox(comm, cfg, info, W)
+        return worker.run(box)
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- front end
+def _front_main(comm, cfg: RuntimeConfig, info: ModelInfo, requests, report_path: str):
+    """The front end of ``run_async`` (same placement, chunking, records), placing on the W workers."""
+    torch.set_num_threads(1)
+    W = comm.world_size - 1
+    box = _mailbox(comm, cfg, info, W)
+    placer = Placer(W, load_aware=cfg.load_aware)
+    records = {r.request_id: RequestRecord(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in requests}
+    outputs: dict = {}
+    order = sorted(requests, key=lambda r: r.arrival_s)
+    outstanding: set = set()
+    t0 = time.monotonic()
+    i = 0
+    failure = None
+    report = open(report_path, "ab")
+
+    def log(event: tuple) -> None:
+        """Append an event to the report, which survives a LaunchError caused by a dead worker."""
+        pickle.dump(event, report)
+        report.flush()
+
+    def take(m) -> None:
+        """Record one result message."""
+        with m:
+            rid = m.tag
+            hidden = m.tensor[:-1].clone()
+            token = int(m.tensor[-1])
+        records[rid].done_s = time.monotonic() - t0
+        outputs[rid] = (token, hidden)
+        outstanding.discard(rid)
+        placer.complete(rid)
+        log(("done", rid, records[rid].done_s, token, hidden))
+
+    def send(rank: int, payload: torch.Tensor, tag: int) -> None:
+        """Send without ever blocking the results: while rank's inbox is full, take results."""
+        deadline = time.monotonic() + cfg.timeout_s
+        while True:
+            try:
+                return box.send(rank, payload, tag, timeout=0.005)
+            except CommTimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+                m = box.poll()
+                if m is not None:
+                    take(m)
+    progress = getattr(cfg, "progress", False)
+    try:
+        last_report = 0.0
+        while i < len(order) or outstanding:
+            now = time.monotonic() - t0
+            if progress and now - last_report >= 0.5:
+                last_report = now
+                done = sum(1 for rec in records.values() if rec.done_s is not None)
+                print(f"\r  [sync] {now:6.1f} s  arrived {i}/{len(order)}  done {done}  in flight "
+                      f"{len(outstanding)}  ", end="", file=sys.stderr, flush=True)
+            while i < len(order) and order[i].arrival_s <= now:
+                r = order[i]
+                i += 1
+                rec = records[r.request_id]
+                error = _validate(r, info, cfg)
+                if error is not None:
+                    rec.start_s, rec.done_s, rec.error = now, now, f"rejected: {error}"
+                    log(("rejected", r.request_id, now, rec.error))
+                    continue
+                chunks = split_prompt(r.request_id, int(r.token_ids.numel()), cfg.effective_chunk_len)
+                rank = placer.place(r.request_id, chunks)
+                for c in chunks:
+                    hdr = torch.tensor([c.request_id, c.index, c.num_chunks, c.start], dtype=torch.int64)
+                    send(rank, torch.cat([hdr, r.token_ids[c.start:c.start + c.length].to(torch.int64)]),
+                         r.request_id)
+                rec.start_s = now
+                outstanding.add(r.request_id)
+                log(("start", r.request_id, now))
+            next_arrival = order[i].arrival_s - (time.monotonic() - t0) if i < len(order) else 0.05
+            try:
+                take(box.recv(timeout=max(1e-4, min(0.05, next_arrival))))
+            except CommTimeoutError:
+                continue
+    except PeerFailure as e:
+        failure = f"worker failure: worker PE {e.pe} {e.reason} ({e})"
+    except CommTimeoutError as e:
+        failure = f"worker failure: {e}"
+    if progress:
+        print(f"\r  [sync] {time.monotonic() - t0:6.1f} s  {len(outputs)}/{len(order)} completed" + " " * 30,
+              file=sys.stderr, flush=True)
+    for rid in outstanding:
+        records[rid].done_s = None
+        records[rid].error = failure or "not completed"
+    for r in order[i:]:
+        records[r.request_id].error = failure or "not admitted"
+    result = ([records[r.request_id] for r in requests], outputs)
+    log(("final", result))
+    report.close()
+    if failure is None:
+        for w in range(W):
+            send(w, torch.zeros(1, dtype=torch.int64), _STOP)
+    return result
+
+
+def _pe_main(comm, cfg, info, model_factory, requests, report_path, store_port):
+    if comm.rank < comm.world_size - 1:
+        return ("worker", _worker_main(comm, cfg, info, model_factory, store_port))
+    return ("front", _front_main(comm, cfg, info, requests, report_path))
+
+
+def _replay_report(path: str, requests: Sequence[PromptRequest]) -> tuple:
+    """``(records, outputs)`` from the front end's event log, however far it got."""
+    records = {r.request_id: RequestRecord(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in requests}
+    outputs: dict = {}
+    with open(path, "rb") as f:
+        while True:
+            try:
+                event = pickle.load(f)
+            except Exception:  # the end (EOFError), or a torn last event
+                break
+            kind, payload = event[0], event[1:]
+            if kind == "final":
+                return payload[0]
+            rec = records[payload[0]]
+            if kind == "start":
+                rec.start_s = payload[1]
+            elif kind == "rejected":
+                rec.start_s = rec.done_s = payload[1]
+                rec.error = payload[2]
+            elif kind == "done":
+                rec.done_s = payload[1]
+                outputs[payload[0]] = (payload[2], payload[3])
+    return [records[r.request_id] for r in requests], outputs
+
+
+def run_sync(model_factory: Callable[[str, list], Any], info: ModelInfo, requests: Sequence[PromptRequest],
+             cfg: RuntimeConfig = RuntimeConfig()) -> RunResult:
+    """Run ``requests`` through the synchronous DP+EP baseline; same interface and results as ``run_async``.
+
+    ``W = cfg.num_attention_ranks + cfg.num_expert_ranks`` workers (each
+    attention for its own requests plus ``1/W`` of the routed experts, built
+    from ``model_factory("attention", [])`` and ``model_factory("expert",
+    experts)``) and one front end, ``W + 1`` processes on this host. If a
+    worker dies, its requests fail with an error and the run still returns
+    (``timeout_s`` bounds the run and every collective).
+    """
+    W = cfg.num_attention_ranks + cfg.num_expert_ranks
+    fd, report = tempfile.mkstemp(prefix="asap-sync-", suffix=".pkl")
+    os.close(fd)
+    # The workers' gloo group rendezvous through a store this process hosts on a free port.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
+    try:
+        try:
+            results = launch(_pe_main, W + 1, cfg, info, model_factory, list(requests), report, store.port,
+                             timeout=cfg.timeout_s)
+        except (LaunchError, CommError) as e:
+            records, outputs = _replay_report(report, requests)
+            for rec in records:
+                if rec.error is None and rec.done_s is None:
+                    rec.error = f"run aborted: {str(e).splitlines()[0]}"
+            return RunResult(records, outputs, [], "sync")
+        spans = [s for role, payload in results if role != "front" for s in payload]
+        origin = min((s[3] for s in spans), default=0.0)  # CLOCK_MONOTONIC is shared by the host's processes
+        spans = [(pe, track, name, start - origin, dur) for pe, track, name, start, dur in spans]
+        records, outputs = results[-1][1]
+        return RunResult(records, outputs, spans, "sync")
+    finally:
+        del store
+        os.unlink(report)
