@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from asap_comm.serving import ChromeTrace, load_trace, percentile, slo_compliant_throughput, summarize_run
+from asap_comm.serving import ChromeTrace, load_trace, slo_compliant_throughput, summarize_run
 from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig, run_async
 from asap_comm.serving.traces import LogNormalLengths, scale_trace, synthetic_trace
 

@@ -102,3 +102,14 @@ def test_expert_batcher_budget_deadline_and_ablation():
     assert off.ready(0.0) == 1  # no gathering: oldest first, at once
     with pytest.raises(ValueError, match="deadline_s=-1"):
         ExpertBatcher(10, -1)
+
+
+def test_micro_batcher_never_runs_a_later_chunk_before_an_earlier_one():
+    """Regression: chunk 0 skipped for the budget must hold back chunk 1 of the same request."""
+    mb = MicroBatcher(token_budget=32)
+    mb.add(Chunk(1, 0, 0, 24, 1))
+    for c in split_prompt(2, 17, 9):  # 9 + 8
+        mb.add(c)
+    first = mb.next_batch()
+    assert [(c.request_id, c.index) for c in first] == [(1, 0)]
+    assert mb.next_batch() == [Chunk(2, 0, 0, 9, 2)]

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from asap_comm.moe import MoEPlan
-from asap_comm.serving.policies import Chunk, split_prompt
 from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig
-from asap_comm.serving.sync import _InOrderMicroBatcher, rank_of_expert, run_sync
+from asap_comm.serving.sync import rank_of_expert, run_sync
 from models import preset, random_init
 
 CFG = preset("tiny")
@@ -124,18 +123,3 @@ def test_experts_split_like_moe_plan():
                        max_tokens=4, top_k=1) if n >= w else None
         if plan is not None:
             assert torch.equal(owners, plan.rank_of_expert)
-
-
-def test_chunks_of_a_request_run_in_order():
-    # chunk 0 of request 2 does not fit beside request 1; its chunk 1 would: it must still wait
-    b = _InOrderMicroBatcher(32)
-    b.add(Chunk(1, 0, 0, 24, 1))
-    for c in split_prompt(2, 17, 16):
-        b.add(c)
-    first = b.next_batch()
-    assert [(c.request_id, c.index) for c in first] == [(1, 0)]
-    b.done(first[0])
-    second = b.next_batch()
-    assert [(c.request_id, c.index) for c in second] == [(2, 0)]
-    b.done(second[0])
-    assert [(c.request_id, c.index) for c in b.next_batch()] == [(2, 1)]

@@ -176,7 +176,8 @@ class MicroBatcher:
             if c.request_id in self._busy or c.request_id in taken_requests:
                 continue  # waits for its predecessor
             if batch and tokens + c.length > self.token_budget:
-                continue  # does not fit; a smaller later chunk may
+                taken_requests.add(c.request_id)  # its later chunks must wait for this one
+                continue  # does not fit; a smaller chunk of another request may
             batch.append(c)
             taken_requests.add(c.request_id)
             tokens += c.length

@@ -79,34 +79,6 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return b.contiguous().view(dtype)
 
 
-class _InOrderMicroBatcher(MicroBatcher):
-    """``MicroBatcher`` whose ``next_batch`` never takes a chunk whose predecessor is still queued.
-
-    ``policies.MicroBatcher.next_batch`` (as of this writing) skips a chunk
-    that does not fit the budget but may then take the same request's next
-    chunk if that one fits, so chunk 1 runs before chunk 0, on an empty KV
-    cache (a wrong result, not an error). Same FIFO/budget rule otherwise:
-    a skipped chunk blocks the rest of its request for this batch.
-    """
-
-    def next_batch(self) -> list[Chunk]:
-        batch, tokens, seen = [], 0, set()
-        for c in list(self._queue):
-            if c.request_id in self._busy or c.request_id in seen:
-                continue  # waits for its predecessor
-            seen.add(c.request_id)  # taken or skipped: later chunks of this request wait either way
-            if batch and tokens + c.length > self.token_budget:
-                continue  # does not fit; a smaller later chunk (of another request) may
-            batch.append(c)
-            tokens += c.length
-            if tokens >= self.token_budget:
-                break
-        for c in batch:
-            self._queue.remove(c)
-            self._busy[c.request_id] = c
-        return batch
-
-
 # ----------------------------------------------------------------------------- worker
 class _Worker:
     """One DP-attention + EP-expert worker; PE ``rank`` of ``W`` workers."""
@@ -119,7 +91,7 @@ class _Worker:
         self.model = model_factory("attention", [])
         self.expert_model = model_factory("expert", self.experts) if self.experts else None
         self.front = workers
-        self.batcher = _InOrderMicroBatcher(cfg.token_budget)
+        self.batcher = MicroBatcher(cfg.token_budget)
         self.tokens: dict = {}  # (request, chunk index) -> token ids
         self.caches: dict = {}  # request -> KV cache
         self.spans: list = []
