@@ -155,10 +155,12 @@ def plot(path: Path, points: dict, slo: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    colors = {"async": "tab:blue", "sync": "tab:red"}
     for mode, pts in points.items():
         pts = sorted(pts)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{mode} TTFT p90")
-        ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", label=f"{mode} TTFT p50")
+        c = colors.get(mode)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=c, label=f"{mode} TTFT p90")
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=c, label=f"{mode} TTFT p50")
     ax.axhline(slo, color="gray", lw=0.8, ls=":", label=f"SLO {slo:.2f} s")
     ax.set_xlabel("offered load (prompt tokens/s)")
     ax.set_ylabel("TTFT (s)")
