@@ -27,8 +27,6 @@ end receives that result.
 from __future__ import annotations
 
 import os
-import pickle
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -36,17 +34,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import CommError, LaunchError, PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
-from ..launch import launch
 from ..moe import AttentionEnd, ExpertBatch, ExpertEnd, MoEPlan, apply_experts, join_as_bystander
-from .metrics import RequestRecord
-from .policies import Chunk, ExpertBatcher, MicroBatcher, Placer, split_prompt
+from .frontend import HDR, STOP, request_mailbox, run_front_end, run_group
+from .policies import Chunk, ExpertBatcher, MicroBatcher
 
 __all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "run_async"]
 
-_STOP = -1  # tag of the front end's "no more requests" message
-_HDR = 4  # chunk message header words: request id, chunk index, number of chunks, start
 
 
 @dataclass(frozen=True)
@@ -117,20 +111,6 @@ class RunResult:
     mode: str = "async"
 
 
-def _validate(req: PromptRequest, info: ModelInfo, cfg: RuntimeConfig) -> "str | None":
-    t = req.token_ids
-    if not isinstance(t, torch.Tensor) or t.dim() != 1:
-        return "prompt must be a 1-D tensor of token ids"
-    if t.numel() == 0:
-        return "empty prompt"
-    if t.numel() > cfg.max_prompt_len:
-        return f"prompt of {t.numel()} tokens is longer than max_prompt_len={cfg.max_prompt_len}"
-    lo, hi = int(t.min()), int(t.max())
-    if lo < 0 or hi >= info.vocab_size:
-        return f"token id out of the vocabulary [0, {info.vocab_size}): min {lo}, max {hi}"
-    return None
-
-
 def _plan(cfg: RuntimeConfig, info: ModelInfo) -> MoEPlan:
     return MoEPlan(num_attention_ranks=cfg.num_attention_ranks, num_expert_ranks=cfg.num_expert_ranks,
                    num_experts=info.num_experts, hidden=info.hidden, dtype=info.dtype,
@@ -138,18 +118,12 @@ def _plan(cfg: RuntimeConfig, info: ModelInfo) -> MoEPlan:
                    max_inflight=2 if cfg.ping_pong else 1)
 
 
-def _mailbox(comm, cfg: RuntimeConfig, info: ModelInfo):
-    """Requests (front end -> attention) and results (attention -> front end) share one mailbox."""
-    slot = max(8 * (cfg.max_chunk_tokens + _HDR), 4 * (info.hidden + 1), 256)
-    return comm.mailbox(slot, 8 * (cfg.num_attention_ranks + 4))
-
-
 # ----------------------------------------------------------------------------- attention rank
 class _AttentionRank:
     def __init__(self, comm, cfg: RuntimeConfig, info: ModelInfo, model, plan: MoEPlan) -> None:
         self.comm, self.cfg, self.info, self.model = comm, cfg, info, model
         self.att = AttentionEnd(comm, plan)
-        self.box = _mailbox(comm, cfg, info)
+        self.box = request_mailbox(comm, cfg, info, cfg.num_attention_ranks)
         self.front = cfg.num_attention_ranks + cfg.num_expert_ranks
         self.batcher = MicroBatcher(cfg.token_budget)
         self.tokens: dict = {}  # (request, chunk index) -> token ids
@@ -159,11 +133,11 @@ class _AttentionRank:
     def _take(self, m) -> bool:
         """Handle one mailbox message; False on the stop message."""
         with m:
-            if m.tag == _STOP:
+            if m.tag == STOP:
                 return False
-            hdr = m.tensor[:_HDR].tolist()
+            hdr = m.tensor[:HDR].tolist()
             rid, index, n, start = hdr
-            toks = m.tensor[_HDR:].clone()
+            toks = m.tensor[HDR:].clone()
         self.tokens[(rid, index)] = toks
         self.batcher.add(Chunk(rid, index, start, toks.numel(), n))
         return True
@@ -252,7 +226,7 @@ def _expert_main(comm, cfg, info, model_factory, plan):
     experts = plan.local_experts(comm.rank)
     model = model_factory("expert", experts)
     ex = ExpertEnd(comm, plan)
-    _mailbox(comm, cfg, info)
+    request_mailbox(comm, cfg, info, cfg.num_attention_ranks)
     batcher = ExpertBatcher(cfg.expert_token_budget, cfg.expert_deadline_s, enabled=cfg.expert_batching)
     spans = []
     while True:
@@ -277,97 +251,6 @@ def _expert_main(comm, cfg, info, model_factory, plan):
     return spans
 
 
-# ----------------------------------------------------------------------------- front end
-def _front_main(comm, cfg, info, requests, plan, report_path, label="async"):
-    torch.set_num_threads(1)
-    join_as_bystander(comm, plan)
-    box = _mailbox(comm, cfg, info)
-    A = cfg.num_attention_ranks
-    placer = Placer(A, load_aware=cfg.load_aware)
-    records = {r.request_id: RequestRecord(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in requests}
-    outputs: dict = {}
-    order = sorted(requests, key=lambda r: r.arrival_s)
-    outstanding: set = set()
-    t0 = time.monotonic()
-    i = 0
-    failure = None
-
-    def take(m) -> None:
-        """Record one result message."""
-        with m:
-            rid = m.tag
-            hidden = m.tensor[:-1].clone()
-            token = int(m.tensor[-1])
-        records[rid].done_s = time.monotonic() - t0
-        outputs[rid] = (token, hidden)
-        outstanding.discard(rid)
-        placer.complete(rid)
-
-    def send(rank: int, payload: torch.Tensor, tag: int) -> None:
-        """Send without ever blocking the results: while rank's inbox is full, take results."""
-        deadline = time.monotonic() + cfg.timeout_s
-        while True:
-            try:
-                return box.send(rank, payload, tag, timeout=0.005)
-            except CommTimeoutError:
-                if time.monotonic() > deadline:
-                    raise
-                m = box.poll()
-                if m is not None:
-                    take(m)
-    try:
-        last_report = 0.0
-        while i < len(order) or outstanding:
-            now = time.monotonic() - t0
-            if cfg.progress and now - last_report >= 0.5:
-                last_report = now
-                done = sum(1 for rec in records.values() if rec.done_s is not None)
-                print(f"\r  [{label}] {now:6.1f} s  arrived {i}/{len(order)}  done {done}  in flight "
-                      f"{len(outstanding)}  ", end="", file=sys.stderr, flush=True)
-            while i < len(order) and order[i].arrival_s <= now:
-                r = order[i]
-                i += 1
-                rec = records[r.request_id]
-                error = _validate(r, info, cfg)
-                if error is not None:
-                    rec.start_s, rec.done_s, rec.error = now, now, f"rejected: {error}"
-                    continue
-                chunks = split_prompt(r.request_id, int(r.token_ids.numel()), cfg.effective_chunk_len)
-                rank = placer.place(r.request_id, chunks)
-                for c in chunks:
-                    hdr = torch.tensor([c.request_id, c.index, c.num_chunks, c.start], dtype=torch.int64)
-                    send(rank, torch.cat([hdr, r.token_ids[c.start:c.start + c.length].to(torch.int64)]),
-                         r.request_id)
-                rec.start_s = now
-                outstanding.add(r.request_id)
-            next_arrival = order[i].arrival_s - (time.monotonic() - t0) if i < len(order) else 0.05
-            try:
-                take(box.recv(timeout=max(1e-4, min(0.05, next_arrival))))
-            except CommTimeoutError:
-                continue
-    except PeerFailure as e:
-        role = "attention" if e.pe is not None and e.pe < A else "expert"
-        failure = f"worker failure: {role} worker PE {e.pe} {e.reason} ({e})"
-    except CommTimeoutError as e:
-        failure = f"worker failure: {e}"
-    now = time.monotonic() - t0
-    for rid in outstanding:
-        records[rid].done_s = None
-        records[rid].error = failure or "not completed"
-    for r in order[i:]:
-        records[r.request_id].error = failure or "not admitted"
-    if cfg.progress:
-        print(f"\r  [{label}] {now:6.1f} s  {len(outputs)}/{len(order)} completed" + " " * 30, file=sys.stderr,
-              flush=True)
-    result = ([records[r.request_id] for r in requests], outputs)
-    with open(report_path, "wb") as f:  # survives a LaunchError caused by a dead worker
-        pickle.dump(result, f)
-    if failure is None:
-        for a in range(A):
-            send(a, torch.zeros(1, dtype=torch.int64), _STOP)
-    return result
-
-
 def _pe_main(comm, cfg, info, model_factory, requests, report_path):
     plan = _plan(cfg, info)
     A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
@@ -375,7 +258,11 @@ def _pe_main(comm, cfg, info, model_factory, requests, report_path):
         return ("attention", _attention_main(comm, cfg, info, model_factory, plan))
     if comm.rank < A + E:
         return ("expert", _expert_main(comm, cfg, info, model_factory, plan))
-    return ("front", _front_main(comm, cfg, info, requests, plan, report_path))
+    torch.set_num_threads(1)
+    join_as_bystander(comm, plan)
+    box = request_mailbox(comm, cfg, info, A)
+    role = (lambda pe: "attention worker" if pe is not None and pe < A else "expert worker")
+    return ("front", run_front_end(comm, cfg, info, requests, report_path, box, A, "async", role))
 
 
 def run_async(model_factory: Callable[[str, list], Any], info: ModelInfo, requests: Sequence[PromptRequest],
@@ -391,22 +278,7 @@ def run_async(model_factory: Callable[[str, list], Any], info: ModelInfo, reques
     fd, report = tempfile.mkstemp(prefix="asap-run-", suffix=".pkl")
     os.close(fd)
     try:
-        try:
-            results = launch(_pe_main, world, cfg, info, model_factory, list(requests), report,
-                             timeout=cfg.timeout_s)
-        except (LaunchError, CommError) as e:
-            if os.path.getsize(report) == 0:
-                raise
-            with open(report, "rb") as f:
-                records, outputs = pickle.load(f)
-            for rec in records:
-                if rec.error is None and rec.done_s is None:
-                    rec.error = f"run aborted: {str(e).splitlines()[0]}"
-            return RunResult(records, outputs, [], "async")
-        spans = [s for role, payload in results if role != "front" for s in payload]
-        origin = min((s[3] for s in spans), default=0.0)  # CLOCK_MONOTONIC is shared by the host's processes
-        spans = [(pe, track, name, start - origin, dur) for pe, track, name, start, dur in spans]
-        records, outputs = results[-1][1]
-        return RunResult(records, outputs, spans, "async")
+        return run_group(_pe_main, world, (cfg, info, model_factory, list(requests), report), requests, report,
+                         cfg.timeout_s, RunResult, "async")
     finally:
         os.unlink(report)

@@ -32,8 +32,6 @@ here (one micro-batch per step; experts compute each step's rows at once).
 from __future__ import annotations
 
 import os
-import pickle
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -42,25 +40,15 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import CommError, LaunchError, PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
-from ..launch import launch
 from ..moe import ExpertBatch, apply_experts
-from .metrics import RequestRecord
-from .policies import Chunk, MicroBatcher, Placer, split_prompt
-from .runtime import ModelInfo, PromptRequest, RunResult, RuntimeConfig, _validate
+from .frontend import HDR, STOP, request_mailbox, run_front_end, run_group
+from .policies import Chunk, MicroBatcher
+from .runtime import ModelInfo, PromptRequest, RunResult, RuntimeConfig
 
 __all__ = ["run_sync"]
 
-_STOP = -1  # tag of the front end's "no more requests" message
-_HDR = 4  # chunk message header words: request id, chunk index, number of chunks, start
 _IDLE_S = 0.001  # how long workers wait for arrivals when no worker has work
-
-
-def _mailbox(comm, cfg: RuntimeConfig, info: ModelInfo, workers: int):
-    """Requests (front end -> workers) and results (workers -> front end) share one mailbox."""
-    slot = max(8 * (cfg.max_chunk_tokens + _HDR), 4 * (info.hidden + 1), 256)
-    return comm.mailbox(slot, 8 * (workers + 4))
 
 
 def rank_of_expert(num_experts: int, num_ranks: int) -> torch.Tensor:
@@ -107,10 +95,10 @@ class _Worker:
     def _take(self, m) -> bool:
         """Handle one mailbox message; False on the stop message."""
         with m:
-            if m.tag == _STOP:
+            if m.tag == STOP:
                 return False
-            rid, index, n, start = m.tensor[:_HDR].tolist()
-            toks = m.tensor[_HDR:].clone()
+            rid, index, n, start = m.tensor[:HDR].tolist()
+            toks = m.tensor[HDR:].clone()
         self.tokens[(rid, index)] = toks
         self.batcher.add(Chunk(rid, index, start, toks.numel(), n))
         return True
@@ -247,140 +235,19 @@ def _worker_main(comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, store
     dist.init_process_group("gloo", store=dist.PrefixStore("asap-sync", store), rank=comm.rank, world_size=W,
                             timeout=timedelta(seconds=cfg.timeout_s))
     try:
-        box = _mailbox(comm, cfg, info, W)
+        box = request_mailbox(comm, cfg, info, W)
         return worker.run(box)
     finally:
         dist.destroy_process_group()
 
 
-# ----------------------------------------------------------------------------- front end
-def _front_main(comm, cfg: RuntimeConfig, info: ModelInfo, requests, report_path: str):
-    """The front end of ``run_async`` (same placement, chunking, records), placing on the W workers."""
-    torch.set_num_threads(1)
-    W = comm.world_size - 1
-    box = _mailbox(comm, cfg, info, W)
-    placer = Placer(W, load_aware=cfg.load_aware)
-    records = {r.request_id: RequestRecord(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in requests}
-    outputs: dict = {}
-    order = sorted(requests, key=lambda r: r.arrival_s)
-    outstanding: set = set()
-    t0 = time.monotonic()
-    i = 0
-    failure = None
-    report = open(report_path, "ab")
-
-    def log(event: tuple) -> None:
-        """Append an event to the report, which survives a LaunchError caused by a dead worker."""
-        pickle.dump(event, report)
-        report.flush()
-
-    def take(m) -> None:
-        """Record one result message."""
-        with m:
-            rid = m.tag
-            hidden = m.tensor[:-1].clone()
-            token = int(m.tensor[-1])
-        records[rid].done_s = time.monotonic() - t0
-        outputs[rid] = (token, hidden)
-        outstanding.discard(rid)
-        placer.complete(rid)
-        log(("done", rid, records[rid].done_s, token, hidden))
-
-    def send(rank: int, payload: torch.Tensor, tag: int) -> None:
-        """Send without ever blocking the results: while rank's inbox is full, take results."""
-        deadline = time.monotonic() + cfg.timeout_s
-        while True:
-            try:
-                return box.send(rank, payload, tag, timeout=0.005)
-            except CommTimeoutError:
-                if time.monotonic() > deadline:
-                    raise
-                m = box.poll()
-                if m is not None:
-                    take(m)
-    progress = getattr(cfg, "progress", False)
-    try:
-        last_report = 0.0
-        while i < len(order) or outstanding:
-            now = time.monotonic() - t0
-            if progress and now - last_report >= 0.5:
-                last_report = now
-                done = sum(1 for rec in records.values() if rec.done_s is not None)
-                print(f"\r  [sync] {now:6.1f} s  arrived {i}/{len(order)}  done {done}  in flight "
-                      f"{len(outstanding)}  ", end="", file=sys.stderr, flush=True)
-            while i < len(order) and order[i].arrival_s <= now:
-                r = order[i]
-                i += 1
-                rec = records[r.request_id]
-                error = _validate(r, info, cfg)
-                if error is not None:
-                    rec.start_s, rec.done_s, rec.error = now, now, f"rejected: {error}"
-                    log(("rejected", r.request_id, now, rec.error))
-                    continue
-                chunks = split_prompt(r.request_id, int(r.token_ids.numel()), cfg.effective_chunk_len)
-                rank = placer.place(r.request_id, chunks)
-                for c in chunks:
-                    hdr = torch.tensor([c.request_id, c.index, c.num_chunks, c.start], dtype=torch.int64)
-                    send(rank, torch.cat([hdr, r.token_ids[c.start:c.start + c.length].to(torch.int64)]),
-                         r.request_id)
-                rec.start_s = now
-                outstanding.add(r.request_id)
-                log(("start", r.request_id, now))
-            next_arrival = order[i].arrival_s - (time.monotonic() - t0) if i < len(order) else 0.05
-            try:
-                take(box.recv(timeout=max(1e-4, min(0.05, next_arrival))))
-            except CommTimeoutError:
-                continue
-    except PeerFailure as e:
-        failure = f"worker failure: worker PE {e.pe} {e.reason} ({e})"
-    except CommTimeoutError as e:
-        failure = f"worker failure: {e}"
-    if progress:
-        print(f"\r  [sync] {time.monotonic() - t0:6.1f} s  {len(outputs)}/{len(order)} completed" + " " * 30,
-              file=sys.stderr, flush=True)
-    for rid in outstanding:
-        records[rid].done_s = None
-        records[rid].error = failure or "not completed"
-    for r in order[i:]:
-        records[r.request_id].error = failure or "not admitted"
-    result = ([records[r.request_id] for r in requests], outputs)
-    log(("final", result))
-    report.close()
-    if failure is None:
-        for w in range(W):
-            send(w, torch.zeros(1, dtype=torch.int64), _STOP)
-    return result
-
-
 def _pe_main(comm, cfg, info, model_factory, requests, report_path, store_port):
-    if comm.rank < comm.world_size - 1:
+    W = comm.world_size - 1
+    if comm.rank < W:
         return ("worker", _worker_main(comm, cfg, info, model_factory, store_port))
-    return ("front", _front_main(comm, cfg, info, requests, report_path))
-
-
-def _replay_report(path: str, requests: Sequence[PromptRequest]) -> tuple:
-    """``(records, outputs)`` from the front end's event log, however far it got."""
-    records = {r.request_id: RequestRecord(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in requests}
-    outputs: dict = {}
-    with open(path, "rb") as f:
-        while True:
-            try:
-                event = pickle.load(f)
-            except Exception:  # the end (EOFError), or a torn last event
-                break
-            kind, payload = event[0], event[1:]
-            if kind == "final":
-                return payload[0]
-            rec = records[payload[0]]
-            if kind == "start":
-                rec.start_s = payload[1]
-            elif kind == "rejected":
-                rec.start_s = rec.done_s = payload[1]
-                rec.error = payload[2]
-            elif kind == "done":
-                rec.done_s = payload[1]
-                outputs[payload[0]] = (payload[2], payload[3])
-    return [records[r.request_id] for r in requests], outputs
+    torch.set_num_threads(1)
+    box = request_mailbox(comm, cfg, info, W)
+    return ("front", run_front_end(comm, cfg, info, requests, report_path, box, W, "sync", lambda pe: "worker"))
 
 
 def run_sync(model_factory: Callable[[str, list], Any], info: ModelInfo, requests: Sequence[PromptRequest],
@@ -400,20 +267,8 @@ def run_sync(model_factory: Callable[[str, list], Any], info: ModelInfo, request
     # The workers' gloo group rendezvous through a store this process hosts on a free port.
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
     try:
-        try:
-            results = launch(_pe_main, W + 1, cfg, info, model_factory, list(requests), report, store.port,
-                             timeout=cfg.timeout_s)
-        except (LaunchError, CommError) as e:
-            records, outputs = _replay_report(report, requests)
-            for rec in records:
-                if rec.error is None and rec.done_s is None:
-                    rec.error = f"run aborted: {str(e).splitlines()[0]}"
-            return RunResult(records, outputs, [], "sync")
-        spans = [s for role, payload in results if role != "front" for s in payload]
-        origin = min((s[3] for s in spans), default=0.0)  # CLOCK_MONOTONIC is shared by the host's processes
-        spans = [(pe, track, name, start - origin, dur) for pe, track, name, start, dur in spans]
-        records, outputs = results[-1][1]
-        return RunResult(records, outputs, spans, "sync")
+        return run_group(_pe_main, W + 1, (cfg, info, model_factory, list(requests), report, store.port), requests,
+                         report, cfg.timeout_s, RunResult, "sync")
     finally:
         del store
         os.unlink(report)
