@@ -1,6 +1,8 @@
 """asap_comm.serving: the disaggregated prefill runtime's load and measurement side.
 
-``policies``: the scheduling decisions the runtime and the simulator share
+``run_async`` (the asynchronous disaggregated runtime, ``runtime.py``) and
+``run_sync`` (the synchronous DP+EP baseline, ``sync.py``) share one front
+end (``frontend.py``). ``policies``: the scheduling decisions the runtime and the simulator share
 (placement, long-prompt chunking, micro-batching, expert-side batching).
 ``traces``: requests (synthetic Poisson/Gamma arrivals and length
 distributions; the Mooncake JSONL and Azure CSV public traces). ``metrics``:
@@ -12,12 +14,15 @@ import this package (``import asap_comm.serving`` explicitly).
 """
 from .metrics import (ChromeTrace, RequestRecord, RunSummary, percentile, slo_compliant_throughput,
                       summarize_run)
+from .runtime import ModelInfo, PromptRequest, RunResult, RuntimeConfig, run_async
+from .sync import run_sync
 from .policies import Chunk, ExpertBatcher, MicroBatcher, Placer, attention_cost, split_prompt
 from .traces import (EmpiricalLengths, FixedLengths, LengthDistribution, LogNormalLengths, Request, TraceError,
                      TraceSummary, UniformLengths, gamma_arrivals, load_azure, load_mooncake, load_trace,
                      poisson_arrivals, scale_trace, summarize_trace, synthetic_trace)
 
 __all__ = [
+    "run_async", "run_sync", "RuntimeConfig", "ModelInfo", "PromptRequest", "RunResult",
     "Request", "TraceError", "poisson_arrivals", "gamma_arrivals", "LengthDistribution", "FixedLengths",
     "UniformLengths", "LogNormalLengths", "EmpiricalLengths", "synthetic_trace", "load_mooncake", "load_azure",
     "load_trace", "scale_trace", "TraceSummary", "summarize_trace",
