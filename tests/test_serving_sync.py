@@ -3,68 +3,16 @@ token and final hidden state equal the single-process reference forward; bad req
 rejected; round-robin placement works; a killed worker fails requests instead of hanging;
 a request's chunks never run out of order."""
 import glob
-import os
-import signal
 import time
 
 import pytest
 import torch
 
 from asap_comm.moe import MoEPlan
-from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig
+from asap_comm.serving.runtime import PromptRequest, RuntimeConfig
 from asap_comm.serving.sync import rank_of_expert, run_sync
-from models import preset, random_init
 
-CFG = preset("tiny")
-INFO = ModelInfo(CFG.num_hidden_layers, tuple(CFG.is_moe_layer(i) for i in range(CFG.num_hidden_layers)),
-                 CFG.hidden_size, CFG.vocab_size, CFG.n_routed_experts, CFG.num_experts_per_tok)
-
-
-class TinyFactory:
-    """Builds each worker's halves of the tiny model (weights seeded per tensor name: shares agree)."""
-
-    def __init__(self, kill_after: "int | None" = None) -> None:
-        self.kill_after = kill_after  # the worker holding expert 0 dies after this many expert calls
-
-    def __call__(self, role: str, experts: list):
-        if role == "attention":
-            return random_init(CFG, seed=0, experts=[])
-        model = random_init(CFG, seed=0, experts=experts, attention_side=False)
-        if self.kill_after is not None and experts and experts[0] == 0:
-            calls, limit, inner = [0], self.kill_after, model.expert
-
-            def expert(layer, e, x, weights=None):
-                calls[0] += 1
-                if calls[0] > limit:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return inner(layer, e, x, weights)
-
-            model.expert = expert
-        return model
-
-
-def _trace(n: int, seed: int, max_len: int = 40, spread_s: float = 0.2) -> list:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        length = int(torch.randint(1, max_len + 1, (1,), generator=g))
-        out.append(PromptRequest(i, spread_s * i / n, torch.randint(0, CFG.vocab_size, (length,), generator=g)))
-    return out
-
-
-def _check_against_reference(requests, result):
-    ref = random_init(CFG, seed=0)
-    problems = []
-    for r in requests:
-        out = ref.prefill(r.token_ids)
-        token, hidden = result.outputs[r.request_id]
-        if token != int(out.logits[-1].argmax()):
-            problems.append(f"request {r.request_id}: first token {token} != {int(out.logits[-1].argmax())}")
-        if hidden.dtype != torch.float32 or tuple(hidden.shape) != (CFG.hidden_size,):
-            problems.append(f"request {r.request_id}: hidden {hidden.dtype} {tuple(hidden.shape)}")
-        elif not torch.allclose(hidden, out.final_hidden[-1], rtol=1e-4, atol=1e-5):
-            problems.append(f"request {r.request_id}: hidden differs by {(hidden - out.final_hidden[-1]).abs().max()}")
-    return problems
+from serving_utils import CFG, INFO, TinyFactory, check_against_reference, make_trace
 
 
 @pytest.mark.parametrize("cfg", [
@@ -76,13 +24,13 @@ def _check_against_reference(requests, result):
                   load_aware=False, timeout_s=120),
 ], ids=["load-aware", "round-robin"])
 def test_sync_runtime_matches_reference_and_rejects_bad_requests(cfg):
-    requests = _trace(20, seed=1)
+    requests = make_trace(20, seed=1, spread_s=0.2)
     bad = [PromptRequest(100, 0.05, torch.tensor([], dtype=torch.int64)),
            PromptRequest(101, 0.06, torch.tensor([3, CFG.vocab_size])),
            PromptRequest(102, 0.07, torch.zeros(cfg.max_prompt_len + 1, dtype=torch.int64))]
     result = run_sync(TinyFactory(), INFO, requests + bad, cfg)
     assert result.mode == "sync"
-    assert _check_against_reference(requests, result) == []
+    assert check_against_reference(requests, result) == []
     errors = {rec.request_id: rec.error for rec in result.records if rec.error}
     assert set(errors) == {100, 101, 102}
     assert all(e.startswith("rejected: ") for e in errors.values())
@@ -102,7 +50,7 @@ def test_killed_worker_fails_requests_without_hanging():
     before = set(glob.glob("/dev/shm/asap-*"))
     cfg = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=1, token_budget=32, chunk_len=16, max_prompt_len=64,
                         timeout_s=60)
-    requests = _trace(30, seed=2, spread_s=1.0)
+    requests = make_trace(30, seed=2, spread_s=1.0)
     t0 = time.monotonic()
     result = run_sync(TinyFactory(kill_after=20), INFO, requests, cfg)
     took = time.monotonic() - t0
@@ -110,7 +58,7 @@ def test_killed_worker_fails_requests_without_hanging():
     assert failed, "no request failed although a worker died"
     assert all("fail" in rec.error or "abort" in rec.error or "not admitted" in rec.error for rec in failed), \
         {rec.error for rec in failed}
-    assert _check_against_reference([r for r in requests if r.request_id in result.outputs], result) == []
+    assert check_against_reference([r for r in requests if r.request_id in result.outputs], result) == []
     assert took < 30, f"the run took {took:.1f} s after a worker died"
     assert set(glob.glob("/dev/shm/asap-*")) - before == set()
 
