@@ -10,10 +10,11 @@ attention_stage, route, expert, routed_experts, shared_experts, dense_mlp, head.
 """
 from .checkpoint import CheckpointError, load_checkpoint, random_init, save_checkpoint, weight_shapes
 from .config import PRESETS, ConfigError, ModelConfig, preset
+from .factory import StageFactory
 from .layers import Routing
 from .model import AttentionOutput, DeepseekV3, KVCache, PrefillOutput
 
 __all__ = [
     "AttentionOutput", "CheckpointError", "ConfigError", "DeepseekV3", "KVCache", "ModelConfig", "PRESETS",
-    "PrefillOutput", "Routing", "load_checkpoint", "preset", "random_init", "save_checkpoint", "weight_shapes",
+    "PrefillOutput", "Routing", "StageFactory", "load_checkpoint", "preset", "random_init", "save_checkpoint", "weight_shapes",
 ]
