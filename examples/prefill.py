@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,30 +35,7 @@ try:
 except ImportError:  # pragma: no cover - the baseline lands separately
     run_sync = None
 
-from asap_models import load_checkpoint, preset, random_init
-
-
-class ModelFactory:
-    """Builds each worker's share of the model: a preset with seeded random weights, or a checkpoint."""
-
-    def __init__(self, model: str, seed: int) -> None:
-        self.model, self.seed = model, seed
-
-    def config(self):
-        if os.path.isdir(self.model):
-            from asap_models import ModelConfig
-
-            return ModelConfig.from_json(Path(self.model) / "config.json")
-        return preset(self.model)
-
-    def __call__(self, role: str, experts: list):
-        attention = role == "attention"
-        if os.path.isdir(self.model):
-            return load_checkpoint(self.model, experts=experts, attention_side=attention)
-        return random_init(self.config(), seed=self.seed, experts=experts, attention_side=attention)
-
-    def full(self):
-        return load_checkpoint(self.model) if os.path.isdir(self.model) else random_init(self.config(), seed=self.seed)
+from asap_models import StageFactory
 
 
 def model_info(cfg) -> ModelInfo:
@@ -105,7 +81,7 @@ def check(result, references: dict) -> tuple[int, int, list]:
     return checked, bad, details
 
 
-def references(factory: ModelFactory, requests: list) -> tuple[dict, float]:
+def references(factory: StageFactory, requests: list) -> tuple[dict, float]:
     """Reference outputs of every request (single process), and the unloaded TTFT of the p90 prompt."""
     model = factory.full()
     out = {}
@@ -190,13 +166,13 @@ def main(argv=None) -> int:
     p.add_argument("--slo", default="auto", help="TTFT SLO in seconds, or auto (3x unloaded p90 prefill)")
     p.add_argument("--sweep", default="", help="comma-separated request rates for an SLO sweep")
     p.add_argument("--modes", default="async,sync")
-    for opt in ("ping-pong", "load-aware", "expert-batching"):
+    for opt in ("barrier-free", "ping-pong", "load-aware", "expert-batching"):
         p.add_argument(f"--no-{opt}", action="store_true", help=f"turn optimization '{opt}' off (ablation)")
     p.add_argument("--out", default="runs/prefill", help="directory for summary.json, ttft.png, timelines")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
-    factory = ModelFactory(args.model, args.seed)
+    factory = StageFactory(args.model, args.seed)
     mcfg = factory.config()
     info = model_info(mcfg)
     requests = make_requests(args, mcfg.vocab_size)
@@ -210,7 +186,7 @@ def main(argv=None) -> int:
     slo = 3 * unloaded if args.slo == "auto" else float(args.slo)
     cfg = RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
                         token_budget=args.token_budget, chunk_len=args.chunk_len,
-                        max_prompt_len=args.max_prompt_len, ping_pong=not args.no_ping_pong,
+                        max_prompt_len=args.max_prompt_len, barrier_free=not args.no_barrier_free, ping_pong=not args.no_ping_pong,
                         load_aware=not args.no_load_aware, expert_batching=not args.no_expert_batching,
                         progress=True)
     rates = [float(x) for x in args.sweep.split(",") if x] or [args.rate]

@@ -17,8 +17,11 @@ from serving_utils import CFG, INFO, TinyFactory, check_against_reference, make_
     RuntimeConfig(num_attention_ranks=2, num_expert_ranks=2, token_budget=32, chunk_len=16, max_prompt_len=64),
     # ablation: round-robin placement (uneven), no splitting, one micro-batch in flight, no expert batching
     RuntimeConfig(num_attention_ranks=3, num_expert_ranks=1, token_budget=24, chunk_len=16, max_prompt_len=64,
-                  load_aware=False, ping_pong=False, expert_batching=False),
-], ids=["all-on", "all-off"])
+                  load_aware=False, ping_pong=False, expert_batching=False, barrier_free=False),
+    # ablation of (1) alone: every MoE layer step is a barrier across the attention ranks
+    RuntimeConfig(num_attention_ranks=3, num_expert_ranks=2, token_budget=32, chunk_len=16, max_prompt_len=64,
+                  barrier_free=False),
+], ids=["all-on", "all-off", "lockstep"])
 def test_async_runtime_matches_reference_and_rejects_bad_requests(cfg):
     requests = make_trace(18, seed=1, spread_s=0.3)
     bad = [PromptRequest(100, 0.05, torch.tensor([], dtype=torch.int64)),
@@ -32,6 +35,8 @@ def test_async_runtime_matches_reference_and_rejects_bad_requests(cfg):
     ok = [rec for rec in result.records if rec.ok]
     assert len(ok) == len(requests) and all(rec.ttft_s > 0 for rec in ok)
     assert result.spans, "no timeline spans recorded"
+    barriers = [sp for sp in result.spans if sp[2].startswith("barrier")]
+    assert bool(barriers) == (not cfg.barrier_free), "barrier spans iff optimization (1) is off"
 
 
 def test_killed_expert_worker_fails_its_requests_without_hanging():

@@ -65,6 +65,7 @@ class RuntimeConfig:
     token_budget: int = 512  # tokens per attention micro-batch
     max_prompt_len: int = 8192
     chunk_len: "int | None" = 512  # split longer prompts into chunks (with load_aware)
+    barrier_free: bool = True  # (1) False: every MoE layer step is a barrier across the attention ranks
     ping_pong: bool = True  # (2) two micro-batches in flight per attention rank
     load_aware: bool = True  # (3) least-outstanding-work placement + long-prompt splitting
     expert_batching: bool = True  # (4) gather rows per layer across attention ranks
@@ -118,12 +119,64 @@ def _plan(cfg: RuntimeConfig, info: ModelInfo) -> MoEPlan:
                    max_inflight=2 if cfg.ping_pong else 1)
 
 
+# ----------------------------------------------------------------------------- lock-step ablation
+_DONE = 1 << 62  # a rank that has left the run: never waited for again
+
+
+class _Lockstep:
+    """Optimization (1) switched off: the attention ranks step through MoE layers together.
+
+    Every dispatch is a barrier among the ``A`` attention ranks, as in the
+    synchronous baseline (whose per-layer ``all_to_all`` every rank must
+    join), but on the same disaggregated processes and transport, so the
+    ablation isolates the barrier. ``steps[q]`` on a rank counts the steps
+    attention rank ``q`` announced to it. A rank with no micro-batch ready to
+    dispatch joins for free when someone waits for it (the dummy batch of the
+    baseline, without its cost); a rank that has finished announces
+    ``_DONE``.
+    """
+
+    def __init__(self, comm, steps, num_ranks: int, timeout_s: float) -> None:
+        self.comm, self.steps, self.ranks, self.timeout_s = comm, steps, range(num_ranks), timeout_s
+        self.me, self.step = comm.rank, 0
+
+    def _announce(self, delta: int) -> None:
+        for q in self.ranks:
+            self.comm.signal_op(self.steps, self.me, delta, "add", q)
+
+    def arrive_and_wait(self) -> None:
+        self.step += 1
+        self._announce(1)
+        for q in self.ranks:
+            if q != self.me:
+                self.comm.signal_wait_until(self.steps, q, ">=", self.step, timeout=self.timeout_s)
+
+    def catch_up(self) -> None:
+        """Join (without work) every step another rank is waiting at."""
+        ahead = [v for q in self.ranks if q != self.me and (v := self.comm.signal_fetch(self.steps, q)) < _DONE]
+        target = max(ahead, default=0)
+        if target > self.step:
+            self._announce(target - self.step)
+            self.step = target
+
+    def leave(self) -> None:
+        for q in self.ranks:
+            self.comm.signal_op(self.steps, self.me, _DONE, "set", q)
+
+
+def _lockstep_signals(comm, cfg: RuntimeConfig):
+    """Collective (every PE, same order): the step counters of the lock-step ablation, if it is on."""
+    return None if cfg.barrier_free else comm.signals(cfg.num_attention_ranks)
+
+
 # ----------------------------------------------------------------------------- attention rank
 class _AttentionRank:
     def __init__(self, comm, cfg: RuntimeConfig, info: ModelInfo, model, plan: MoEPlan) -> None:
         self.comm, self.cfg, self.info, self.model = comm, cfg, info, model
         self.att = AttentionEnd(comm, plan)
         self.box = request_mailbox(comm, cfg, info, cfg.num_attention_ranks)
+        steps = _lockstep_signals(comm, cfg)
+        self.lockstep = None if steps is None else _Lockstep(comm, steps, cfg.num_attention_ranks, cfg.timeout_s)
         self.front = cfg.num_attention_ranks + cfg.num_expert_ranks
         self.batcher = MicroBatcher(cfg.token_budget)
         self.tokens: dict = {}  # (request, chunk index) -> token ids
@@ -154,6 +207,10 @@ class _AttentionRank:
             mlp = torch.cat([o.mlp_input for o in outs]) if len(outs) > 1 else outs[0].mlp_input
             if info.moe_layers[layer]:
                 routing = model.route(layer, mlp)
+                if self.lockstep is not None:
+                    t_wait = time.monotonic()
+                    self.lockstep.arrive_and_wait()
+                    self.spans.append((self.comm.rank, 0, f"barrier L{layer}", t_wait, time.monotonic() - t_wait))
                 handle = att.dispatch_send(mlp, routing.topk_ids, routing.topk_weights, layer)
                 shared = model.shared_experts(layer, mlp)
                 self.spans.append((self.comm.rank, 0, f"attn L{layer}", t_start, time.monotonic() - t_start))
@@ -199,6 +256,8 @@ class _AttentionRank:
                     progressed = True
             if progressed:
                 continue
+            if self.lockstep is not None:
+                self.lockstep.catch_up()
             if running:  # every micro-batch waits for its experts: wait on the oldest, briefly
                 try:
                     self.comm.signal_wait_until(self.att._buf.done, running[0][1].slot, ">=", running[0][1].target,
@@ -206,10 +265,12 @@ class _AttentionRank:
                 except CommTimeoutError:
                     pass
             else:
-                try:
-                    stopped |= not self._take(self.box.recv(timeout=0.05))
+                try:  # with the lock-step ablation on, come back soon to join the others' steps
+                    stopped |= not self._take(self.box.recv(timeout=0.05 if self.lockstep is None else 0.0005))
                 except CommTimeoutError:
                     pass
+        if self.lockstep is not None:
+            self.lockstep.leave()
         self.att.finish()
         return self.spans
 
@@ -227,6 +288,7 @@ def _expert_main(comm, cfg, info, model_factory, plan):
     model = model_factory("expert", experts)
     ex = ExpertEnd(comm, plan)
     request_mailbox(comm, cfg, info, cfg.num_attention_ranks)
+    _lockstep_signals(comm, cfg)
     batcher = ExpertBatcher(cfg.expert_token_budget, cfg.expert_deadline_s, enabled=cfg.expert_batching)
     spans = []
     while True:
@@ -261,6 +323,7 @@ def _pe_main(comm, cfg, info, model_factory, requests, report_path):
     torch.set_num_threads(1)
     join_as_bystander(comm, plan)
     box = request_mailbox(comm, cfg, info, A)
+    _lockstep_signals(comm, cfg)
     role = (lambda pe: "attention worker" if pe is not None and pe < A else "expert worker")
     return ("front", run_front_end(comm, cfg, info, requests, report_path, box, A, "async", role))
 
