@@ -1,0 +1,454 @@
+"""Per-operation cost models of the simulator: hardware profiles and the one functional form they share.
+
+Every compute operation costs
+
+    t = overhead_s + max( sum_c flops_c / rate_c * (n + n_half) / n ,  bytes / bytes_per_s )
+
+* ``flops_c``: the operation's floating-point (or integer) operations of class
+  ``c`` ("gemm": the weight matrices; "core": attention's query-key and
+  probability-value products), computed from the model shapes (below);
+* ``rate_c``: the achieved rate of that class at large sizes, either a fitted
+  number (``local`` profile) or a published peak times a stated efficiency
+  (cluster profiles), so ``rate = peak * eff_max``;
+* ``(n + n_half) / n`` with ``n`` the rows (tokens) of the call: the efficiency
+  curve ``eff(n) = eff_max * n / (n + n_half)``. Small calls fill the matrix
+  units' tiles poorly; ``n_half`` is the row count at which half of
+  ``eff_max`` is reached;
+* ``bytes``: weights read (once per call, whatever the row count) plus
+  activation traffic; ``bytes_per_s``: achieved memory bandwidth. The max() is
+  the roofline: a call is bound by compute or by memory, whichever is slower.
+  A rate of ``null`` in a profile drops that term.
+
+Transfers cost ``latency_s + rows * per_row_s + bytes / bytes_per_s`` (one-sided
+dispatch/combine to one peer, mailbox messages), and collectives
+``latency_s + latency_per_rank_s * (ranks - 1) + bytes / bytes_per_s`` where a
+two-level topology (``ranks_per_node``) sends the off-node share of the bytes
+over the slower inter-node link in parallel with the on-node share.
+
+Work of each operation (``H`` hidden, ``T`` new tokens of a chunk, ``C`` its
+cached tokens, ``S = C + T``, ``nH`` heads, ``qk = qk_nope + qk_rope``, ``c``
+kv_lora_rank, ``r`` qk_rope, ``v`` v_head, ``E`` routed experts, ``I`` a width,
+``w``/``a`` weight/activation bytes per value)::
+
+    attention  gemm  2*T*(Pq + H*(c+r) + nH*v*H) + 2*S*c*nH*(qk_nope+v)     (kv_b expands every cached latent)
+               core  2*P*nH*(qk + v),  P = T*C + T*(T+1)/2 query-key pairs (causal)
+               bytes (Pq + H*(c+r) + c*nH*(qk_nope+v) + nH*v*H)*w  +  sum over chunks of S*(c+r)*a + 4*T*H*a
+               Pq = H*q_lora + q_lora*nH*qk, or H*nH*qk without q_lora
+    router     gemm 2*T*H*E;              bytes E*H*w + T*H*a
+    swiglu(I)  gemm 2*T*3*H*I;            bytes 3*H*I*w + 2*T*H*a   (expert: I = moe_inter; shared:
+                                                                     n_shared*moe_inter; dense: dense_inter)
+    embed      no flops;                  bytes T*H*(w + a)
+    head       gemm 2*n*H*V;              bytes V*H*w + n*(H + V)*a  (n finished sequences, last token each)
+
+A dispatched row carries ``H * dispatch_bytes + 8 * top_k`` bytes (hidden state
+plus int32 expert id and float32 weight per choice); a combined row ``H *
+combine_bytes``. ``dispatch_bytes`` may include quantisation scales (1.03125 =
+FP8 plus one float32 scale per 128 channels).
+
+Profile JSON (``asap_comm/sim/profiles/<name>.json``)::
+
+    {"name", "description", "rank": what one rank is, "cores": int or null,
+     "hardware": {key: {"value", "unit", "source"}},        # referenced by "peak" below
+     "dtype": {"weight_bytes", "activation_bytes", "dispatch_bytes", "combine_bytes", "source"},
+     "ops": {op: {"overhead_s", "flops_per_s": {class: RATE}, "bytes_per_s": RATE, "n_half", "source"}}
+            for op in attention, router, shared_experts, dense_mlp, embed, head, expert;
+            plus "experts_batch": {"overhead_s"},
+     "links": {"p2p":        {"latency_s", "bytes_per_s": RATE, "per_row_s"},      # dispatch / combine
+               "message":    {"latency_s", "bytes_per_s": RATE},                   # front end <-> attention
+               "collective": {"latency_s", "latency_per_rank_s", "bytes_per_s": RATE,
+                              ["inter_bytes_per_s": RATE, "ranks_per_node": int]},  # all_to_all
+               "all_reduce": {"latency_s", "latency_per_rank_s"}},
+     ["fit": {...}]}                                          # calibrate's summary (local profile)
+
+    RATE = a number, null (term dropped), or {"peak": hardware key, "eff": fraction, "source": why}
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from .shapes import ModelShapes
+
+__all__ = ["Profile", "CostModel", "OpCoef", "known_profiles", "COMPUTE_OPS", "FLOP_CLASSES"]
+
+_PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+# op -> the flop classes it has (a profile gives a rate for each)
+FLOP_CLASSES = {"attention": ("gemm", "core"), "router": ("gemm",), "shared_experts": ("gemm",),
+                "dense_mlp": ("gemm",), "embed": (), "head": ("gemm",), "expert": ("gemm",)}
+COMPUTE_OPS = tuple(FLOP_CLASSES)
+
+
+def known_profiles() -> list[str]:
+    return sorted(p.stem for p in _PROFILES_DIR.glob("*.json"))
+
+
+class OpCoef:
+    """Resolved coefficients of one compute op: seconds = overhead + max(sum flops_c * s_per_flop_c * (n+n_half)/n,
+    bytes * s_per_byte)."""
+
+    __slots__ = ("overhead_s", "s_per_flop", "s_per_byte", "n_half")
+
+    def __init__(self, overhead_s: float, s_per_flop: dict, s_per_byte: float, n_half: float) -> None:
+        self.overhead_s, self.s_per_flop, self.s_per_byte, self.n_half = overhead_s, s_per_flop, s_per_byte, n_half
+
+    def time(self, n: float, flops: dict, nbytes: float) -> float:
+        if n <= 0:
+            return 0.0
+        compute = sum(f * self.s_per_flop.get(c, 0.0) for c, f in flops.items()) * (n + self.n_half) / n
+        return self.overhead_s + max(compute, nbytes * self.s_per_byte)
+
+    def describe(self) -> dict:
+        return {"overhead_s": self.overhead_s,
+                "flops_per_s": {c: (1.0 / s if s > 0 else None) for c, s in self.s_per_flop.items()},
+                "bytes_per_s": 1.0 / self.s_per_byte if self.s_per_byte > 0 else None, "n_half": self.n_half}
+
+
+# ---------------------------------------------------------------------------------------------- Profile
+class Profile:
+    """A hardware profile (parsed and validated JSON); ``Profile.load(name_or_path)``."""
+
+    def __init__(self, data: dict, path: str = "<dict>") -> None:
+        self.data, self.path = data, str(path)
+        self._where = f"Profile {self.path}"
+        if not isinstance(data, dict):
+            raise ValueError(f"{self._where}: expected a JSON object, got {type(data).__name__}")
+        self.name = self._str(data, "name")
+        cores = data.get("cores", None)
+        if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+            raise ValueError(f"{self._where}: field 'cores'={cores!r} must be null or an int >= 1")
+        self.cores: int | None = cores
+        hw = data.get("hardware", {})
+        if not isinstance(hw, dict):
+            raise ValueError(f"{self._where}: field 'hardware' must be an object")
+        self.hardware = hw
+        dt = self._obj(data, "dtype")
+        self.dtype = {k: self._num(dt, k, "dtype", positive=True)
+                      for k in ("weight_bytes", "activation_bytes", "dispatch_bytes", "combine_bytes")}
+        ops = self._obj(data, "ops")
+        self.ops: dict[str, OpCoef] = {}
+        for op, classes in FLOP_CLASSES.items():
+            o = self._obj(ops, op, "ops")
+            at = f"ops.{op}"
+            rates = o.get("flops_per_s", {})
+            if not isinstance(rates, dict):
+                raise ValueError(f"{self._where}: field '{at}.flops_per_s' must be an object")
+            s_flop = {}
+            for c in classes:
+                if c not in rates:
+                    raise ValueError(f"{self._where}: field '{at}.flops_per_s.{c}' is missing")
+                s_flop[c] = self._inv_rate(rates[c], f"{at}.flops_per_s.{c}")
+            if "bytes_per_s" not in o:
+                raise ValueError(f"{self._where}: field '{at}.bytes_per_s' is missing")
+            self.ops[op] = OpCoef(self._num(o, "overhead_s", at), s_flop,
+                                  self._inv_rate(o["bytes_per_s"], f"{at}.bytes_per_s"),
+                                  self._num(o, "n_half", at) if "n_half" in o else 0.0)
+        self.experts_batch_overhead_s = self._num(self._obj(ops, "experts_batch", "ops"), "overhead_s",
+                                                  "ops.experts_batch")
+        links = self._obj(data, "links")
+        p2p = self._obj(links, "p2p", "links")
+        self.p2p = {"latency_s": self._num(p2p, "latency_s", "links.p2p"),
+                    "s_per_byte": self._inv_rate(self._need(p2p, "bytes_per_s", "links.p2p"), "links.p2p.bytes_per_s"),
+                    "per_row_s": self._num(p2p, "per_row_s", "links.p2p") if "per_row_s" in p2p else 0.0}
+        msg = self._obj(links, "message", "links")
+        self.message = {"latency_s": self._num(msg, "latency_s", "links.message"),
+                        "s_per_byte": self._inv_rate(self._need(msg, "bytes_per_s", "links.message"),
+                                                     "links.message.bytes_per_s")}
+        col = self._obj(links, "collective", "links")
+        self.collective = {"latency_s": self._num(col, "latency_s", "links.collective"),
+                           "latency_per_rank_s": self._num(col, "latency_per_rank_s", "links.collective"),
+                           "s_per_byte": self._inv_rate(self._need(col, "bytes_per_s", "links.collective"),
+                                                        "links.collective.bytes_per_s"),
+                           "inter_s_per_byte": None, "ranks_per_node": None}
+        if "ranks_per_node" in col and col["ranks_per_node"] is not None:
+            rpn = col["ranks_per_node"]
+            if isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1:
+                raise ValueError(f"{self._where}: field 'links.collective.ranks_per_node'={rpn!r} must be an int >= 1")
+            self.collective["ranks_per_node"] = rpn
+            self.collective["inter_s_per_byte"] = self._inv_rate(
+                self._need(col, "inter_bytes_per_s", "links.collective"), "links.collective.inter_bytes_per_s")
+        ar = self._obj(links, "all_reduce", "links")
+        self.all_reduce = {"latency_s": self._num(ar, "latency_s", "links.all_reduce"),
+                           "latency_per_rank_s": self._num(ar, "latency_per_rank_s", "links.all_reduce")}
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, name_or_path: "str | Path") -> "Profile":
+        """A profile name (``asap_comm/sim/profiles/<name>.json``) or a JSON file path."""
+        p = Path(name_or_path)
+        if isinstance(name_or_path, str) and not name_or_path.endswith(".json") and os.sep not in name_or_path:
+            p = _PROFILES_DIR / f"{name_or_path}.json"
+            if not p.is_file():
+                raise ValueError(f"Profile.load: unknown profile {name_or_path!r} (known: {known_profiles()}, "
+                                 "or give a path to a profile JSON)")
+        try:
+            data = json.loads(p.read_text())
+        except OSError as e:
+            raise ValueError(f"Profile.load: cannot read {p}: {e}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"Profile {p}: invalid JSON: {e}") from None
+        return cls(data, str(p))
+
+    # ------------------------------------------------------------------ field helpers
+    def _need(self, d: dict, key: str, at: str):
+        if key not in d:
+            raise ValueError(f"{self._where}: field '{at}.{key}' is missing")
+        return d[key]
+
+    def _obj(self, d: dict, key: str, at: str = "") -> dict:
+        name = f"{at}.{key}" if at else key
+        v = d.get(key)
+        if not isinstance(v, dict):
+            what = "is missing" if key not in d else f"must be an object, got {v!r}"
+            raise ValueError(f"{self._where}: field '{name}' {what}")
+        return v
+
+    def _str(self, d: dict, key: str) -> str:
+        v = d.get(key)
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"{self._where}: field '{key}' must be a non-empty string, got {v!r}")
+        return v
+
+    def _num(self, d: dict, key: str, at: str, positive: bool = False) -> float:
+        name = f"{at}.{key}"
+        if key not in d:
+            raise ValueError(f"{self._where}: field '{name}' is missing")
+        v = d[key]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 if positive
+                                                                                              else v >= 0)
+        if not ok:
+            raise ValueError(f"{self._where}: field '{name}'={v!r} must be a finite number "
+                             f"{'> 0' if positive else '>= 0'}")
+        return float(v)
+
+    def _inv_rate(self, spec: Any, name: str) -> float:
+        """Seconds per unit of a RATE spec (0.0 for null: the term is dropped)."""
+        if spec is None:
+            return 0.0
+        if isinstance(spec, dict):
+            key = spec.get("peak")
+            hw = self.hardware.get(key) if isinstance(key, str) else None
+            peak = hw.get("value") if isinstance(hw, dict) else hw
+            if not isinstance(peak, (int, float)) or isinstance(peak, bool) or not peak > 0:
+                raise ValueError(f"{self._where}: field '{name}.peak'={key!r} must name a 'hardware' entry with a "
+                                 f"positive value (hardware keys: {sorted(self.hardware)})")
+            eff = spec.get("eff")
+            if not isinstance(eff, (int, float)) or isinstance(eff, bool) or not 0 < eff <= 1:
+                raise ValueError(f"{self._where}: field '{name}.eff'={eff!r} must be a number in (0, 1]")
+            return 1.0 / (float(peak) * float(eff))
+        if isinstance(spec, (int, float)) and not isinstance(spec, bool) and spec > 0 and math.isfinite(spec):
+            return 1.0 / float(spec)
+        raise ValueError(f"{self._where}: field '{name}'={spec!r} must be a positive number, null, or "
+                         "{'peak': <hardware key>, 'eff': <fraction>}")
+
+    def __repr__(self) -> str:
+        return f"Profile({self.name!r}, path={self.path!r})"
+
+
+# ---------------------------------------------------------------------------------------------- work
+def _check_count(fn: str, name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        try:
+            import numbers
+            if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+                v = int(v)
+            else:
+                raise TypeError
+        except TypeError:
+            raise TypeError(f"{fn}: {name} must be an int, got {v!r} ({type(v).__name__})") from None
+    if v < 0:
+        raise ValueError(f"{fn}: {name}={v} must be >= 0")
+    return v
+
+
+class CostModel:
+    """Seconds per operation of one rank, for one model on one hardware profile."""
+
+    def __init__(self, profile: Profile, shapes: ModelShapes) -> None:
+        if not isinstance(profile, Profile):
+            raise TypeError(f"CostModel: profile must be a Profile, got {type(profile).__name__}")
+        if not isinstance(shapes, ModelShapes):
+            raise TypeError(f"CostModel: shapes must be a ModelShapes, got {type(shapes).__name__}")
+        self.profile, self.shapes = profile, shapes
+        self.name = profile.name
+        self.cores = profile.cores
+        s, dt = shapes, profile.dtype
+        self.w, self.a = dt["weight_bytes"], dt["activation_bytes"]
+        H = s.hidden
+        qk = s.qk_nope + s.qk_rope
+        self.q_params = H * s.heads * qk if s.q_lora_rank is None else H * s.q_lora_rank + s.q_lora_rank * s.heads * qk
+        self.kva_params = H * (s.kv_lora_rank + s.qk_rope)
+        self.kvb_params = s.kv_lora_rank * s.heads * (s.qk_nope + s.v_head)
+        self.o_params = s.heads * s.v_head * H
+        self.attn_params = self.q_params + self.kva_params + self.kvb_params + self.o_params
+        self.expert_params = 3 * H * s.moe_inter
+        self.shared_params = 3 * H * s.moe_inter * s.n_shared
+        self.dense_params = 3 * H * s.dense_inter
+        self.dispatch_row_bytes = H * dt["dispatch_bytes"] + 8 * s.top_k
+        self.combine_row_bytes = H * dt["combine_bytes"]
+
+    # ------------------------------------------------------------------ work (flops by class, bytes)
+    def attention_work(self, chunks: Sequence) -> tuple[int, dict, float]:
+        """(new tokens, flops by class, bytes) of one attention stage over ``chunks`` [(new, cached), ...]."""
+        s, a = self.shapes, self.a
+        qk = s.qk_nope + s.qk_rope
+        tokens, gemm, core, nbytes = 0, 0.0, 0.0, 0.0
+        for T, C in chunks:
+            S = T + C
+            tokens += T
+            gemm += 2.0 * T * (self.q_params + self.kva_params + self.o_params) + 2.0 * S * self.kvb_params
+            pairs = T * C + T * (T + 1) / 2
+            core += 2.0 * pairs * s.heads * (qk + s.v_head)
+            nbytes += S * (s.kv_lora_rank + s.qk_rope) * a + 4.0 * T * s.hidden * a
+        nbytes += self.attn_params * self.w
+        return tokens, {"gemm": gemm, "core": core}, nbytes
+
+    def _swiglu_work(self, n: int, params: int) -> tuple[dict, float]:
+        return {"gemm": 2.0 * n * params}, params * self.w + 2.0 * n * self.shapes.hidden * self.a
+
+    # ------------------------------------------------------------------ compute ops
+    def attention_s(self, chunks: Sequence) -> float:
+        """One layer's attention stage (norms, MLA projections, causal attention, o_proj) for one micro-batch.
+
+        ``chunks``: a sequence of ``(new_tokens, cached_tokens)``, one per request chunk.
+        """
+        try:
+            items = [tuple(c) for c in chunks]
+        except TypeError:
+            raise TypeError(f"attention_s: chunks must be a sequence of (new_tokens, cached_tokens) pairs, "
+                            f"got {chunks!r}") from None
+        checked = []
+        for i, c in enumerate(items):
+            if len(c) != 2:
+                raise ValueError(f"attention_s: chunk {i} = {c!r} must be a (new_tokens, cached_tokens) pair")
+            checked.append((_check_count("attention_s", f"chunk {i} new_tokens", c[0]),
+                            _check_count("attention_s", f"chunk {i} cached_tokens", c[1])))
+        n, flops, nbytes = self.attention_work(checked)
+        return self.profile.ops["attention"].time(n, flops, nbytes)
+
+    def router_s(self, tokens: int) -> float:
+        n = _check_count("router_s", "tokens", tokens)
+        s = self.shapes
+        return self.profile.ops["router"].time(n, {"gemm": 2.0 * n * s.hidden * s.num_experts},
+                                               s.num_experts * s.hidden * self.w + n * s.hidden * self.a)
+
+    def shared_experts_s(self, tokens: int) -> float:
+        n = _check_count("shared_experts_s", "tokens", tokens)
+        if self.shapes.n_shared == 0:
+            return 0.0
+        return self.profile.ops["shared_experts"].time(n, *self._swiglu_work(n, self.shared_params))
+
+    def dense_mlp_s(self, tokens: int) -> float:
+        n = _check_count("dense_mlp_s", "tokens", tokens)
+        return self.profile.ops["dense_mlp"].time(n, *self._swiglu_work(n, self.dense_params))
+
+    def embed_s(self, tokens: int) -> float:
+        n = _check_count("embed_s", "tokens", tokens)
+        return self.profile.ops["embed"].time(n, {}, n * self.shapes.hidden * (self.w + self.a))
+
+    def head_s(self, num_sequences: int) -> float:
+        """Final norm + LM head on the last token of each of ``num_sequences`` finished requests."""
+        n = _check_count("head_s", "num_sequences", num_sequences)
+        s = self.shapes
+        return self.profile.ops["head"].time(n, {"gemm": 2.0 * n * s.hidden * s.vocab},
+                                             s.vocab * s.hidden * self.w + n * (s.hidden + s.vocab) * self.a)
+
+    def expert_s(self, rows: int) -> float:
+        """One routed expert's SwiGLU on ``rows`` rows (0 rows: 0)."""
+        n = _check_count("expert_s", "rows", rows)
+        return self.profile.ops["expert"].time(n, *self._swiglu_work(n, self.expert_params))
+
+    def experts_s(self, rows_per_expert: Sequence[int]) -> float:
+        """One expert rank computing its local experts one after another for one batch."""
+        try:
+            rows = [_check_count("experts_s", f"rows_per_expert[{i}]", r) for i, r in enumerate(rows_per_expert)]
+        except TypeError as e:
+            if "rows_per_expert[" in str(e):
+                raise
+            raise TypeError(f"experts_s: rows_per_expert must be a sequence of ints, got {rows_per_expert!r}") from None
+        if not any(rows):
+            return 0.0
+        return sum(self.expert_s(r) for r in rows if r) + self.profile.experts_batch_overhead_s
+
+    # ------------------------------------------------------------------ communication
+    def _p2p(self, fn: str, rows, row_bytes: float) -> float:
+        n = _check_count(fn, "rows", rows)
+        if n == 0:
+            return 0.0  # that expert rank is not contacted
+        p = self.profile.p2p
+        return p["latency_s"] + n * p["per_row_s"] + n * row_bytes * p["s_per_byte"]
+
+    def dispatch_s(self, rows: int) -> float:
+        """One-sided transfer of ``rows`` routed rows (hidden + routing metadata) from an attention rank to ONE
+        expert rank, packing included; 0 rows: 0 (not contacted)."""
+        return self._p2p("dispatch_s", rows, self.dispatch_row_bytes)
+
+    def combine_s(self, rows: int) -> float:
+        """The return of ``rows`` weighted rows from ONE expert rank to an attention rank; 0 rows: 0."""
+        return self._p2p("combine_s", rows, self.combine_row_bytes)
+
+    def all_to_all_s(self, max_rows_per_rank: int, ranks: int, *, combine: bool = False) -> float:
+        """One dispatch (``combine=True``: combine) all_to_all of the synchronous baseline among ``ranks`` ranks,
+        the busiest sending/receiving ``max_rows_per_rank`` rows. 1 rank: 0 (no peer)."""
+        rows = _check_count("all_to_all_s", "max_rows_per_rank", max_rows_per_rank)
+        r = _check_count("all_to_all_s", "ranks", ranks)
+        if r < 1:
+            raise ValueError(f"all_to_all_s: ranks={r} must be >= 1")
+        if r == 1:
+            return 0.0
+        c = self.profile.collective
+        nbytes = rows * (self.combine_row_bytes if combine else self.dispatch_row_bytes)
+        rpn = c["ranks_per_node"]
+        if rpn is None or r <= rpn:
+            wire = nbytes * c["s_per_byte"]
+        else:  # peers spread evenly: (rpn-1)/(r-1) of them on-node, the rest over the inter-node link
+            on = (rpn - 1) / (r - 1)
+            wire = max(nbytes * on * c["s_per_byte"], nbytes * (1 - on) * c["inter_s_per_byte"])
+        return c["latency_s"] + c["latency_per_rank_s"] * (r - 1) + wire
+
+    def all_reduce_s(self, ranks: int) -> float:
+        """The small per-step all_reduce (two int64 flags) among ``ranks`` ranks. 1 rank: 0."""
+        r = _check_count("all_reduce_s", "ranks", ranks)
+        if r < 1:
+            raise ValueError(f"all_reduce_s: ranks={r} must be >= 1")
+        if r == 1:
+            return 0.0
+        ar = self.profile.all_reduce
+        return ar["latency_s"] + ar["latency_per_rank_s"] * (r - 1)
+
+    def message_s(self, nbytes: int) -> float:
+        """A front-end <-> attention-rank mailbox message of ``nbytes`` bytes."""
+        n = _check_count("message_s", "nbytes", nbytes)
+        m = self.profile.message
+        return m["latency_s"] + n * m["s_per_byte"]
+
+    # ------------------------------------------------------------------ summary
+    def describe(self) -> dict:
+        """Every derived coefficient (rates in units per second), for summary.json."""
+        p = self.profile
+
+        def rate(s):
+            return 1.0 / s if s else None
+
+        return {
+            "profile": p.name, "path": p.path, "model": self.shapes.name, "cores": self.cores,
+            "dtype": dict(p.dtype),
+            "ops": {op: c.describe() for op, c in p.ops.items()},
+            "experts_batch_overhead_s": p.experts_batch_overhead_s,
+            "links": {
+                "p2p": {"latency_s": p.p2p["latency_s"], "per_row_s": p.p2p["per_row_s"],
+                        "bytes_per_s": rate(p.p2p["s_per_byte"])},
+                "message": {"latency_s": p.message["latency_s"], "bytes_per_s": rate(p.message["s_per_byte"])},
+                "collective": {"latency_s": p.collective["latency_s"],
+                               "latency_per_rank_s": p.collective["latency_per_rank_s"],
+                               "bytes_per_s": rate(p.collective["s_per_byte"]),
+                               "inter_bytes_per_s": rate(p.collective["inter_s_per_byte"]),
+                               "ranks_per_node": p.collective["ranks_per_node"]},
+                "all_reduce": dict(p.all_reduce)},
+            "row_bytes": {"dispatch": self.dispatch_row_bytes, "combine": self.combine_row_bytes},
+            "params": {"attention": self.attn_params, "expert": self.expert_params, "shared": self.shared_params,
+                       "dense": self.dense_params},
+        }
