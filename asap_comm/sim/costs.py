@@ -2,7 +2,7 @@
 
 Every compute operation costs
 
-    t = overhead_s + max( sum_c flops_c / rate_c * (n + n_half) / n ,  bytes / bytes_per_s )
+    t = overhead_s + items * per_item_s + max( sum_c flops_c / rate_c * (n + n_half) / n ,  bytes / bytes_per_s )
 
 * ``flops_c``: the operation's floating-point (or integer) operations of class
   ``c`` ("gemm": the weight matrices; "core": attention's query-key and
@@ -10,6 +10,9 @@ Every compute operation costs
 * ``rate_c``: the achieved rate of that class at large sizes, either a fitted
   number (``local`` profile) or a published peak times a stated efficiency
   (cluster profiles), so ``rate = peak * eff_max``;
+* ``items``: the chunks of an attention call, the sequences of a head call, else 1;
+  ``per_item_s`` (default 0) models per-chunk / per-sequence calls (the CPU
+  runtime calls ``attention_stage`` per chunk; a GPU runs one varlen kernel);
 * ``(n + n_half) / n`` with ``n`` the rows (tokens) of the call: the efficiency
   curve ``eff(n) = eff_max * n / (n + n_half)``. Small calls fill the matrix
   units' tiles poorly; ``n_half`` is the row count at which half of
@@ -50,7 +53,7 @@ Profile JSON (``asap_comm/sim/profiles/<name>.json``)::
     {"name", "description", "rank": what one rank is, "cores": int or null,
      "hardware": {key: {"value", "unit", "source"}},        # referenced by "peak" below
      "dtype": {"weight_bytes", "activation_bytes", "dispatch_bytes", "combine_bytes", "source"},
-     "ops": {op: {"overhead_s", "flops_per_s": {class: RATE}, "bytes_per_s": RATE, "n_half", "source"}}
+     "ops": {op: {"overhead_s", ["per_item_s"], "flops_per_s": {class: RATE}, "bytes_per_s": RATE, "n_half", "source"}}
             for op in attention, router, shared_experts, dense_mlp, embed, head, expert;
             plus "experts_batch": {"overhead_s"},
      "links": {"p2p":        {"latency_s", "bytes_per_s": RATE, "per_row_s"},      # dispatch / combine
@@ -90,19 +93,22 @@ class OpCoef:
     """Resolved coefficients of one compute op: seconds = overhead + max(sum flops_c * s_per_flop_c * (n+n_half)/n,
     bytes * s_per_byte)."""
 
-    __slots__ = ("overhead_s", "s_per_flop", "s_per_byte", "n_half")
+    __slots__ = ("overhead_s", "per_item_s", "s_per_flop", "s_per_byte", "n_half")
 
-    def __init__(self, overhead_s: float, s_per_flop: dict, s_per_byte: float, n_half: float) -> None:
+    def __init__(self, overhead_s: float, s_per_flop: dict, s_per_byte: float, n_half: float,
+                 per_item_s: float = 0.0) -> None:
         self.overhead_s, self.s_per_flop, self.s_per_byte, self.n_half = overhead_s, s_per_flop, s_per_byte, n_half
+        self.per_item_s = per_item_s
 
-    def time(self, n: float, flops: dict, nbytes: float) -> float:
+    def time(self, n: float, flops: dict, nbytes: float, items: int = 1) -> float:
+        """n rows (0: no call, 0 s); items: chunks (attention) or sequences (head) charged per_item_s each."""
         if n <= 0:
             return 0.0
         compute = sum(f * self.s_per_flop.get(c, 0.0) for c, f in flops.items()) * (n + self.n_half) / n
-        return self.overhead_s + max(compute, nbytes * self.s_per_byte)
+        return self.overhead_s + items * self.per_item_s + max(compute, nbytes * self.s_per_byte)
 
     def describe(self) -> dict:
-        return {"overhead_s": self.overhead_s,
+        return {"overhead_s": self.overhead_s, "per_item_s": self.per_item_s,
                 "flops_per_s": {c: (1.0 / s if s > 0 else None) for c, s in self.s_per_flop.items()},
                 "bytes_per_s": 1.0 / self.s_per_byte if self.s_per_byte > 0 else None, "n_half": self.n_half}
 
@@ -145,7 +151,8 @@ class Profile:
                 raise ValueError(f"{self._where}: field '{at}.bytes_per_s' is missing")
             self.ops[op] = OpCoef(self._num(o, "overhead_s", at), s_flop,
                                   self._inv_rate(o["bytes_per_s"], f"{at}.bytes_per_s"),
-                                  self._num(o, "n_half", at) if "n_half" in o else 0.0)
+                                  self._num(o, "n_half", at) if "n_half" in o else 0.0,
+                                  self._num(o, "per_item_s", at) if "per_item_s" in o else 0.0)
         self.experts_batch_overhead_s = self._num(self._obj(ops, "experts_batch", "ops"), "overhead_s",
                                                   "ops.experts_batch")
         links = self._obj(data, "links")
@@ -327,7 +334,7 @@ class CostModel:
             checked.append((_check_count("attention_s", f"chunk {i} new_tokens", c[0]),
                             _check_count("attention_s", f"chunk {i} cached_tokens", c[1])))
         n, flops, nbytes = self.attention_work(checked)
-        return self.profile.ops["attention"].time(n, flops, nbytes)
+        return self.profile.ops["attention"].time(n, flops, nbytes, items=sum(1 for t, _c in checked if t))
 
     def router_s(self, tokens: int) -> float:
         n = _check_count("router_s", "tokens", tokens)
@@ -354,7 +361,7 @@ class CostModel:
         n = _check_count("head_s", "num_sequences", num_sequences)
         s = self.shapes
         return self.profile.ops["head"].time(n, {"gemm": 2.0 * n * s.hidden * s.vocab},
-                                             s.vocab * s.hidden * self.w + n * (s.hidden + s.vocab) * self.a)
+                                             s.vocab * s.hidden * self.w + n * (s.hidden + s.vocab) * self.a, items=n)
 
     def expert_s(self, rows: int) -> float:
         """One routed expert's SwiGLU on ``rows`` rows (0 rows: 0)."""
