@@ -308,3 +308,13 @@ def test_calibrate_quick_tiny(tmp_path):
     left = set(glob.glob("/dev/shm/asap-*")) - before
     left = {f for f in left if os.path.getmtime(f) >= t}  # a concurrent run's files are not ours to judge
     assert not left, f"leftover shared-memory segments: {sorted(left)}"
+
+
+def test_sim_cost_modules_import_no_models():
+    import subprocess
+    import sys
+
+    code = ("import sys, asap_comm.sim.shapes, asap_comm.sim.costs, asap_comm.sim.calibrate; "
+            "bad = [m for m in sys.modules if m == 'models' or m.startswith(('models.', 'asap_models'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
