@@ -297,6 +297,11 @@ class CostModel:
         self.dispatch_row_bytes = H * dt["dispatch_bytes"] + 8 * s.top_k
         self.combine_row_bytes = H * dt["combine_bytes"]
 
+    @classmethod
+    def load(cls, profile: "str | Path", model: "str | Path") -> "CostModel":
+        """``CostModel(Profile.load(profile), ModelShapes.load(model))``."""
+        return cls(Profile.load(profile), ModelShapes.load(model))
+
     # ------------------------------------------------------------------ work (flops by class, bytes)
     def attention_work(self, chunks: Sequence) -> tuple[int, dict, float]:
         """(new tokens, flops by class, bytes) of one attention stage over ``chunks`` [(new, cached), ...]."""
@@ -441,7 +446,8 @@ class CostModel:
             return 1.0 / s if s else None
 
         return {
-            "profile": p.name, "path": p.path, "model": self.shapes.name, "cores": self.cores,
+            "profile": p.name, "path": p.path, "description": p.data.get("description"), "rank": p.data.get("rank"),
+            "model": self.shapes.name, "cores": self.cores,
             "dtype": dict(p.dtype),
             "ops": {op: c.describe() for op, c in p.ops.items()},
             "experts_batch_overhead_s": p.experts_batch_overhead_s,
@@ -458,4 +464,5 @@ class CostModel:
             "row_bytes": {"dispatch": self.dispatch_row_bytes, "combine": self.combine_row_bytes},
             "params": {"attention": self.attn_params, "expert": self.expert_params, "shared": self.shared_params,
                        "dense": self.dense_params},
+            "fit": p.data.get("fit"),
         }
