@@ -86,8 +86,47 @@ def _validate(r: Request, cfg: RuntimeConfig) -> str | None:
     return None
 
 
+class _Memo:
+    """The cost model with its one-integer-argument operations memoised (a run asks the same sizes again and
+    again); ``attention_s`` and the rest pass through."""
+
+    _CACHED = ("router_s", "shared_experts_s", "dense_mlp_s", "embed_s", "head_s", "dispatch_s", "combine_s",
+               "message_s", "all_reduce_s")
+
+    def __init__(self, cost) -> None:
+        self._cost = cost
+        for name in self._CACHED:
+            fn, cache = getattr(cost, name), {}
+
+            def cached(n, fn=fn, cache=cache):
+                v = cache.get(n)
+                if v is None:
+                    v = cache[n] = fn(n)
+                return v
+            setattr(self, name, cached)
+        self._experts: dict = {}
+        self._a2a: dict = {}
+
+    def __getattr__(self, name):
+        return getattr(self._cost, name)
+
+    def experts_s(self, pairs: list) -> float:
+        key = (pairs[0], pairs[-1], len(pairs))  # balanced lists (see _pairs) are fixed by these
+        v = self._experts.get(key)
+        if v is None:
+            v = self._experts[key] = self._cost.experts_s(pairs)
+        return v
+
+    def all_to_all_s(self, rows: int, ranks: int) -> float:
+        v = self._a2a.get((rows, ranks))
+        if v is None:
+            v = self._a2a[(rows, ranks)] = self._cost.all_to_all_s(rows, ranks)
+        return v
+
+
 class _Common:
     def __init__(self, cost, shapes, cfg: RuntimeConfig, requests, record_spans: bool) -> None:
+        cost = _Memo(cost)
         self.cost, self.shapes, self.cfg = cost, shapes, cfg
         self.engine = Engine()
         self.cpu = cost.cores is not None  # ranks share this host's CPU cores

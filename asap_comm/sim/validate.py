@@ -1,0 +1,159 @@
+"""``python -m asap_comm.sim validate``: the simulator against the real runtime on this host.
+
+For each configuration (ranks, trace, load) and each mode, the real runtime
+(``asap_comm.serving.run_async`` / ``run_sync``, the model loaded through the
+``asap_comm.models`` plug-in) serves the trace, then the simulator replays the
+same requests (same arrivals, same prompt lengths) with the ``local`` profile
+(``--profile``, or ``--calibrate`` to fit one first). ``validation.json`` has,
+per run and metric (TTFT p50, TTFT p90, input-token throughput), the real and
+simulated values and the relative error ``(sim - real) / real``; the table
+on stdout marks errors above the 15% target.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..serving.metrics import summarize_run
+from ..serving.runtime import PromptRequest, RuntimeConfig, run_async
+from ..serving.traces import LogNormalLengths, load_trace, scale_trace, synthetic_trace
+from .costs import CostModel
+from .shapes import ModelShapes
+from .simulate import simulate
+
+METRICS = ("ttft_p50_s", "ttft_p90_s", "throughput_tokens_per_s")
+TARGET = 0.15
+
+# (name, attention ranks, expert ranks, trace, request rates)
+CONFIGS = {
+    "default": [
+        ("A2E2 synthetic", 2, 2, "synthetic", (3.0, 8.0)),
+        ("A1E2 synthetic", 1, 2, "synthetic", (3.0,)),
+        ("A2E2 mooncake", 2, 2, "mooncake", (4.0,)),
+    ],
+    "quick": [("A2E1 synthetic", 2, 1, "synthetic", (6.0,))],
+}
+
+
+def _mooncake_path() -> Path | None:
+    here = Path(__file__).resolve()
+    for base in (Path.cwd(), *here.parents):
+        for cand in (base / "shared" / "traces", base.parent / "shared" / "traces"):
+            f = cand / "mooncake_conversation.jsonl"
+            if f.is_file():
+                return f
+    return None
+
+
+def _trace(kind: str, n: int, max_len: int, seed: int) -> list:
+    if kind == "synthetic":
+        return synthetic_trace(1.0, num_requests=n, arrival="gamma", cv=2.0,
+                               lengths=LogNormalLengths(48, 1.0, 4, max_len), seed=seed)
+    path = _mooncake_path()
+    if path is None:
+        raise FileNotFoundError("validate: shared/traces/mooncake_conversation.jsonl not found beside the "
+                                "repository or the working directory")
+    # Mooncake prompts (mean 12k tokens) scaled by 1/100 to CPU-sized prompts, capped at max_len
+    return load_trace(path, limit=n, length_scale=0.01, max_prompt_len=max_len)
+
+
+def _real(mode: str, factory, info, trace, cfg, seed: int):
+    import torch
+
+    from ..serving.sync import run_sync
+
+    g = torch.Generator().manual_seed(seed)
+    reqs = [PromptRequest(r.request_id, r.arrival_s, torch.randint(0, info.vocab_size, (r.prompt_len,),
+                                                                    generator=g)) for r in trace]
+    return (run_async if mode == "async" else run_sync)(factory, info, reqs, cfg)
+
+
+def validate(out_dir, *, model: str = "small", profile: str = "local", configs: str = "default",
+             num_requests: int = 40, calibrate_first: bool = False, seed: int = 0, progress: bool = True) -> dict:
+    """Run every configuration for real and simulated; write and return ``validation.json``'s content."""
+    from ..serving.plugins import load_model_factory, model_info_of
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if configs not in CONFIGS:
+        raise ValueError(f"validate: configs={configs!r} is not one of {sorted(CONFIGS)}")
+    if calibrate_first:
+        from .calibrate import calibrate
+
+        calibrate(out, model, quick=configs == "quick", progress=progress)
+        profile = str(out / "profile_local.json")
+    cost, shapes = CostModel.load(profile, model), ModelShapes.load(model)
+    factory = load_model_factory(model, seed=seed)
+    info = model_info_of(factory)
+    rows, t0 = [], time.perf_counter()
+    for name, A, E, kind, rates in CONFIGS[configs]:
+        cfg = RuntimeConfig(num_attention_ranks=A, num_expert_ranks=E, token_budget=256, chunk_len=256,
+                            max_prompt_len=512)
+        base = _trace(kind, num_requests, cfg.max_prompt_len, seed)
+        for rate in rates:
+            trace = scale_trace(base, target_rate=rate)
+            for mode in ("async", "sync"):
+                real = _real(mode, factory, info, trace, cfg, seed)
+                sim = simulate(mode, trace, cost, shapes, cfg)
+                slo = 1.0  # attainment is not compared; summarize_run needs an SLO
+                r = summarize_run(real.records, slo).as_dict()
+                s = summarize_run(sim.records, slo).as_dict()
+                errors = {m: (None if not r[m] or s[m] is None else (s[m] - r[m]) / r[m]) for m in METRICS}
+                rows.append({"config": name, "attention_ranks": A, "expert_ranks": E, "trace": kind,
+                             "rate_req_s": rate, "mode": mode, "num_requests": len(trace),
+                             "real": {m: r[m] for m in METRICS} | {"num_failed": r["num_failed"]},
+                             "sim": {m: s[m] for m in METRICS} | {"num_failed": s["num_failed"]},
+                             "relative_error": errors})
+                if progress:
+                    print(f"  [{time.perf_counter() - t0:5.0f} s] {name:16s} {rate:4.1f} req/s {mode:5s} " +
+                          "  ".join(f"{m[:-2] if m.endswith('_s') else 'tok/s'} real {r[m]:.3g} sim {s[m]:.3g} "
+                                    f"({errors[m]:+.0%})" for m in METRICS if errors[m] is not None),
+                          file=sys.stderr, flush=True)
+    errs = [abs(e) for row in rows for e in row["relative_error"].values() if e is not None]
+    result = {"target_abs_relative_error": TARGET, "model": model, "profile": cost.name, "configs": configs,
+              "runs": rows,
+              "max_abs_relative_error": max(errs) if errs else None,
+              "median_abs_relative_error": sorted(errs)[len(errs) // 2] if errs else None,
+              "within_target": sum(1 for e in errs if e <= TARGET), "compared": len(errs),
+              "per_metric_max_abs_error": {m: max((abs(row["relative_error"][m]) for row in rows
+                                                   if row["relative_error"][m] is not None), default=None)
+                                           for m in METRICS},
+              "wall_s": time.perf_counter() - t0}
+    (out / "validation.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+def _table(result: dict) -> str:
+    lines = [f"{'config':16s} {'req/s':>5s} {'mode':5s} " + " ".join(f"{m:>26s}" for m in METRICS)]
+    for row in result["runs"]:
+        cells = []
+        for m in METRICS:
+            e = row["relative_error"][m]
+            flag = "" if e is None or abs(e) <= TARGET else " !"
+            cells.append(f"{row['real'][m]:9.3g} -> {row['sim'][m]:9.3g} {'' if e is None else f'{e:+5.0%}'}{flag}"
+                         .rjust(26))
+        lines.append(f"{row['config']:16s} {row['rate_req_s']:5.1f} {row['mode']:5s} " + " ".join(cells))
+    lines.append(f"(real -> simulated, relative error; ! = above {TARGET:.0%}) {result['within_target']}/"
+                 f"{result['compared']} within target; median |error| {result['median_abs_relative_error']:.1%}, "
+                 f"max {result['max_abs_relative_error']:.1%}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m asap_comm.sim validate", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="small")
+    p.add_argument("--profile", default="local", help="the profile to check (default: the committed local one)")
+    p.add_argument("--calibrate", action="store_true", help="calibrate this host first and check that profile")
+    p.add_argument("--configs", default="default", choices=sorted(CONFIGS))
+    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    result = validate(args.out, model=args.model, profile=args.profile, configs=args.configs,
+                      num_requests=args.num_requests, calibrate_first=args.calibrate, seed=args.seed)
+    print(_table(result))
+    print(f"wrote {Path(args.out) / 'validation.json'}")
+    return 0
