@@ -1,0 +1,198 @@
+"""The simulated runtime: exact accounting on hand-computed cases, the runtime's own policy objects,
+balanced vs skewed loads, and the command line (run, validate, headline) on small configurations."""
+import glob
+import json
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import asap_comm.serving.frontend as frontend
+import asap_comm.serving.policies as policies
+import asap_comm.sim.simulate as simulate_mod
+from asap_comm.serving.metrics import summarize_run
+from asap_comm.serving.runtime import RuntimeConfig
+from asap_comm.serving.traces import FixedLengths, LogNormalLengths, Request, synthetic_trace
+from asap_comm.sim.costs import CostModel
+from asap_comm.sim.shapes import ModelShapes
+from asap_comm.sim.simulate import rows_per_rank_fraction, simulate
+from asap_comm.sim.study import capacity_rate, run_point
+
+LINK = 20e-6
+
+
+class ToyCost:
+    """Round numbers, so expected times can be written down by hand."""
+    name, cores = "toy", None
+
+    def attention_s(self, chunks):
+        return sum(1e-6 * T + 1e-9 * (T * C + T * (T + 1) / 2) for T, C in chunks)
+
+    def router_s(self, t): return 1e-7 * t
+    def shared_experts_s(self, t): return 5e-7 * t
+    def dense_mlp_s(self, t): return 1e-6 * t
+    def embed_s(self, t): return 1e-8 * t
+    def head_s(self, n): return 1e-5 * n
+    def expert_s(self, rows): return 0.0 if rows == 0 else 1e-5 + 2e-6 * rows
+    def experts_s(self, rows): return 5e-6 + sum(self.expert_s(r) for r in rows)
+    def dispatch_s(self, rows): return LINK + 1e-9 * rows
+    def combine_s(self, rows): return LINK + 1e-9 * rows
+    def all_to_all_s(self, rows, ranks): return 2 * LINK * ranks + 1e-9 * rows
+    def all_reduce_s(self, ranks): return LINK * ranks
+    def message_s(self, nbytes): return 5e-6
+
+
+SHAPES = SimpleNamespace(num_experts=4, top_k=2, hidden=8, moe_layers=(False, True, True))
+CFG = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=64, chunk_len=64, max_prompt_len=64,
+                    expert_batching=False)
+
+
+def test_rows_per_rank_fraction():
+    assert rows_per_rank_fraction(4, 2, 4) == 1.0
+    assert rows_per_rank_fraction(4, 2, 2) == pytest.approx(1 - 1 / 6)  # miss: both of 2 from the other 2
+    assert rows_per_rank_fraction(256, 8, 8) == pytest.approx(1 - math.comb(248, 8) / math.comb(256, 8))
+    with pytest.raises(ValueError, match="rows_per_rank_fraction"):
+        rows_per_rank_fraction(4, 5, 1)
+
+
+def test_async_single_request_time_is_the_hand_computed_critical_path():
+    res = simulate("async", [Request(0, 0.0, 10)], ToyCost(), SHAPES, CFG)
+    a = 1e-6 * 10 + 1e-9 * 55  # attention of 10 new tokens, nothing cached
+    # E = 1 expert rank holds all 4 experts: 10 rows; 10 tokens x top-2 = 20 pairs, 5 per expert
+    experts = 5e-6 + 4 * (1e-5 + 2e-6 * 5)
+    cycle = (LINK + 1e-8) + experts + (LINK + 1e-8)  # dispatch, experts, combine (shared experts overlap it)
+    expected = (5e-6  # the chunk's message to the attention rank
+                + 1e-7 + (a + 1e-5) + a + 1e-6  # embed, dense layer 0, attention + router of layer 1
+                + cycle
+                + a + 1e-6 + cycle  # layer 2
+                + 1e-5  # head
+                + 5e-6)  # the result message
+    assert res.records[0].ttft_s == pytest.approx(expected, rel=1e-9)
+    assert res.records[0].start_s == 0.0
+
+
+def test_sync_single_request_time_is_the_hand_computed_lockstep_path():
+    res = simulate("sync", [Request(0, 0.0, 10)], ToyCost(), SHAPES, CFG, sync_ranks=2)
+    a = 1e-6 * 10 + 1e-9 * 55
+    # 2 ranks x 2 experts: a token misses a rank with chance C(2,2)/C(4,2) = 1/6, so 8 of 10 rows are sent;
+    # each rank's experts get half of the 20 pairs: [3, 2]
+    experts = 5e-6 + (1e-5 + 2e-6 * 3) + (1e-5 + 2e-6 * 2)
+    a2a = 2 * LINK * 2 + 2 * (2 * LINK * 2 + 1e-9 * 8)  # counts + dispatch + combine
+    step = (2 * LINK  # all_reduce "anyone working?"
+            + (1e-7 + a + 1e-5 + a + 1e-6) + a2a + experts  # up to layer 1's combine
+            + (5e-6 + a + 1e-6) + a2a + experts  # shared experts of layer 1, layer 2
+            + 5e-6 + 1e-5)  # shared experts of layer 2, head
+    heartbeat = 0.5 * 1e-3 + 2 * LINK  # the idle ranks notice at their next 1 ms heartbeat
+    assert res.records[0].ttft_s == pytest.approx(5e-6 + heartbeat + step + 5e-6, rel=1e-9)
+
+
+def test_the_simulator_makes_its_decisions_with_the_runtimes_policy_objects(monkeypatch):
+    # the very classes the runtime's front end and workers use
+    assert simulate_mod.Placer is frontend.Placer is policies.Placer
+    assert simulate_mod.MicroBatcher is policies.MicroBatcher and simulate_mod.ExpertBatcher is policies.ExpertBatcher
+    trace = synthetic_trace(600, num_requests=60, lengths=FixedLengths(20), seed=3)  # busy enough to queue
+    cfg = RuntimeConfig(num_attention_ranks=3, num_expert_ranks=1, token_budget=64, chunk_len=64, max_prompt_len=64)
+    before = simulate("async", trace, ToyCost(), SHAPES, cfg)
+    assert all(r["jobs"] > 0 for r in before.ranks)
+    # change the placement policy: everything on rank 0 -> ranks 1 and 2 never work, and TTFT changes
+    place = policies.Placer.place
+    monkeypatch.setattr(policies.Placer, "place", lambda self, rid, chunks: (place(self, rid, chunks), 0)[1])
+    after = simulate("async", trace, ToyCost(), SHAPES, cfg)
+    assert [r["jobs"] for r in after.ranks[:3]][1:] == [0, 0] and after.ranks[0]["jobs"] > before.ranks[0]["jobs"]
+    assert summarize_run(after.records, 1.0).ttft_p90_s > summarize_run(before.records, 1.0).ttft_p90_s
+    # and the micro-batcher: one chunk per micro-batch -> more attention jobs (on a loaded single rank)
+    monkeypatch.undo()
+    cfg = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=64, chunk_len=64, max_prompt_len=64)
+    trace = synthetic_trace(5000, num_requests=60, lengths=FixedLengths(20), seed=3)
+    before = simulate("async", trace, ToyCost(), SHAPES, cfg)
+    orig = policies.MicroBatcher.next_batch
+    def first_only(self):  # keep the first chunk, hand the rest back to the queue in order
+        batch = orig(self)
+        for c in reversed(batch[1:]):
+            del self._busy[c.request_id]
+            self._queue.appendleft(c)
+        return batch[:1]
+    monkeypatch.setattr(policies.MicroBatcher, "next_batch", first_only)
+    one = simulate("async", trace, ToyCost(), SHAPES, cfg)
+    monkeypatch.undo()
+    assert one.ranks[0]["jobs"] > before.ranks[0]["jobs"]
+
+
+def test_bad_requests_are_rejected_and_the_rest_complete():
+    reqs = [Request(0, 0.0, 10), Request(1, 0.0, 65), Request(2, 0.001, 5)]
+    for mode in ("async", "sync"):
+        res = simulate(mode, reqs, ToyCost(), SHAPES, CFG)
+        errs = {r.request_id: r.error for r in res.records}
+        assert errs[0] is None and errs[2] is None and "longer than max_prompt_len=64" in errs[1]
+    with pytest.raises(ValueError, match="mode"):
+        simulate("lockstep", reqs, ToyCost(), SHAPES, CFG)
+    with pytest.raises(ValueError, match="sync_ranks"):
+        simulate("sync", reqs, ToyCost(), SHAPES, CFG, sync_ranks=0)
+
+
+def _p90_ratio(lengths):
+    cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.preset("deepseek-v3")
+    cfg = RuntimeConfig(num_attention_ranks=4, num_expert_ranks=4, token_budget=16384, chunk_len=16384,
+                        max_prompt_len=131072, expert_token_budget=32768, expert_deadline_s=0.001)
+    trace = synthetic_trace(1.0, num_requests=200, arrival="poisson", lengths=lengths, seed=1)
+    rate = 0.3 * capacity_rate(trace, cost, shapes, cfg, sync_ranks=8)
+    p90 = {m: run_point(m, trace, rate, cost, shapes, cfg, 100.0, sync_ranks=8)[0]["ttft_p90_s"]
+           for m in ("async", "sync")}
+    return p90["sync"] / p90["async"]
+
+
+def test_balanced_load_gives_nearly_equal_results_and_a_skewed_one_does_not():
+    balanced = _p90_ratio(FixedLengths(4096))
+    sigma = 1.5  # same mean length (4096), log-normal spread
+    skewed = _p90_ratio(LogNormalLengths(round(4096 * math.exp(-sigma * sigma / 2)), sigma, 1, 131072))
+    assert 0.75 < balanced < 1.35, balanced
+    assert skewed > 1.6, skewed
+
+
+def _run(args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "asap_comm.sim", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_run_writes_the_runtime_keys_utilisation_and_plots(tmp_path):
+    p = _run(["run", "--out", str(tmp_path), "--model", "small", "--num-requests", "80", "--rates", "4,8"])
+    assert p.returncode == 0, p.stderr
+    s = json.loads((tmp_path / "summary.json").read_text())
+    for mode in ("async", "sync"):
+        for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s", "slo_attainment",
+                    "num_requests", "num_failed", "slo_compliant_throughput", "ranks"):
+            assert key in s[mode], (mode, key)
+        assert s[mode]["num_requests"] == 80 and s[mode]["num_failed"] == 0
+        assert all(0.0 <= r["utilisation"] <= 1.0 and r["idle_s"] >= 0 for r in s[mode]["ranks"])
+    assert len(s["runs"]) == 4
+    assert (tmp_path / "ttft.png").stat().st_size > 0 and (tmp_path / "utilisation.png").stat().st_size > 0
+    bad = _run(["explode", "--out", str(tmp_path)])
+    assert bad.returncode == 2 and "calibrate|run|validate|headline" in bad.stderr
+
+
+def test_cli_headline_quick(tmp_path):
+    p = _run(["headline", "--out", str(tmp_path), "--quick", "--profiles", "h800-node"])
+    assert p.returncode == 0, p.stderr
+    s = json.loads((tmp_path / "summary.json").read_text())
+    prof = s["profiles"]["h800-node"]
+    assert prof["async"]["slo_compliant_throughput"] > 0 and prof["sync"]["slo_compliant_throughput"] > 0
+    assert len(prof["skew_sensitivity"]) == 2 and len(prof["load_sensitivity"]) == 2
+    assert s["slo_compliant_throughput_ratio"] == prof["slo_compliant_throughput_ratio"]
+
+
+def test_validate_command_on_a_small_configuration(tmp_path):
+    p = _run(["validate", "--out", str(tmp_path), "--model", "tiny", "--configs", "quick", "--num-requests", "16",
+              "--calibrate"], timeout=280)
+    assert p.returncode == 0, p.stderr
+    v = json.loads((tmp_path / "validation.json").read_text())
+    assert v["compared"] == 6 and len(v["runs"]) == 2  # 3 metrics x 2 modes
+    for row in v["runs"]:
+        assert row["real"]["num_failed"] == 0 and row["sim"]["num_failed"] == 0
+        for m in ("ttft_p50_s", "ttft_p90_s", "throughput_tokens_per_s"):
+            e = row["relative_error"][m]
+            assert e is not None and math.isfinite(e)
+            assert e == pytest.approx((row["sim"][m] - row["real"][m]) / row["real"][m])
+    assert (tmp_path / "profile_local.json").exists()
+    assert not glob.glob("/dev/shm/asap-*")
