@@ -196,3 +196,30 @@ def test_validate_command_on_a_small_configuration(tmp_path):
             assert e == pytest.approx((row["sim"][m] - row["real"][m]) / row["real"][m])
     assert (tmp_path / "profile_local.json").exists()
     assert not glob.glob("/dev/shm/asap-*")
+
+
+def test_in_situ_runtime_factors_apply_where_documented():
+    from asap_comm.sim.costs import RUNTIME_FACTORS, Profile
+
+    base = {m: simulate(m, [Request(0, 0.0, 10)], ToyCost(), SHAPES, CFG, sync_ranks=2).records[0].ttft_s
+            for m in ("async", "sync")}
+
+    class Slow(ToyCost):
+        runtime = {**RUNTIME_FACTORS, "async_layer_overhead_s": 1e-3, "sync_layer_overhead_s": 2e-3}
+    slow = {m: simulate(m, [Request(0, 0.0, 10)], Slow(), SHAPES, CFG, sync_ranks=2).records[0].ttft_s
+            for m in ("async", "sync")}
+    assert slow["async"] - base["async"] == pytest.approx(2 * 1e-3)  # two MoE layers
+    assert slow["sync"] - base["sync"] == pytest.approx(2 * 2e-3)
+
+    class Double(ToyCost):
+        runtime = {**RUNTIME_FACTORS, "async_attention": 2.0, "async_expert": 2.0}
+    dbl = simulate("async", [Request(0, 0.0, 10)], Double(), SHAPES, CFG).records[0].ttft_s
+    links_and_messages = 2 * 2 * (LINK + 1e-8) + 2 * 5e-6  # not compute: not doubled
+    assert dbl - links_and_messages == pytest.approx(2 * (base["async"] - links_and_messages))
+    data = json.loads(open(Profile.load("local").path).read())
+    data["runtime"] = {"async_attention": -1}
+    with pytest.raises(ValueError, match="runtime.async_attention"):
+        CostModel(Profile(data, "x.json"), ModelShapes.preset("small"))
+    data["runtime"] = {"warp_factor": 1}
+    with pytest.raises(ValueError, match="unknown field 'runtime.warp_factor'"):
+        CostModel(Profile(data, "x.json"), ModelShapes.preset("small"))

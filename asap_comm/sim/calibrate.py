@@ -274,7 +274,8 @@ def _fit_affine(xs: list, ys: list) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------------------ main entry
-def calibrate(out_dir, model: str = "small", *, quick: bool = False, progress: bool = True) -> Profile:
+def calibrate(out_dir, model: str = "small", *, quick: bool = False, progress: bool = True,
+              runtime: bool = True) -> Profile:
     """Time this host, fit the cost model, write ``profile_local.json`` and ``calibration.json`` to ``out_dir``."""
     from ..serving.plugins import load_model_factory
 
@@ -410,6 +411,12 @@ def calibrate(out_dir, model: str = "small", *, quick: bool = False, progress: b
            "torch": torch.__version__, "median_abs_rel_error": statistics.median(all_errs), "per_op": summary}
     data["fit"] = fit
     path.write_text(json.dumps(data, indent=2) + "\n")
+    if runtime:  # the operators as the runtime runs them (asap_comm.sim.insitu)
+        from .insitu import fit_runtime_factors
+
+        data["runtime"] = fit_runtime_factors(model, Profile(data, str(path)), shapes, quick=quick, progress=progress)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        fit["seconds"] = time.perf_counter() - t_start
     (out / "calibration.json").write_text(json.dumps(
         {"fit": fit, "grid": grid, "points": points, "coefficients": cm.describe()}, indent=2) + "\n")
     for op, s in summary.items():
@@ -436,8 +443,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--model", default="small", help="model preset or checkpoint directory (default: small)")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (~30 s)")
+    ap.add_argument("--no-runtime", action="store_true",
+                    help="skip the in-situ runtime factors (real runtime runs of a calibration workload)")
     a = ap.parse_args(argv)
-    calibrate(a.out, a.model, quick=a.quick)
+    calibrate(a.out, a.model, quick=a.quick, runtime=not a.no_runtime)
     return 0
 
 

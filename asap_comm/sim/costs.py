@@ -113,6 +113,37 @@ class OpCoef:
                 "bytes_per_s": 1.0 / self.s_per_byte if self.s_per_byte > 0 else None, "n_half": self.n_half}
 
 
+RUNTIME_FACTORS = {
+    "async_attention": 1.0, "async_expert": 1.0, "async_layer_overhead_s": 0.0,
+    "sync_compute": 1.0, "sync_layer_overhead_s": 0.0, "sync_poll_weight": 1.0,
+}
+
+
+def _runtime_factors(profile: "Profile") -> dict:
+    """The profile's optional ``runtime`` block (in-situ factors fitted by ``asap_comm.sim.insitu``).
+
+    ``async_attention`` / ``async_expert`` / ``sync_compute`` multiply the work of the
+    attention-rank jobs, expert-rank jobs and baseline compute; ``*_layer_overhead_s`` is a
+    latency added per MoE layer (wake-ups and loop overhead the operator timings do not see);
+    ``sync_poll_weight``: on a shared CPU host, the share of a core that a baseline rank waiting in a
+    collective takes from the ranks computing (1: a full polling process, 0: it sleeps).
+    Absent: the neutral values (cluster profiles).
+    """
+    block = profile.data.get("runtime") or {}
+    if not isinstance(block, dict):
+        raise ValueError(f"Profile {profile.path}: field 'runtime' must be an object")
+    out = dict(RUNTIME_FACTORS)
+    for k, v in block.items():
+        if k in ("source", "fit"):
+            continue
+        if k not in RUNTIME_FACTORS:
+            raise ValueError(f"Profile {profile.path}: unknown field 'runtime.{k}' (known: {sorted(RUNTIME_FACTORS)})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"Profile {profile.path}: field 'runtime.{k}'={v!r} must be a number >= 0")
+        out[k] = float(v)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- Profile
 class Profile:
     """A hardware profile (parsed and validated JSON); ``Profile.load(name_or_path)``."""
@@ -282,6 +313,7 @@ class CostModel:
         self.profile, self.shapes = profile, shapes
         self.name = profile.name
         self.cores = profile.cores
+        self.runtime = _runtime_factors(profile)
         s, dt = shapes, profile.dtype
         self.w, self.a = dt["weight_bytes"], dt["activation_bytes"]
         H = s.hidden

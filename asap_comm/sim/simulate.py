@@ -28,6 +28,9 @@ simplification):
 * **Baseline**: per MoE layer three collectives as ``run_sync`` does them
   (counts, dispatch and combine ``all_to_all``), plus the per-step
   ``all_reduce`` of "anyone working?"; a step ends when the slowest rank does.
+  On a shared CPU host (``local``) the ranks waiting in a gloo collective keep
+  polling and take a share of the cores from the ranks that compute
+  (``sync_poll_weight`` of the profile, fitted in situ).
   An idle baseline notices new work at its next idle heartbeat
   (``run_sync`` polls every millisecond).
 """
@@ -41,6 +44,7 @@ from ..serving.metrics import RequestRecord
 from ..serving.policies import ExpertBatcher, MicroBatcher, Placer, split_prompt
 from ..serving.runtime import RuntimeConfig
 from ..serving.traces import Request
+from .costs import RUNTIME_FACTORS
 from .engine import Engine, Host, Rank, ps_makespan
 
 __all__ = ["SimResult", "simulate", "rows_per_rank_fraction", "SYNC_IDLE_POLL_S"]
@@ -106,6 +110,7 @@ class _Memo:
             setattr(self, name, cached)
         self._experts: dict = {}
         self._a2a: dict = {}
+        self.runtime = {**RUNTIME_FACTORS, **(getattr(cost, "runtime", None) or {})}
 
     def __getattr__(self, name):
         return getattr(self._cost, name)
@@ -207,6 +212,9 @@ class _AsyncSim(_Common):
                                         enabled=cfg.expert_batching)
         self.ex_wake = None  # (time, handle) of the pending deadline wake-up
         self.segs = self._segments()
+        rt = self.cost.runtime
+        self.k_att, self.k_exp, self.layer_overhead = (rt["async_attention"], rt["async_expert"],
+                                                       rt["async_layer_overhead_s"])
 
     def _rows(self, tokens: int) -> int:
         return max(1, round(tokens * self.frac)) if tokens else 0
@@ -241,17 +249,16 @@ class _AsyncSim(_Common):
             work += mb.attn_s + cost.router_s(T)
             if self.cpu:  # the attention rank's CPU copies the rows into each expert rank's memory
                 work += self.E * cost.dispatch_s(rows)
-            layer_label = f"attn seg {mb.seg}"
-            self.att[mb.rank].submit(work, lambda: self._dispatched(mb, rows), layer_label)
+            self.att[mb.rank].submit(work * self.k_att, lambda: self._dispatched(mb, rows), f"attn seg {mb.seg}")
         else:
             last = [c for c in mb.chunks if c.last]
             work += cost.head_s(len(last)) if last else 0.0
-            self.att[mb.rank].submit(work, lambda: self._tail_done(mb), "attn tail")
+            self.att[mb.rank].submit(work * self.k_att, lambda: self._tail_done(mb), "attn tail")
 
     def _dispatched(self, mb: _MicroBatch, rows: int) -> None:
         mb.waiting = 2
         # shared experts run right after the dispatch on the same rank (same generator step)
-        self.att[mb.rank].submit(self.cost.shared_experts_s(mb.tokens), lambda: self._part_back(mb),
+        self.att[mb.rank].submit(self.cost.shared_experts_s(mb.tokens) * self.k_att, lambda: self._part_back(mb),
                                  "shared", front=True)
         delay = 0.0 if self.cpu else self.cost.dispatch_s(rows)
         self.engine.after(delay, self._expert_arrive, mb, rows)
@@ -279,7 +286,7 @@ class _AsyncSim(_Common):
         work = self.cost.experts_s(_pairs(tokens, self.shapes, self.local))
         if self.cpu:  # the expert rank's CPU copies each micro-batch's output rows back
             work += sum(self.cost.combine_s(rows) for _, rows in items)
-        self.ex.submit(work, lambda: self._experts_done(items), f"experts seg {layer} ({len(items)} mb)")
+        self.ex.submit(work * self.k_exp, lambda: self._experts_done(items), f"experts seg {layer} ({len(items)} mb)")
 
     def _wake(self) -> None:
         self.ex_wake = None
@@ -287,7 +294,7 @@ class _AsyncSim(_Common):
 
     def _experts_done(self, items: list) -> None:
         for mb, rows in items:
-            delay = 0.0 if self.cpu else self.cost.combine_s(rows)
+            delay = (0.0 if self.cpu else self.cost.combine_s(rows)) + self.layer_overhead
             self.engine.after(delay, self._part_back, mb)
         self._poke()
 
@@ -331,6 +338,7 @@ class _SyncSim(_Common):
         self.check_at = None  # a pending step check (heartbeat)
         self.segs = self._segments()
         self.steps = 0
+        self.k, self.layer_overhead = self.cost.runtime["sync_compute"], self.cost.runtime["sync_layer_overhead_s"]
 
     def arrive(self, r: Request) -> None:
         admitted = self._admit(r)
@@ -359,11 +367,18 @@ class _SyncSim(_Common):
         attn = [cost.attention_s([(c.length, c.start) for c in b]) if b else 0.0 for b in batches]
         rows = [round(t * self.frac) for t in tokens]
         recv_tokens = sum(tokens) / W  # every rank holds 1/W of the experts: balanced share of every sender
-        expert_work = cost.experts_s(_pairs(round(recv_tokens), self.shapes, self.local)) if sum(tokens) else 0.0
+        k = self.k
+        expert_work = k * cost.experts_s(_pairs(round(recv_tokens), self.shapes, self.local)) if sum(tokens) else 0.0
         a2a_rows = max(max(rows), round(sum(rows) / W))  # the busiest sender / receiver
         a2a = cost.all_to_all_s(0, W) + 2 * cost.all_to_all_s(a2a_rows, W)  # counts, dispatch, combine
         t = cost.all_reduce_s(W)
         pending = [0.0] * W  # rank-local work since the last collective
+        # On a shared CPU host the ranks that wait in a gloo collective stay runnable (they poll): a phase
+        # where n ranks compute runs at min(1, cores / (n + poll * (W - n))), poll fitted in situ.
+        poll = cost.runtime["sync_poll_weight"]
+        n_att = sum(1 for t in tokens if t)
+        spin = 1.0 if cores is None else max(1.0, (n_att + poll * (W - n_att)) / cores)
+        spin_ex = 1.0 if cores is None else max(1.0, W / cores)  # every rank computes its experts
         for i, (dense, moe) in enumerate(self.segs):
             for r in range(W):
                 T = tokens[r]
@@ -376,16 +391,16 @@ class _SyncSim(_Common):
                 else:
                     last = sum(1 for c in batches[r] if c.last)
                     w += cost.head_s(last) if last else 0.0
-                pending[r] += w
+                pending[r] += k * w
             if not moe:
                 break
-            seg = ps_makespan(pending, cores)
-            ex = ps_makespan([expert_work] * W, cores)
-            t += seg + a2a + ex
+            seg = spin * max(pending) if cores is not None else ps_makespan(pending, None)
+            ex = spin_ex * expert_work
+            t += seg + a2a + ex + self.layer_overhead
             for r in range(W):
                 self.busy[r] += pending[r] + expert_work
             pending = [0.0] * W
-        tail = ps_makespan(pending, cores)
+        tail = spin * max(pending)
         for r in range(W):
             self.busy[r] += pending[r]
         t += tail

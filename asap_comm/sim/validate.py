@@ -25,6 +25,7 @@ from .shapes import ModelShapes
 from .simulate import simulate
 
 METRICS = ("ttft_p50_s", "ttft_p90_s", "throughput_tokens_per_s")
+_LABEL = {"ttft_p50_s": "TTFT p50", "ttft_p90_s": "TTFT p90", "throughput_tokens_per_s": "tok/s"}
 TARGET = 0.15
 
 # (name, attention ranks, expert ranks, trace, request rates)
@@ -109,7 +110,7 @@ def validate(out_dir, *, model: str = "small", profile: str = "local", configs: 
                              "relative_error": errors})
                 if progress:
                     print(f"  [{time.perf_counter() - t0:5.0f} s] {name:16s} {rate:4.1f} req/s {mode:5s} " +
-                          "  ".join(f"{m[:-2] if m.endswith('_s') else 'tok/s'} real {r[m]:.3g} sim {s[m]:.3g} "
+                          "  ".join(f"{_LABEL[m]} real {r[m]:.3g} sim {s[m]:.3g} "
                                     f"({errors[m]:+.0%})" for m in METRICS if errors[m] is not None),
                           file=sys.stderr, flush=True)
     errs = [abs(e) for row in rows for e in row["relative_error"].values() if e is not None]
