@@ -5,11 +5,17 @@ The documented comparison (DESIGN.md, "asap_comm.sim"; issue 6):
 * **Hardware**: the ``ascend-910c-cm384`` profile (one rank = one 910C die on the
   UB network), and the same study on ``h800-node`` (8-GPU NVLink nodes, IB across).
 * **Model**: ``deepseek-v3`` shapes (61 layers, 58 MoE, 256 routed experts, top 8).
-* **Deployment**: 64 ranks either way. ASAP: 32 attention + 32 expert ranks
-  (``--attention-ranks``/``--expert-ranks``); baseline: 64 DP+EP ranks (DP
-  attention, 4 experts each). Equal hardware is the fair comparison; 32 + 32 is
-  the split the issue names. The baseline runs the same policies (load-aware
-  placement, long-prompt chunking, token budget).
+* **Deployment**: 64 ranks either way. Baseline: 64 DP+EP ranks (DP attention,
+  4 experts each). ASAP: 48 attention + 16 expert ranks (``--splits``; the
+  first split is the headline). Why 48 + 16: the routed experts are 653 B
+  parameters (58 layers x 256 x 3 x 7168 x 2048), 653 GB in INT8/FP8, so
+  with 64 GB of HBM per 910C die (80 GB per H800) at least 11 (9) expert
+  ranks are needed; 16 leaves room for buffers, and the remaining 48 ranks
+  do attention, which dominates prefill of long prompts (at 32 + 32 the
+  expert ranks sit mostly idle). The split 32 + 32 is reported too (the
+  issue's example), as an ASAP-only sweep against the same baseline. Equal
+  hardware is the fair comparison. The baseline runs the same policies
+  (load-aware placement, long-prompt chunking, token budget).
 * **Runtime settings**: micro-batches of up to 16384 tokens, prompts split into
   16384-token chunks, prompts up to 131072 tokens (the Mooncake trace's max is
   126k), expert batches up to 32768 rows or 1 ms.
@@ -38,7 +44,7 @@ from ..serving.traces import LogNormalLengths, load_trace, synthetic_trace
 from . import plots
 from .costs import CostModel
 from .shapes import ModelShapes
-from .study import compare, mean_len, run_point
+from .study import compare, find_slo_throughput, mean_len, run_point
 from .validate import _mooncake_path
 
 MOONCAKE_MEDIAN, MOONCAKE_P90 = 6909, 27367  # summarize_trace of shared/traces/mooncake_conversation.jsonl
@@ -68,7 +74,7 @@ def skew_trace(n: int, sigma: float, mean: float, seed: int = 0) -> list:
 
 
 def study(profile: str, model: str, n: int, n_side: int, cfg: RuntimeConfig, W: int, out: Path,
-          sigmas, loads, quick: bool) -> dict:
+          sigmas, loads, quick: bool, other_splits=()) -> dict:
     cost, shapes = CostModel.load(profile, model), ModelShapes.load(model)
     trace, trace_desc = mooncake_trace(n)
     tag = cost.name
@@ -82,6 +88,16 @@ def study(profile: str, model: str, n: int, n_side: int, cfg: RuntimeConfig, W: 
            "async": None, "sync": None, "slo_compliant_throughput_ratio": main["ratio"], "runs": [],
            "sweep": {m: {k: main[m][k] for k in ("slo_compliant_rate_req_s", "saturated", "arrival_span_over_slo")}
                      for m in ("async", "sync")}}
+    res["split_sensitivity"] = [{"attention_ranks": cfg.num_attention_ranks, "expert_ranks": cfg.num_expert_ranks,
+                                 "async": main["async"]["slo_compliant_throughput"], "ratio": main["ratio"]}]
+    for a, e in other_splits:
+        r = find_slo_throughput("async", trace, cost, shapes, headline_config(a, e), slo, start_rate=main["start_rate"],
+                                bisections=bis, progress=f"{tag} split {a}+{e}")
+        sync = main["sync"]["slo_compliant_throughput"]
+        ratio = r["slo_compliant_throughput"] / sync if r["slo_compliant_throughput"] and sync else None
+        res["split_sensitivity"].append({"attention_ranks": a, "expert_ranks": e,
+                                         "async": r["slo_compliant_throughput"], "ratio": ratio})
+        print(f"[{tag}] split {a}+{e}: ratio {ratio}", file=sys.stderr, flush=True)
     base_rate = main["sync"]["slo_compliant_rate_req_s"] or main["sync"]["points"][0]["rate_req_s"]
     timelines = {}
     for mode in ("async", "sync"):
@@ -136,8 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--num-requests", type=int, default=2000, help="requests of the main comparison")
     p.add_argument("--num-requests-sensitivity", type=int, default=1000)
-    p.add_argument("--attention-ranks", type=int, default=32)
-    p.add_argument("--expert-ranks", type=int, default=32)
+    p.add_argument("--splits", default="48+16,32+32",
+                   help="ASAP attention+expert ranks; the first is the headline, the others ASAP-only sweeps")
     p.add_argument("--sync-ranks", type=int, default=64)
     p.add_argument("--profiles", default="ascend-910c-cm384,h800-node")
     p.add_argument("--quick", action="store_true", help="a small smoke run (few requests, two skews, two loads)")
@@ -147,22 +163,29 @@ def main(argv=None) -> int:
     n, n_side = (200, 120) if args.quick else (args.num_requests, args.num_requests_sensitivity)
     sigmas = (0.0, 1.0) if args.quick else (0.0, 0.5, 1.0, 1.5)
     loads = (0.5, 1.0) if args.quick else (0.25, 0.5, 0.75, 1.0, 1.25)
+    try:
+        splits = [tuple(int(x) for x in sp.split("+")) for sp in args.splits.split(",") if sp]
+        assert splits and all(len(sp) == 2 and min(sp) >= 1 for sp in splits)
+    except (ValueError, AssertionError):
+        p.error(f"--splits {args.splits!r}: expected A+E[,A+E...], e.g. 48+16,32+32")
     if args.quick:  # a smaller deployment, so that a few hundred requests still make a sustained load
-        args.attention_ranks, args.expert_ranks, args.sync_ranks = 4, 4, 8
-    cfg = headline_config(args.attention_ranks, args.expert_ranks)
+        splits, args.sync_ranks = [(6, 2), (4, 4)], 8
+    cfg = headline_config(*splits[0])
     t0 = time.perf_counter()
     summary = {"config": {"model": "deepseek-v3", "runtime": cfg.__dict__, "sync_ranks": args.sync_ranks,
+                          "splits": splits,
                           "num_requests": n, "num_requests_sensitivity": n_side}, "profiles": {}}
     for prof in [x for x in args.profiles.split(",") if x]:
         summary["profiles"][prof] = study(prof, "deepseek-v3", n, n_side, cfg, args.sync_ranks, out, sigmas, loads,
-                                          args.quick)
+                                          args.quick, splits[1:])
     first = summary["profiles"][next(iter(summary["profiles"]))]
     for mode in ("async", "sync"):  # the runtime's summary.json keys, for the first (headline) profile
         summary[mode] = first[mode]
     summary["slo_compliant_throughput_ratio"] = first["slo_compliant_throughput_ratio"]
     summary["wall_s"] = time.perf_counter() - t0
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    print(f"\n{'profile':20s} {'SLO s':>8s} {'ASAP tok/s':>12s} {'sync tok/s':>12s} {'ratio':>7s}   ratio vs skew (sigma)")
+    print(f"\nASAP {splits[0][0]}+{splits[0][1]} vs {args.sync_ranks} DP+EP ranks, deepseek-v3, SLO-compliant throughput")
+    print(f"{'profile':20s} {'SLO s':>8s} {'ASAP tok/s':>12s} {'sync tok/s':>12s} {'ratio':>7s}   ratio vs skew (sigma)")
     for prof, r in summary["profiles"].items():
         a, s = r["async"]["slo_compliant_throughput"], r["sync"]["slo_compliant_throughput"]
         skew = ", ".join(f"{x['sigma']:g}: {x['ratio']:.2f}" if x["ratio"] else f"{x['sigma']:g}: -"
@@ -170,5 +193,9 @@ def main(argv=None) -> int:
         ratio = r["slo_compliant_throughput_ratio"]
         print(f"{prof:20s} {r['slo_s']:8.2f} {a or 0:12.0f} {s or 0:12.0f} "
               f"{'-' if ratio is None else f'{ratio:.2f}x':>7s}   {skew}")
+        for x in r["split_sensitivity"][1:]:
+            xr = "-" if x["ratio"] is None else f"{x['ratio']:.2f}x"
+            print(f"{'':20s} split {x['attention_ranks']}+{x['expert_ranks']}: ASAP {x['async'] or 0:.0f} tok/s, "
+                  f"ratio {xr}")
     print(f"artifacts in {out}/ ({summary['wall_s']:.0f} s)")
     return 0

@@ -366,9 +366,10 @@ class _SyncSim(_Common):
         tokens = [sum(c.length for c in b) for b in batches]
         attn = [cost.attention_s([(c.length, c.start) for c in b]) if b else 0.0 for b in batches]
         rows = [round(t * self.frac) for t in tokens]
-        recv_tokens = sum(tokens) / W  # every rank holds 1/W of the experts: balanced share of every sender
+        # every token of every rank may choose this rank's experts: its share of the (token, expert) pairs
+        # is sum(tokens) * top_k * local / N (see _pairs)
         k = self.k
-        expert_work = k * cost.experts_s(_pairs(round(recv_tokens), self.shapes, self.local)) if sum(tokens) else 0.0
+        expert_work = k * cost.experts_s(_pairs(sum(tokens), self.shapes, self.local)) if sum(tokens) else 0.0
         a2a_rows = max(max(rows), round(sum(rows) / W))  # the busiest sender / receiver
         a2a = cost.all_to_all_s(0, W) + 2 * cost.all_to_all_s(a2a_rows, W)  # counts, dispatch, combine
         t = cost.all_reduce_s(W)
