@@ -181,6 +181,7 @@ def test_cli_headline_quick(tmp_path):
     prof = s["profiles"]["h800-node"]
     assert prof["async"]["slo_compliant_throughput"] > 0 and prof["sync"]["slo_compliant_throughput"] > 0
     assert len(prof["skew_sensitivity"]) == 2 and len(prof["load_sensitivity"]) == 2
+    assert prof["cap_sensitivity"][0]["max_prompt_tokens"] == 8192 and len(prof["split_sensitivity"]) == 2
     assert s["slo_compliant_throughput_ratio"] == prof["slo_compliant_throughput_ratio"]
 
 

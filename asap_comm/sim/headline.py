@@ -27,8 +27,10 @@ The documented comparison (DESIGN.md, "asap_comm.sim"; issue 6):
 * **SLO**: 3x the unloaded TTFT of the trace's p90 prompt on the baseline
   (the runtime example's rule). SLO-compliant throughput: see ``study``.
 * **Sensitivity**: the ratio against length skew (synthetic log-normal lengths
-  of equal mean, sigma 0 = all prompts equal, to 1.5) and against load (both
-  modes at fractions of the baseline's SLO-compliant rate).
+  of equal mean, sigma 0 = all prompts equal, to 1.5), against the long-prompt
+  tail (the same Mooncake requests with prompts clipped at 32k and 8k tokens),
+  against the ASAP split, and against load (both modes at fractions of the
+  baseline's SLO-compliant rate).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import time
 from pathlib import Path
 
 from ..serving.runtime import RuntimeConfig
-from ..serving.traces import LogNormalLengths, load_trace, synthetic_trace
+from ..serving.traces import LogNormalLengths, Request, load_trace, synthetic_trace
 from . import plots
 from .costs import CostModel
 from .shapes import ModelShapes
@@ -74,7 +76,7 @@ def skew_trace(n: int, sigma: float, mean: float, seed: int = 0) -> list:
 
 
 def study(profile: str, model: str, n: int, n_side: int, cfg: RuntimeConfig, W: int, out: Path,
-          sigmas, loads, quick: bool, other_splits=()) -> dict:
+          sigmas, loads, quick: bool, other_splits=(), caps=()) -> dict:
     cost, shapes = CostModel.load(profile, model), ModelShapes.load(model)
     trace, trace_desc = mooncake_trace(n)
     tag = cost.name
@@ -121,6 +123,15 @@ def study(profile: str, model: str, n: int, n_side: int, cfg: RuntimeConfig, W: 
         row["ttft_p90_ratio_sync_over_async"] = b / a if a and b else None
         res["load_sensitivity"].append(row)
         print(f"[{tag}] load {f:.2f}x: TTFT p90 async {a:.3g} s, sync {b:.3g} s", file=sys.stderr, flush=True)
+    # sensitivity to the long-prompt tail: the same trace with prompts clipped at a cap
+    res["cap_sensitivity"] = []
+    for cap in caps:
+        clipped = [Request(r.request_id, r.arrival_s, min(r.prompt_len, cap), r.output_len) for r in trace]
+        c = compare(clipped, cost, shapes, cfg, sync_ranks=W, progress=f"{tag} cap {cap}", bisections=bis)
+        res["cap_sensitivity"].append({"max_prompt_tokens": cap, "mean_prompt_tokens": mean_len(clipped),
+                                       "slo_s": c["slo_s"], "async": c["async"]["slo_compliant_throughput"],
+                                       "sync": c["sync"]["slo_compliant_throughput"], "ratio": c["ratio"]})
+        print(f"[{tag}] prompts clipped at {cap}: ratio {c['ratio']}", file=sys.stderr, flush=True)
     # sensitivity to length skew: equal mean length, more and more spread
     res["skew_sensitivity"] = []
     mean = mean_len(trace)
@@ -163,6 +174,7 @@ def main(argv=None) -> int:
     n, n_side = (200, 120) if args.quick else (args.num_requests, args.num_requests_sensitivity)
     sigmas = (0.0, 1.0) if args.quick else (0.0, 0.5, 1.0, 1.5)
     loads = (0.5, 1.0) if args.quick else (0.25, 0.5, 0.75, 1.0, 1.25)
+    caps = (8192,) if args.quick else (32768, 8192)
     try:
         splits = [tuple(int(x) for x in sp.split("+")) for sp in args.splits.split(",") if sp]
         assert splits and all(len(sp) == 2 and min(sp) >= 1 for sp in splits)
@@ -177,7 +189,7 @@ def main(argv=None) -> int:
                           "num_requests": n, "num_requests_sensitivity": n_side}, "profiles": {}}
     for prof in [x for x in args.profiles.split(",") if x]:
         summary["profiles"][prof] = study(prof, "deepseek-v3", n, n_side, cfg, args.sync_ranks, out, sigmas, loads,
-                                          args.quick, splits[1:])
+                                          args.quick, splits[1:], caps)
     first = summary["profiles"][next(iter(summary["profiles"]))]
     for mode in ("async", "sync"):  # the runtime's summary.json keys, for the first (headline) profile
         summary[mode] = first[mode]
@@ -193,6 +205,10 @@ def main(argv=None) -> int:
         ratio = r["slo_compliant_throughput_ratio"]
         print(f"{prof:20s} {r['slo_s']:8.2f} {a or 0:12.0f} {s or 0:12.0f} "
               f"{'-' if ratio is None else f'{ratio:.2f}x':>7s}   {skew}")
+        for x in r["cap_sensitivity"]:
+            xr = "-" if x["ratio"] is None else f"{x['ratio']:.2f}x"
+            print(f"{'':20s} prompts clipped at {x['max_prompt_tokens']}: ASAP {x['async'] or 0:.0f}, "
+                  f"sync {x['sync'] or 0:.0f} tok/s, ratio {xr}")
         for x in r["split_sensitivity"][1:]:
             xr = "-" if x["ratio"] is None else f"{x['ratio']:.2f}x"
             print(f"{'':20s} split {x['attention_ranks']}+{x['expert_ranks']}: ASAP {x['async'] or 0:.0f} tok/s, "
