@@ -12,7 +12,6 @@ package can register its own under another name.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from .checkpoint import load_checkpoint, random_init
@@ -31,7 +30,7 @@ class StageFactory:
         self.config()  # fail now, in the caller, on an unknown preset or a bad config.json
 
     def config(self) -> ModelConfig:
-        if os.path.isdir(self.model):
+        if Path(self.model).is_dir():
             return ModelConfig.from_json(Path(self.model) / "config.json")
         return preset(self.model)
 
@@ -39,13 +38,13 @@ class StageFactory:
         if role not in ("attention", "expert"):
             raise ValueError(f"StageFactory: role must be 'attention' or 'expert', got {role!r}")
         attention = role == "attention"
-        if os.path.isdir(self.model):
+        if Path(self.model).is_dir():
             return load_checkpoint(self.model, experts=experts, attention_side=attention)
         return random_init(self.config(), seed=self.seed, experts=experts, attention_side=attention)
 
     def full(self):
         """The whole model in one process (the reference forward)."""
-        return load_checkpoint(self.model) if os.path.isdir(self.model) else random_init(self.config(), seed=self.seed)
+        return load_checkpoint(self.model) if Path(self.model).is_dir() else random_init(self.config(), seed=self.seed)
 
     def describe(self) -> dict:
         """Shapes as plain data (no torch types): what the runtime's ModelInfo and the simulator need."""
