@@ -74,7 +74,9 @@ def utilisation_timeline(path: Path, timelines: dict, title: str = "", max_ranks
         ax.set_yticks(range(len(names)))
         ax.set_yticklabels(names, fontsize=6)
         ax.set_xlim(0, window)
-        ax.set_title(f"{mode}: busy spans per rank (white = idle / waiting)", fontsize=8)
+        ax.set_title(f"{mode}: busy spans per rank (white = idle / waiting; baseline: each step's own "
+                     "compute, drawn from the step's start)" if mode == "sync" else
+                     f"{mode}: busy spans per rank (white = idle / waiting)", fontsize=8)
     axes[-1, 0].set_xlabel("simulated time (s)")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()

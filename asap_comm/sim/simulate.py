@@ -373,6 +373,7 @@ class _SyncSim(_Common):
         a2a_rows = max(max(rows), round(sum(rows) / W))  # the busiest sender / receiver
         a2a = cost.all_to_all_s(0, W) + 2 * cost.all_to_all_s(a2a_rows, W)  # counts, dispatch, combine
         t = cost.all_reduce_s(W)
+        busy_before = list(self.busy)
         pending = [0.0] * W  # rank-local work since the last collective
         # On a shared CPU host the ranks that wait in a gloo collective stay runnable (they poll): a phase
         # where n ranks compute runs at min(1, cores / (n + poll * (W - n))), poll fitted in situ.
@@ -405,9 +406,10 @@ class _SyncSim(_Common):
         for r in range(W):
             self.busy[r] += pending[r]
         t += tail
-        if self.spans is not None:
+        if self.spans is not None:  # each rank's own compute of the step (the rest of the step it waits)
             for r in range(W):
-                self.spans.append((f"rank {r}", "step" if batches[r] else "dummy step", self.engine.now, t))
+                self.spans.append((f"rank {r}", "step" if batches[r] else "dummy step (experts only)",
+                                   self.engine.now, self.busy[r] - busy_before[r]))
         self.engine.after(t, self._step_done, batches)
 
     def _step_done(self, batches: list) -> None:
