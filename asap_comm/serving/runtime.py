@@ -232,7 +232,8 @@ class _AttentionRank:
         self.spans.append((self.comm.rank, 0, "attn tail", t_start, time.monotonic() - t_start))
 
     def run(self) -> list:
-        running: list = []  # [generator, handle or None]
+        running: list = []  # [generator, handle or None, dispatch sequence number]
+        seq = 0
         stopped = False
         max_running = 2 if self.cfg.ping_pong else 1
         while True:
@@ -242,15 +243,15 @@ class _AttentionRank:
                 batch = self.batcher.next_batch()
                 if not batch:
                     break
-                running.append([self._microbatch(batch), None])
+                running.append([self._microbatch(batch), None, -1])
             if stopped and not running and len(self.batcher) == 0:
                 break
             progressed = False
             for entry in list(running):
-                gen, handle = entry
+                gen, handle, _ = entry
                 if handle is None or self.att.is_ready(handle):
                     try:
-                        entry[1] = next(gen)
+                        entry[1], entry[2], seq = next(gen), seq, seq + 1
                     except StopIteration:
                         running.remove(entry)
                     progressed = True
@@ -258,10 +259,13 @@ class _AttentionRank:
                 continue
             if self.lockstep is not None:
                 self.lockstep.catch_up()
-            if running:  # every micro-batch waits for its experts: wait on the oldest, briefly
+            if running:  # every micro-batch waits for its experts: wait on the earliest dispatch, briefly
+                # (it answers first as experts serve in arrival order; with room for another micro-batch,
+                # come back sooner to pick up new chunks from the mailbox)
+                h = min(running, key=lambda e: e[2])[1]
                 try:
-                    self.comm.signal_wait_until(self.att._buf.done, running[0][1].slot, ">=", running[0][1].target,
-                                                timeout=0.002)
+                    self.comm.signal_wait_until(self.att._buf.done, h.slot, ">=", h.target,
+                                                timeout=0.002 if len(running) >= max_running else 0.0005)
                 except CommTimeoutError:
                     pass
             else:
