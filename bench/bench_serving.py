@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     p.add_argument("--rates", default="6,8,10,12,14,16,18", help="request rates (req/s) of the sweep")
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--variants", default="", help="comma-separated subset of: " + ", ".join(v[0] for v in VARIANTS))
+    p.add_argument("--slo", default="auto", help="TTFT SLO in seconds, or auto (3x unloaded p90 prefill, measured "
+                                                 "at the start: fix it to compare runs)")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     eargs = argparse.Namespace(trace="synthetic", rate=3.0, num_requests=args.num_requests, burstiness=2.0,
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
     info = prefill.model_info(mcfg)
     requests = prefill.make_requests(eargs, mcfg.vocab_size)
     refs, unloaded = prefill.references(factory, requests)
-    slo = 3 * unloaded
+    slo = 3 * unloaded if args.slo == "auto" else float(args.slo)
     mean_len = sum(int(r.token_ids.numel()) for r in requests) / len(requests)
     rates = [float(x) for x in args.rates.split(",") if x]
     base = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=2, token_budget=256, chunk_len=256,
