@@ -42,6 +42,18 @@ def validate(req, info, cfg) -> "str | None":
     return None
 
 
+def finish_chunks(model, box, front: int, chunks, hs, caches: dict, batcher) -> None:
+    """After a micro-batch's last layer: send each finished request's result (final-normed hidden of its
+    last prompt token + its greedy first token) to the front end, drop its cache, free its chunks."""
+    for c, h in zip(chunks, hs):
+        if c.last:
+            normed = model.final_norm(h[-1:])
+            token = int(model.lm_head_logits(normed).argmax(-1)[0])
+            box.send(front, torch.cat([normed[0].float(), torch.tensor([float(token)])]), c.request_id)
+            del caches[c.request_id]
+        batcher.done(c)
+
+
 def request_mailbox(comm, cfg, info, num_targets: int):
     """Collective: requests (front end -> ranks) and results (ranks -> front end) share one mailbox."""
     slot = max(8 * (cfg.max_chunk_tokens + HDR), 4 * (info.hidden + 1), 256)

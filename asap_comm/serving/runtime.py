@@ -36,7 +36,7 @@ import torch
 
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import AttentionEnd, ExpertBatch, ExpertEnd, MoEPlan, apply_experts, join_as_bystander
-from .frontend import HDR, STOP, request_mailbox, run_front_end, run_group
+from .frontend import HDR, STOP, finish_chunks, request_mailbox, run_front_end, run_group
 from .policies import Chunk, ExpertBatcher, MicroBatcher
 
 __all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "run_async"]
@@ -221,14 +221,7 @@ class _AttentionRank:
                 y = model.dense_mlp(layer, mlp)
             ys = y.split(lens) if len(lens) > 1 else (y,)
             hs = [o.hidden + yi for o, yi in zip(outs, ys)]
-        for c, h in zip(chunks, hs):
-            if c.last:
-                normed = model.final_norm(h[-1:])
-                token = int(model.lm_head_logits(normed).argmax(-1)[0])
-                out = torch.cat([normed[0].float(), torch.tensor([float(token)])])
-                self.box.send(self.front, out, c.request_id)
-                del self.caches[c.request_id]
-            self.batcher.done(c)
+        finish_chunks(model, self.box, self.front, chunks, hs, self.caches, self.batcher)
         self.spans.append((self.comm.rank, 0, "attn tail", t_start, time.monotonic() - t_start))
 
     def run(self) -> list:

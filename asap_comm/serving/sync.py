@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import ExpertBatch, apply_experts
-from .frontend import HDR, STOP, request_mailbox, run_front_end, run_group
+from .frontend import HDR, STOP, finish_chunks, request_mailbox, run_front_end, run_group
 from .policies import Chunk, MicroBatcher
 from .runtime import ModelInfo, PromptRequest, RunResult, RuntimeConfig
 
@@ -186,14 +186,7 @@ class _Worker:
                 continue
             ys = y.split(lens) if len(lens) > 1 else (y,)
             hs = [o.hidden + yi for o, yi in zip(outs, ys)]
-        for c, h in zip(chunks, hs):
-            if c.last:
-                normed = model.final_norm(h[-1:])
-                token = int(model.lm_head_logits(normed).argmax(-1)[0])
-                out = torch.cat([normed[0].float(), torch.tensor([float(token)])])
-                self.box.send(self.front, out, c.request_id)
-                del self.caches[c.request_id]
-            self.batcher.done(c)
+        finish_chunks(model, self.box, self.front, chunks, hs, self.caches, self.batcher)
         if chunks:
             self._span("tail", t)
 

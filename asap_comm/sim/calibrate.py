@@ -32,7 +32,6 @@ Writes ``out_dir/profile_local.json`` (the ``profiles/local.json`` schema) and
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import statistics
@@ -308,7 +307,6 @@ def calibrate(out_dir, model: str = "small", *, quick: bool = False, progress: b
     stub = _stub_profile(shapes)
     cm0 = CostModel(stub, shapes)
     ops: dict = {}
-    n, fl, by = [], [], []
     att_pts = []
     for (T, C), t in raw["attention"]:
         tokens, flops, nbytes = cm0.attention_work([(T, C)])

@@ -161,6 +161,27 @@ class _Common:
         rec.start_s = self.engine.now
         return rank, chunks
 
+    def arrive(self, r: Request) -> None:
+        """Front end: admit the request and send its chunks to the chosen rank."""
+        admitted = self._admit(r)
+        if admitted is not None:
+            rank, chunks = admitted
+            self.engine.after(self._delivery_s(chunks), self._deliver, rank, chunks)
+
+    def _deliver(self, rank: int, chunks: list) -> None:
+        for c in chunks:
+            self.batchers[rank].add(c)
+        self._queued(rank)
+
+    def _queued(self, rank: int) -> None:
+        """New chunks are queued on ``rank``: the mode reacts (start micro-batches, or a step)."""
+        raise NotImplementedError
+
+    def _result(self, request_id: int) -> None:
+        """The front end receives a request's result."""
+        self.records[request_id].done_s = self.engine.now
+        self.placer.complete(request_id)
+
     def _delivery_s(self, chunks) -> float:
         return sum(self.cost.message_s(8 * (c.length + 4)) for c in chunks)
 
@@ -219,15 +240,7 @@ class _AsyncSim(_Common):
     def _rows(self, tokens: int) -> int:
         return max(1, round(tokens * self.frac)) if tokens else 0
 
-    def arrive(self, r: Request) -> None:
-        admitted = self._admit(r)
-        if admitted is not None:
-            rank, chunks = admitted
-            self.engine.after(self._delivery_s(chunks), self.deliver, rank, chunks)
-
-    def deliver(self, rank: int, chunks: list) -> None:
-        for c in chunks:
-            self.batchers[rank].add(c)
+    def _queued(self, rank: int) -> None:
         self._fill(rank)
 
     def _fill(self, rank: int) -> None:
@@ -312,10 +325,6 @@ class _AsyncSim(_Common):
         self.running[mb.rank] -= 1
         self._fill(mb.rank)
 
-    def _result(self, request_id: int) -> None:
-        self.records[request_id].done_s = self.engine.now
-        self.placer.complete(request_id)
-
     def run(self) -> tuple:
         self._arrivals(self.arrive)
         end = self.engine.run()
@@ -340,15 +349,7 @@ class _SyncSim(_Common):
         self.steps = 0
         self.k, self.layer_overhead = self.cost.runtime["sync_compute"], self.cost.runtime["sync_layer_overhead_s"]
 
-    def arrive(self, r: Request) -> None:
-        admitted = self._admit(r)
-        if admitted is not None:
-            rank, chunks = admitted
-            self.engine.after(self._delivery_s(chunks), self.deliver, rank, chunks)
-
-    def deliver(self, rank: int, chunks: list) -> None:
-        for c in chunks:
-            self.batchers[rank].add(c)
+    def _queued(self, rank: int) -> None:
         if not self.stepping and self.check_at is None:
             # the idle ranks notice at their next heartbeat: the others' 1 ms receive timeouts must expire
             delay = (1.0 - 1.0 / self.W) * SYNC_IDLE_POLL_S + self.cost.all_reduce_s(self.W)
@@ -420,10 +421,6 @@ class _SyncSim(_Common):
                     self.engine.after(self.msg_result, self._result, c.request_id)
         # the loop comes straight back to the next step's all_reduce
         self._step()
-
-    def _result(self, request_id: int) -> None:
-        self.records[request_id].done_s = self.engine.now
-        self.placer.complete(request_id)
 
     def run(self) -> tuple:
         self._arrivals(self.arrive)
