@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import os
 import secrets
 import threading
@@ -243,10 +244,9 @@ class Communicator:
     def _timeout(self, fn: str, timeout) -> float:
         if timeout is None:
             return self.timeout
-        try:
-            t = float(timeout)
-        except (TypeError, ValueError):
-            raise TypeError(f"{fn}: timeout must be a number of seconds or None, got {timeout!r}") from None
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+            raise TypeError(f"{fn}: timeout must be a number of seconds or None, got {timeout!r}")
+        t = float(timeout)
         if not t >= 0 or math.isinf(t):
             raise ValueError(f"{fn}: timeout must be finite and >= 0, got {timeout!r}")
         return t
@@ -412,6 +412,9 @@ class Communicator:
                 raise TypeError(f"mailbox: {nm} must be an int, got {type(v).__name__}")
             if v <= 0:
                 raise ValueError(f"mailbox: {nm}={v} must be positive")
+        if self.world_size > _C.MAILBOX_MAX_PES:
+            raise ValueError(f"mailbox: world_size={self.world_size} exceeds the {_C.MAILBOX_MAX_PES} PEs a mailbox "
+                             "slot can name")
         nbytes = _C.mailbox_bytes(slot_bytes, num_slots)
         a = self._alloc("mailbox", nbytes)
         base = a.chunk.base + a.offset
@@ -560,30 +563,56 @@ class Communicator:
         _, addr = self._sig_addr("signal_fetch", sig, idx)
         return _C.load(addr)
 
-    def signal_wait_until(self, sig: torch.Tensor, idx: int, cmp: str, value: int, timeout=None) -> int:
+    def signal_wait_until(self, sig: torch.Tensor, idx: int, cmp: str, value: int, timeout=None, *,
+                          peers=None) -> int:
         """Wait until ``sig[idx] <cmp> value`` holds on this PE; returns the value seen.
 
         ``cmp``: one of ``== != > >= < <=``. Ordering: acquire: data put
         before the signal that satisfied the wait is visible on return.
         Spins briefly, then sleeps on a futex. Raises ``TimeoutError`` after
-        ``timeout`` s (default: the communicator's), ``PeerFailure`` if a PE
-        died (or every other PE closed) meanwhile. (Instances bind this name
-        to the native path directly.)
-        """
-        return self._fastpath.signal_wait_until(sig, idx, cmp, value, timeout)
+        ``timeout`` s (default: the communicator's).
 
-    def _signal_wait_slow(self, sig, idx, cmp, value, timeout=None) -> int:
+        ``peers``: the PEs that may satisfy the wait (an iterable of PEs). The
+        wait raises ``PeerFailure`` only once every one of them has died or
+        closed (without the condition holding); deaths of other PEs do not
+        concern it. ``None`` (the default) means any PE: the wait fails as
+        soon as any PE dies, or once every other PE has closed.
+        (Instances bind this name to the native path directly.)
+        """
+        if peers is None:
+            return self._fastpath.signal_wait_until(sig, idx, cmp, value, timeout)
+        return self._fastpath.signal_wait_until(sig, idx, cmp, value, timeout, peers=peers)
+
+    def _peer_mask(self, fn: str, peers) -> bytes:
+        """``peers`` (an iterable of PEs) as a world_size-byte mask for the native wait."""
+        if isinstance(peers, (str, bytes, torch.Tensor)) or not hasattr(peers, "__iter__"):
+            raise TypeError(f"{fn}: peers must be an iterable of PEs (ints) or None, got {peers!r}")
+        mask = bytearray(self.world_size)
+        for pe in peers:
+            if isinstance(pe, bool) or not isinstance(pe, int):
+                raise TypeError(f"{fn}: peers must hold ints, got {pe!r}")
+            if not 0 <= pe < self.world_size:
+                raise ValueError(f"{fn}: peers holds pe={pe}, out of range [0, {self.world_size})")
+            mask[pe] = 1
+        if not any(mask):
+            raise ValueError(f"{fn}: peers is empty; name at least one PE that may satisfy the wait")
+        return bytes(mask)
+
+    def _signal_wait_slow(self, sig, idx, cmp, value, timeout=None, *, peers=None) -> int:
         self._check_open("signal_wait_until")
         c = _CMPS.get(cmp) if isinstance(cmp, str) else None
         if c is None:
             raise ValueError(f"signal_wait_until: cmp must be one of {list(_CMPS)}, got {cmp!r}")
         value = self._check_value("signal_wait_until", value)
         t = self._timeout("signal_wait_until", timeout)
+        mask = None if peers is None else self._peer_mask("signal_wait_until", peers)
         _, addr = self._sig_addr("signal_wait_until", sig, idx)
-        if timeout is None and sig.__class__ is torch.Tensor:
+        if timeout is None and mask is None and sig.__class__ is torch.Tensor:
             self._fastpath.add_wait(sig, idx, c, addr)  # holds sig: its identity stays its own
         try:
-            return _C.wait_until(addr, c, value, self._ctrl_local, t, self._ghandle, -1)
+            if mask is None:
+                return _C.wait_until(addr, c, value, self._ctrl_local, t, self._ghandle, _C.DEP_ANY)
+            return _C.wait_until(addr, c, value, self._ctrl_local, t, self._ghandle, _C.DEP_SET, mask)
         except (TimeoutError, PeerFailure) as e:
             raise self._wait_error("signal_wait_until", f"sig[{idx}] {cmp} {value}", e) from None
 
@@ -620,20 +649,22 @@ class Communicator:
         return _C.make_put_signal(d[1] + d[6][pe], src.data_ptr(), d[2], addr + g[6][pe], _OPS[op], self._ctrl[pe],
                                   self._ghandle, keep)
 
-    def prepare_signal_wait(self, sig: torch.Tensor, idx: int, cmp: str, timeout=None):
+    def prepare_signal_wait(self, sig: torch.Tensor, idx: int, cmp: str, timeout=None, *, peers=None):
         """Validate a ``signal_wait_until`` once; return ``f(value) -> int`` that performs it.
 
         Same semantics, ordering and errors as :meth:`signal_wait_until` with
-        the given ``timeout`` (default: the communicator's).
+        the given ``timeout`` (default: the communicator's) and ``peers``.
+        The handle takes ``value`` positionally or as ``value=``.
         """
         self._check_open("prepare_signal_wait")
         c = _CMPS.get(cmp) if isinstance(cmp, str) else None
         if c is None:
             raise ValueError(f"prepare_signal_wait: cmp must be one of {list(_CMPS)}, got {cmp!r}")
         t = self._timeout("prepare_signal_wait", timeout)
+        mask = None if peers is None else self._peer_mask("prepare_signal_wait", peers)
         _, addr = self._sig_addr("prepare_signal_wait", sig, idx)
-        return _C.make_wait(addr, c, self._ctrl_local, t, self._ghandle, -1, (sig, self._group),
-                            f"signal_wait_until: waiting for sig[{idx}] {cmp}")
+        return _C.make_wait(addr, c, self._ctrl_local, t, self._ghandle, _C.DEP_ANY if mask is None else _C.DEP_SET,
+                            (sig, self._group), f"signal_wait_until: waiting for sig[{idx}] {cmp}", mask)
 
     def fence(self) -> None:
         """Order: this PE's puts issued before reach every PE before those issued after."""

@@ -71,11 +71,17 @@ static_assert(sizeof(Ctrl) <= 4096, "control block must fit in one page");
 // Group: liveness of the peers
 // ---------------------------------------------------------------------------
 
-// Which peers a wait depends on.
-constexpr int kDepAny = -1;  // any peer may satisfy it: fails if a peer died,
-                             // or if every other peer has closed or died
-constexpr int kDepAll = -2;  // every peer must act (barrier): fails if any
-                             // peer died or closed
+// Which peers a wait depends on (the `dep` of wait_until).
+constexpr int kDepAny = -1;     // any peer may satisfy it: fails if a peer died,
+                                // or if every other peer has closed or died
+constexpr int kDepAll = -2;     // every peer must act (barrier): fails if any
+                                // peer died or closed
+constexpr int kDepSet = -3;     // the PEs of a mask may satisfy it: fails only
+                                // when every one of them has died or closed
+constexpr int kDepOthers = -4;  // any other PE may satisfy it (a mailbox
+                                // recv): fails only when every other PE has
+                                // died or closed
+// dep >= 0: that one PE must act: fails if it died or closed.
 
 class Group {
  public:
@@ -83,8 +89,11 @@ class Group {
   ~Group();
   void set_peer(int pe, uintptr_t ctrl_addr, int pid);
   // Returns -1 if the wait may go on, else the PE whose death or close makes
-  // it hopeless; *why is set to "died" or "closed".
-  int check(int dep, const char** why) const;
+  // it hopeless; *why says what happened. `mask` (world_size bytes) is read
+  // for dep == kDepSet only.
+  int check(int dep, const char** why, const uint8_t* mask = nullptr) const;
+  // True once `pe` died or closed.
+  bool gone(int pe) const;
   bool is_dead(int pe) const;
   int rank() const { return rank_; }
   int world_size() const { return world_; }
@@ -117,7 +126,7 @@ inline bool cmp_ok(uint64_t v, int cmp, uint64_t ref) {
   }
 }
 
-enum WaitStatus : int { kWaitOk = 0, kWaitTimeout = 1, kWaitPeer = 2, kWaitInterrupted = 3 };
+enum WaitStatus : int { kWaitOk = 0, kWaitTimeout = 1, kWaitPeer = 2, kWaitInterrupted = 3, kWaitAbandoned = 4 };
 
 struct WaitResult {
   int status;
@@ -126,13 +135,22 @@ struct WaitResult {
   const char* why;
 };
 
+// A wait-specific check run once per sleep slice (about every 20 ms): returns
+// a PE >= 0 to end the wait with kWaitAbandoned (the awaited word was left in
+// a state only that PE could finish, and it is gone), else -1.
+struct WaitHook {
+  virtual int check(uint64_t seen, const char** why) const = 0;
+  virtual ~WaitHook() = default;
+};
+
 // Waits until cmp(*addr, value) holds (acquire load). `owner` is the control
 // block of the PE whose memory holds *addr (its futex is where wakers ring).
 // Spins for spin_ns, then sleeps on the futex in slices, checking liveness of
 // the peers named by `dep` and the deadline. Must be called with the GIL
 // held; releases it while sleeping. Python signals (Ctrl-C) are honoured.
 WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner,
-                      double timeout_s, const Group* group, int dep);
+                      double timeout_s, const Group* group, int dep, const uint8_t* mask = nullptr,
+                      const WaitHook* hook = nullptr);
 
 // Wakes sleepers of `owner` if there are any. Must follow (in program order)
 // the seq_cst store/RMW that changed the awaited word.
@@ -155,9 +173,28 @@ int64_t spin_budget_ns();
 // Layout of one inbox (the same on every PE):
 //   [MailboxHeader (128 B)] [slot 0] [slot 1] ... [slot num_slots-1]
 // slot = [SlotHeader (128 B)] [payload: slot_bytes, padded to 64 B]
-// Per-slot sequence numbers (Vyukov's bounded queue): slot i starts with
-// seq = i; a producer that owns position p writes slot p % n and publishes
-// seq = p + 1 (release); the consumer releases it with seq = p + n.
+// Per-slot sequence words, after Vyukov's bounded queue but with the state
+// in the low bits, so that every capacity n >= 1 works and a half-written
+// slot names its writer:
+//   seq = pos << kSeqShift | code
+//   code 0                   free for position pos
+//   code 1 + pe              claimed by producer `pe` (being written)
+//   code kSeqFull            published, ready for the consumer
+// A producer owns position p once it CASes the slot from free(p) to
+// claimed(p, pe); it then advances the tail (any producer that sees a claimed
+// slot at the tail helps advance it, so a producer that dies here wedges
+// nobody). It publishes with seq = full(p) (release). The consumer frees the
+// slot for position p + n with seq = free(p + n). Vyukov's p + 1 / p + n
+// encoding cannot tell "full" from "free" when n == 1.
+// Limits: PEs < kSeqFull - 1, positions < 2**(64 - kSeqShift) per inbox.
+constexpr int kSeqShift = 17;
+constexpr uint64_t kSeqFull = (uint64_t{1} << kSeqShift) - 1;
+constexpr uint32_t kMailboxMaxPes = static_cast<uint32_t>(kSeqFull - 1);
+inline uint64_t slot_free(uint64_t pos) { return pos << kSeqShift; }
+inline uint64_t slot_claimed(uint64_t pos, uint32_t pe) { return (pos << kSeqShift) | (uint64_t{pe} + 1); }
+inline uint64_t slot_full(uint64_t pos) { return (pos << kSeqShift) | kSeqFull; }
+inline uint64_t seq_pos(uint64_t seq) { return seq >> kSeqShift; }
+inline uint64_t seq_code(uint64_t seq) { return seq & kSeqFull; }
 
 constexpr uint32_t kSlotMagic = 0x4d424f58;  // "MBOX"
 constexpr int kMaxDims = 8;
@@ -211,9 +248,14 @@ struct RecvResult {
   int64_t dims[kMaxDims];
   uintptr_t payload;
   char error[160];  // non-empty: the header failed validation (slot already released)
+  // wait.status == kWaitAbandoned: producer wait.pe died while writing the
+  // message at `pos`; the slot was freed and the message dropped.
 };
 // Takes the next message (timeout_s < 0: never wait). The header is copied
-// and bounds-checked before anything uses it.
+// and bounds-checked before anything uses it. The wait fails (PeerFailure)
+// only when every other PE has died or closed; a slot left half-written by a
+// producer that died is dropped and reported (kWaitAbandoned) so that the
+// messages behind it keep flowing.
 RecvResult ring_recv(uintptr_t base, size_t nslots, size_t slot_bytes, uint32_t world, Ctrl* owner, double timeout_s,
                      const Group* group, const uint64_t* itemsizes, uint32_t num_dtypes);
 void ring_release(uintptr_t base, size_t nslots, size_t slot_bytes, uint64_t pos, Ctrl* owner);

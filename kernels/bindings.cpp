@@ -75,9 +75,10 @@ PyObject* fc_load(PyObject*, PyObject* const* a, Py_ssize_t n) {
   return PyLong_FromUnsignedLongLong(A(*reinterpret_cast<uint64_t*>(addr)).load(std::memory_order_acquire));
 }
 
-// wait_until(addr, cmp, value, owner_ctrl, timeout_s, group, dep) -> value seen
+// wait_until(addr, cmp, value, owner_ctrl, timeout_s, group, dep, mask=None) -> value seen
+// mask: None, or bytes of length world_size (dep == DEP_SET: the PEs that may satisfy the wait)
 PyObject* fc_wait_until(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (!nargs_ok("wait_until", n, 7)) return nullptr;
+  if (n != 7 && !nargs_ok("wait_until", n, 8)) return nullptr;
   uint64_t addr = U(a[0]);
   int64_t cmp = I(a[1]);
   uint64_t value = U(a[2]), ctrl = U(a[3]);
@@ -85,9 +86,21 @@ PyObject* fc_wait_until(PyObject*, PyObject* const* a, Py_ssize_t n) {
   uint64_t group = U(a[5]);
   int64_t dep = I(a[6]);
   if (failed()) return nullptr;
+  const auto* g = reinterpret_cast<const Group*>(group);
+  const uint8_t* mask = nullptr;
+  if (n == 8 && a[7] != Py_None) {
+    if (!PyBytes_Check(a[7]) || PyBytes_GET_SIZE(a[7]) != g->world_size()) {
+      PyErr_SetString(PyExc_ValueError, "_C.wait_until: mask must be bytes of length world_size");
+      return nullptr;
+    }
+    mask = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(a[7]));
+  }
+  if (dep == kDepSet && mask == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "_C.wait_until: DEP_SET needs a mask");
+    return nullptr;
+  }
   WaitResult r = wait_until(reinterpret_cast<const uint64_t*>(addr), static_cast<int>(cmp), value,
-                            reinterpret_cast<Ctrl*>(ctrl), timeout, reinterpret_cast<const Group*>(group),
-                            static_cast<int>(dep));
+                            reinterpret_cast<Ctrl*>(ctrl), timeout, g, static_cast<int>(dep), mask);
   if (r.status == kWaitOk) return PyLong_FromUnsignedLongLong(r.value);
   return raise_wait(r, timeout);
 }
@@ -117,14 +130,14 @@ PyMethodDef g_fast_methods[] = {
      "signal_update(sig, value, op, owner_ctrl) -> old"},
     {"load", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_load)), METH_FASTCALL, "load(addr) -> int"},
     {"wait_until", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_wait_until)), METH_FASTCALL,
-     "wait_until(addr, cmp, value, owner_ctrl, timeout_s, group, dep) -> int"},
+     "wait_until(addr, cmp, value, owner_ctrl, timeout_s, group, dep, mask=None) -> int"},
     {"store", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_store)), METH_FASTCALL,
      "store(addr, value): atomic release store of a uint64"},
     {"copy", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_copy)), METH_FASTCALL, "copy(dst, src, nbytes)"},
     {"make_put_signal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(asap::make_put_signal)),
      METH_FASTCALL, "make_put_signal(dst, src, nbytes, sig, op, owner_ctrl, group, keep) -> PreparedPutSignal"},
     {"make_wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(asap::make_wait)), METH_FASTCALL,
-     "make_wait(addr, cmp, owner_ctrl, timeout_s, group, dep, keep, what) -> PreparedWait"},
+     "make_wait(addr, cmp, owner_ctrl, timeout_s, group, dep, keep, what, mask) -> PreparedWait"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
@@ -133,7 +146,7 @@ namespace asap {
 
 PyObject* comm_error_type() { return g_comm_error; }
 
-PyObject* raise_wait_error(const WaitResult& r, double timeout, PyObject* what) {
+PyObject* raise_wait_error(const WaitResult& r, double timeout, PyObject* what, bool show_value) {
   if (r.status == kWaitInterrupted) return nullptr;  // KeyboardInterrupt etc. already set
   std::string prefix;
   if (what != nullptr) {
@@ -141,9 +154,11 @@ PyObject* raise_wait_error(const WaitResult& r, double timeout, PyObject* what) 
     if (w != nullptr) prefix = std::string(w) + ": ";
     PyErr_Clear();
   }
-  if (r.status == kWaitPeer) {
-    std::string msg = prefix + "PE " + std::to_string(r.pe) + " " + r.why + " while waited on";
-    PyObject* exc = PyObject_CallFunction(g_peer_failure, "sis", msg.c_str(), r.pe, r.why);
+  if (r.status == kWaitPeer || r.status == kWaitAbandoned) {
+    std::string msg = prefix + "PE " + std::to_string(r.pe) + " " + r.why +
+                      (r.status == kWaitPeer ? " while waited on" : "");
+    const bool died = std::strncmp(r.why, "closed", 6) != 0;
+    PyObject* exc = PyObject_CallFunction(g_peer_failure, "sis", msg.c_str(), r.pe, died ? "died" : "closed");
     if (exc != nullptr) {
       PyErr_SetObject(g_peer_failure, exc);
       Py_DECREF(exc);
@@ -151,8 +166,11 @@ PyObject* raise_wait_error(const WaitResult& r, double timeout, PyObject* what) 
     return nullptr;
   }
   char buf[160];
-  snprintf(buf, sizeof buf, "timed out after %.3g s (last value seen: %llu)", timeout,
-           static_cast<unsigned long long>(r.value));
+  if (show_value)
+    snprintf(buf, sizeof buf, "timed out after %.3g s (last value seen: %llu)", timeout,
+             static_cast<unsigned long long>(r.value));
+  else
+    snprintf(buf, sizeof buf, "timed out after %.3g s", timeout);
   PyErr_SetString(g_timeout_error, (prefix + buf).c_str());
   return nullptr;
 }
@@ -217,6 +235,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("STATE_CLOSED") = py::int_(static_cast<int>(kStateClosed));
   m.attr("DEP_ANY") = py::int_(kDepAny);
   m.attr("DEP_ALL") = py::int_(kDepAll);
+  m.attr("DEP_SET") = py::int_(kDepSet);
+  m.attr("DEP_OTHERS") = py::int_(kDepOthers);
+  m.attr("MAILBOX_MAX_PES") = py::int_(kMailboxMaxPes);
 
   m.def("fence", [] { std::atomic_thread_fence(std::memory_order_seq_cst); },
         "Full fence: orders this PE's earlier puts before its later ones.");

@@ -311,6 +311,23 @@ PyObject* make_message(Inbox* self, const RecvResult& r) {
   return reinterpret_cast<PyObject*>(m);
 }
 
+// The error of a recv/poll that returned no message.
+PyObject* recv_error(Inbox* self, const char* fn, const RecvResult& r, double timeout) {
+  PyObject* what;
+  if (r.wait.status == kWaitAbandoned) {
+    what = PyUnicode_FromFormat(
+        "%s: the message at position %llu of PE %u's inbox was dropped half-written (the messages behind it are "
+        "unaffected)",
+        fn, static_cast<unsigned long long>(r.pos), self->rank);
+  } else {
+    what = PyUnicode_FromFormat("%s: waiting for a message in PE %u's inbox (position %llu, %zu slots)", fn,
+                                self->rank, static_cast<unsigned long long>(r.pos), self->nslots);
+  }
+  raise_wait_error(r.wait, timeout, what, false);
+  Py_XDECREF(what);
+  return nullptr;
+}
+
 PyObject* inbox_recv(PyObject* self_, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   auto* self = reinterpret_cast<Inbox*>(self_);
   PyObject* t_o = nullptr;
@@ -343,12 +360,7 @@ PyObject* inbox_recv(PyObject* self_, PyObject* const* args, Py_ssize_t nargs, P
   }
   RecvResult r = ring_recv(self->base, self->nslots, self->slot_bytes, self->world, (*self->ctrl)[self->rank], timeout,
                            self->group, g_itemsize.data(), static_cast<uint32_t>(g_itemsize.size()));
-  if (r.wait.status != kWaitOk) {
-    PyObject* what = PyUnicode_FromString("recv: waiting for a message");
-    raise_wait_error(r.wait, timeout, what);
-    Py_XDECREF(what);
-    return nullptr;
-  }
+  if (r.wait.status != kWaitOk) return recv_error(self, "recv", r, timeout);
   return make_message(self, r);
 }
 
@@ -358,6 +370,7 @@ PyObject* inbox_poll(PyObject* self_, PyObject*) {
   RecvResult r = ring_recv(self->base, self->nslots, self->slot_bytes, self->world, (*self->ctrl)[self->rank], -1.0,
                            self->group, g_itemsize.data(), static_cast<uint32_t>(g_itemsize.size()));
   if (r.empty) Py_RETURN_NONE;
+  if (r.wait.status != kWaitOk) return recv_error(self, "poll", r, 0.0);
   return make_message(self, r);
 }
 
@@ -416,11 +429,17 @@ PyObject* prepared_send_call(PyObject* self_, PyObject* const* args, size_t narg
   auto* self = reinterpret_cast<PreparedSend*>(self_);
   const Py_ssize_t n = PyVectorcall_NARGS(nargsf);
   int64_t tag = self->tag;
-  if (n > 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0)) {
-    PyErr_SetString(PyExc_TypeError, "PreparedSend: takes at most one positional argument (tag)");
+  const Py_ssize_t nk = kwnames != nullptr ? PyTuple_GET_SIZE(kwnames) : 0;
+  if (n + nk > 1) {
+    PyErr_Format(PyExc_TypeError, "PreparedSend: takes at most one argument, tag (%zd given)", n + nk);
     return nullptr;
   }
-  if (n == 1) {
+  if (nk == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "tag") != 0) {
+    PyErr_Format(PyExc_TypeError, "PreparedSend: unexpected keyword argument %R (the one argument is tag)",
+                 PyTuple_GET_ITEM(kwnames, 0));
+    return nullptr;
+  }
+  if (n + nk == 1) {
     if (!PyLong_Check(args[0]) || PyBool_Check(args[0])) {
       PyErr_Format(PyExc_TypeError, "PreparedSend: tag must be an int, got %s", Py_TYPE(args[0])->tp_name);
       return nullptr;

@@ -25,11 +25,15 @@ WaitResult ring_send(uintptr_t base, size_t nslots, size_t slot_bytes, Ctrl* own
   const size_t stride = slot_stride(slot_bytes);
   const auto start = std::chrono::steady_clock::now();
   for (;;) {
-    uint64_t pos = A(hdr->tail).load(std::memory_order_relaxed);
+    uint64_t pos = A(hdr->tail).load(std::memory_order_acquire);
     SlotHeader* s = slot_at(base, stride, pos % nslots);
-    const uint64_t seq = A(s->seq).load(std::memory_order_acquire);
-    if (seq == pos) {
-      if (!A(hdr->tail).compare_exchange_weak(pos, pos + 1, std::memory_order_relaxed)) continue;
+    uint64_t seq = A(s->seq).load(std::memory_order_acquire);
+    if (seq == slot_free(pos)) {
+      // Claim the slot itself: the claim names this PE, so a consumer can
+      // tell who left a slot half-written.
+      if (!A(s->seq).compare_exchange_strong(seq, slot_claimed(pos, src_pe), std::memory_order_acq_rel)) continue;
+      uint64_t expect = pos;
+      A(hdr->tail).compare_exchange_strong(expect, pos + 1, std::memory_order_acq_rel);  // others may have helped
       s->magic = kSlotMagic;
       s->src = src_pe;
       s->tag = tag;
@@ -38,40 +42,82 @@ WaitResult ring_send(uintptr_t base, size_t nslots, size_t slot_bytes, Ctrl* own
       s->ndim = static_cast<uint32_t>(ndim);
       for (int i = 0; i < ndim; ++i) s->shape[i] = dims[i];
       if (nbytes) copy_bytes(reinterpret_cast<char*>(s) + kSlotHeaderBytes, payload, nbytes);
-      A(s->seq).store(pos + 1, std::memory_order_seq_cst);  // publish (release)
+      A(s->seq).store(slot_full(pos), std::memory_order_seq_cst);  // publish (release)
       wake_if_sleeping(owner);
       return {kWaitOk, pos, -1, nullptr};
     }
-    if (seq < pos) {
-      // Full: slot pos % n still holds message pos - n. Wait for its release,
-      // with one deadline for the whole send however often the race is lost.
+    if (seq < slot_free(pos)) {
+      // Full: slot pos % n still holds message pos - n (claimed, published
+      // or not yet released). Wait until the consumer frees it for position
+      // pos, with one deadline for the whole send however often the race is
+      // lost.
       const double spent = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      WaitResult r = wait_until(&s->seq, kGe, pos, owner, timeout_s > spent ? timeout_s - spent : 0.0, group, dst_pe);
+      WaitResult r = wait_until(&s->seq, kGe, slot_free(pos), owner, timeout_s > spent ? timeout_s - spent : 0.0,
+                                group, dst_pe);
       if (r.status != kWaitOk) return r;
+      continue;
     }
-    // seq > pos: another producer took this position; reload the tail.
+    // seq > free(pos): position pos is taken (claimed or later); help move the
+    // tail past it, in case its producer stopped before doing so.
+    if (seq_pos(seq) == pos) {
+      uint64_t expect = pos;
+      A(hdr->tail).compare_exchange_strong(expect, pos + 1, std::memory_order_acq_rel);
+    }
   }
 }
+
+namespace {
+// During a recv: the slot at the head is claimed by a producer that is gone.
+struct AbandonedSlot final : WaitHook {
+  const Group* group;
+  uint64_t pos;
+  int check(uint64_t seen, const char** why) const override {
+    if (group == nullptr || seq_pos(seen) != pos) return -1;
+    const uint64_t code = seq_code(seen);
+    if (code == 0 || code == kSeqFull) return -1;
+    const int pe = static_cast<int>(code - 1);
+    if (pe >= group->world_size() || !group->gone(pe)) return -1;
+    *why = "died while writing a message";
+    return pe;
+  }
+};
+}  // namespace
 
 RecvResult ring_recv(uintptr_t base, size_t nslots, size_t slot_bytes, uint32_t world, Ctrl* owner, double timeout_s,
                      const Group* group, const uint64_t* itemsizes, uint32_t num_dtypes) {
   RecvResult out{};
   auto* hdr = reinterpret_cast<MailboxHeader*>(base);
   const uint64_t pos = hdr->head;  // consumer-private
+  out.pos = pos;
   SlotHeader* s = slot_at(base, slot_stride(slot_bytes), pos % nslots);
   uint64_t seq = A(s->seq).load(std::memory_order_acquire);
-  if (seq != pos + 1) {
+  AbandonedSlot hook;
+  hook.group = group;
+  hook.pos = pos;
+  if (seq != slot_full(pos)) {
     if (timeout_s < 0) {
-      out.wait = {kWaitOk, 0, -1, nullptr};
-      out.empty = true;
+      const char* why = nullptr;
+      const int pe = hook.check(seq, &why);
+      if (pe < 0) {
+        out.wait = {kWaitOk, 0, -1, nullptr};
+        out.empty = true;
+        return out;
+      }
+      out.wait = {kWaitAbandoned, seq, pe, why};
+    } else {
+      out.wait = wait_until(&s->seq, kGe, slot_full(pos), owner, timeout_s, group, kDepOthers, nullptr, &hook);
+    }
+    if (out.wait.status == kWaitAbandoned) {
+      // Drop the half-written message: free the slot and move on, so the
+      // messages of live producers behind it keep flowing.
+      hdr->head = pos + 1;
+      ring_release(base, nslots, slot_bytes, pos, owner);
       return out;
     }
-    out.wait = wait_until(&s->seq, kGe, pos + 1, owner, timeout_s, group, kDepAny);
     if (out.wait.status != kWaitOk) return out;
     seq = out.wait.value;
   }
   out.wait = {kWaitOk, seq, -1, nullptr};
-  out.pos = pos;
   hdr->head = pos + 1;  // consumed, even if corrupt: a bad header is never re-read
   // Copy the header once, then validate the copy (a buggy producer cannot
   // change it between check and use).
@@ -84,7 +130,7 @@ RecvResult ring_recv(uintptr_t base, size_t nslots, size_t slot_bytes, uint32_t 
   out.nbytes = nbytes;
   out.payload = reinterpret_cast<uintptr_t>(s) + kSlotHeaderBytes;
   char* err = out.error;
-  if (seq != pos + 1) snprintf(err, sizeof out.error, "slot sequence %llu inconsistent", (unsigned long long)seq);
+  if (seq != slot_full(pos)) snprintf(err, sizeof out.error, "slot sequence %llu inconsistent", (unsigned long long)seq);
   else if (magic != kSlotMagic) snprintf(err, sizeof out.error, "bad magic 0x%x", magic);
   else if (src >= world) snprintf(err, sizeof out.error, "source PE %u out of range [0, %u)", src, world);
   else if (nbytes > slot_bytes)
@@ -112,7 +158,7 @@ RecvResult ring_recv(uintptr_t base, size_t nslots, size_t slot_bytes, uint32_t 
 
 void ring_release(uintptr_t base, size_t nslots, size_t slot_bytes, uint64_t pos, Ctrl* owner) {
   SlotHeader* s = slot_at(base, slot_stride(slot_bytes), pos % nslots);
-  A(s->seq).store(pos + nslots, std::memory_order_seq_cst);
+  A(s->seq).store(slot_free(pos + nslots), std::memory_order_seq_cst);
   wake_if_sleeping(owner);
 }
 
@@ -123,7 +169,7 @@ void mailbox_init(uintptr_t base, size_t slot_bytes, size_t num_slots) {
   for (size_t i = 0; i < num_slots; ++i) {
     auto* s = reinterpret_cast<SlotHeader*>(base + kMailboxHeaderBytes + i * stride);
     std::memset(s, 0, sizeof *s);
-    A(s->seq).store(i, std::memory_order_relaxed);
+    A(s->seq).store(slot_free(i), std::memory_order_relaxed);
   }
   std::atomic_thread_fence(std::memory_order_seq_cst);
 }

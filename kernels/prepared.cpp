@@ -34,14 +34,23 @@ struct PreparedWait {
   int dep;
   PyObject* keep;
   PyObject* what;  // str for error messages
+  PyObject* mask;  // bytes (dep == kDepSet) or nullptr
 };
 
 PyObject* g_put_signal_type = nullptr;
 PyObject* g_wait_type = nullptr;
 
+// The one argument of a prepared call: `value`, positional or keyword.
 bool value_arg(const char* fn, PyObject* const* args, size_t nargsf, PyObject* kwnames, uint64_t* out) {
-  if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0)) {
-    PyErr_Format(PyExc_TypeError, "%s: takes exactly one positional argument (value)", fn);
+  const Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  const Py_ssize_t nk = kwnames != nullptr ? PyTuple_GET_SIZE(kwnames) : 0;
+  if (n + nk != 1) {
+    PyErr_Format(PyExc_TypeError, "%s: takes exactly one argument, value (%zd given)", fn, n + nk);
+    return false;
+  }
+  if (nk == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "value") != 0) {
+    PyErr_Format(PyExc_TypeError, "%s: unexpected keyword argument %R (the one argument is value)", fn,
+                 PyTuple_GET_ITEM(kwnames, 0));
     return false;
   }
   PyObject* v = args[0];
@@ -52,7 +61,7 @@ bool value_arg(const char* fn, PyObject* const* args, size_t nargsf, PyObject* k
   *out = PyLong_AsUnsignedLongLong(v);
   if (PyErr_Occurred()) {
     PyErr_Clear();
-    PyErr_Format(PyExc_ValueError, "%s: value %R does not fit an unsigned 64-bit signal word", fn, v);
+    PyErr_Format(PyExc_ValueError, "%s: value=%R does not fit an unsigned 64-bit signal word", fn, v);
     return false;
   }
   return true;
@@ -79,8 +88,10 @@ PyObject* wait_call(PyObject* self_, PyObject* const* args, size_t nargsf, PyObj
     PyErr_SetString(comm_error_type(), "PreparedWait: the communicator is closed");
     return nullptr;
   }
+  const uint8_t* mask =
+      self->mask != nullptr ? reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(self->mask)) : nullptr;
   WaitResult r = wait_until(reinterpret_cast<const uint64_t*>(self->addr), self->cmp, value, self->owner,
-                            self->timeout, self->group, self->dep);
+                            self->timeout, self->group, self->dep, mask);
   if (r.status == kWaitOk) return PyLong_FromUnsignedLongLong(r.value);
   PyObject* what = PyUnicode_FromFormat("%U %llu", self->what, static_cast<unsigned long long>(value));
   raise_wait_error(r, self->timeout, what);
@@ -101,6 +112,7 @@ void wait_dealloc(PyObject* self_) {
   PyTypeObject* tp = Py_TYPE(self_);
   Py_XDECREF(self->keep);
   Py_XDECREF(self->what);
+  Py_XDECREF(self->mask);
   tp->tp_free(self_);
   Py_DECREF(tp);
 }
@@ -172,10 +184,14 @@ PyObject* make_put_signal(PyObject*, PyObject* const* a, Py_ssize_t n) {
   return reinterpret_cast<PyObject*>(self);
 }
 
-// make_wait(addr, cmp, owner_ctrl, timeout_s, group, dep, keep, what)
+// make_wait(addr, cmp, owner_ctrl, timeout_s, group, dep, keep, what, mask)
 PyObject* make_wait(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 8) {
-    PyErr_SetString(PyExc_TypeError, "_C.make_wait: expected 8 arguments");
+  if (n != 9) {
+    PyErr_SetString(PyExc_TypeError, "_C.make_wait: expected 9 arguments");
+    return nullptr;
+  }
+  if (a[8] != Py_None && !PyBytes_Check(a[8])) {
+    PyErr_SetString(PyExc_TypeError, "_C.make_wait: mask must be bytes or None");
     return nullptr;
   }
   auto* tp = reinterpret_cast<PyTypeObject*>(g_wait_type);
@@ -192,7 +208,13 @@ PyObject* make_wait(PyObject*, PyObject* const* a, Py_ssize_t n) {
   self->keep = a[6];
   Py_INCREF(a[7]);
   self->what = a[7];
-  if (PyErr_Occurred()) {
+  if (a[8] != Py_None) {
+    Py_INCREF(a[8]);
+    self->mask = a[8];
+  }
+  if (PyErr_Occurred() || (self->dep == kDepSet && self->mask == nullptr) ||
+      (self->mask != nullptr && PyBytes_GET_SIZE(self->mask) != self->group->world_size())) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_C.make_wait: inconsistent dep/mask");
     Py_DECREF(self);
     return nullptr;
   }

@@ -9,8 +9,9 @@ namespace asap {
 // Exception types registered from Python (asap_comm/errors.py).
 PyObject* comm_error_type();
 // Sets TimeoutError/PeerFailure for a failed wait; `what` (a str or nullptr)
-// names what was awaited. Returns nullptr.
-PyObject* raise_wait_error(const WaitResult& r, double timeout, PyObject* what);
+// names what was awaited; show_value adds the last value seen to a timeout
+// message (meaningless for a mailbox). Returns nullptr.
+PyObject* raise_wait_error(const WaitResult& r, double timeout, PyObject* what, bool show_value = true);
 
 bool register_prepared_types(PyObject* module);
 bool register_inbox_types(PyObject* module);  // inbox_py.cpp

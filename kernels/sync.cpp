@@ -109,13 +109,37 @@ bool Group::is_dead(int pe) const {
   return pid_[pe] > 0 && !pid_alive_procfs(pid_[pe]);
 }
 
-int Group::check(int dep, const char** why) const {
+bool Group::gone(int pe) const {
+  if (pe == rank_) return false;
+  return A(ctrl_[pe]->state).load(std::memory_order_acquire) == kStateClosed || is_dead(pe);
+}
+
+int Group::check(int dep, const char** why, const uint8_t* mask) const {
   auto closed = [&](int pe) { return A(ctrl_[pe]->state).load(std::memory_order_acquire) == kStateClosed; };
   if (dep >= 0) {
     if (dep == rank_) return -1;
     if (closed(dep)) { *why = "closed"; return dep; }
     if (is_dead(dep)) { *why = "died"; return dep; }
     return -1;
+  }
+  if (dep == kDepSet || dep == kDepOthers) {
+    // Hopeless only when every PE that may satisfy the wait is gone.
+    int last = -1;
+    bool last_closed = false;
+    for (int pe = 0; pe < world_; ++pe) {
+      if (dep == kDepSet && (mask == nullptr || mask[pe] == 0)) continue;
+      if (pe == rank_) return -1;  // this PE may still satisfy it (another thread)
+      if (closed(pe)) { last = pe; last_closed = true; continue; }
+      if (is_dead(pe)) { last = pe; last_closed = false; continue; }
+      return -1;  // a live peer may still act
+    }
+    if (last < 0) return -1;
+    if (dep == kDepSet)
+      *why = last_closed ? "closed (every PE in peers has died or closed)" : "died (every PE in peers has died or closed)";
+    else
+      *why = last_closed ? "closed (no live producer remains: every other PE has died or closed)"
+                         : "died (no live producer remains: every other PE has died or closed)";
+    return last;
   }
   int gone = 0, first_closed = -1;
   for (int pe = 0; pe < world_; ++pe) {
@@ -163,7 +187,7 @@ void copy_bytes(void* dst, const void* src, size_t n) {
 }
 
 WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner, double timeout_s,
-                      const Group* group, int dep) {
+                      const Group* group, int dep, const uint8_t* mask, const WaitHook* hook) {
   uint64_t* w = const_cast<uint64_t*>(addr);
   uint64_t v = A(*w).load(std::memory_order_acquire);
   if (cmp_ok(v, cmp, value)) return {kWaitOk, v, -1, nullptr};
@@ -198,9 +222,14 @@ WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner
   for (;;) {
     int64_t left = timeout_ns - elapsed_ns();
     const char* why = nullptr;
-    int bad = group != nullptr ? group->check(dep, &why) : -1;
+    int bad = group != nullptr ? group->check(dep, &why, mask) : -1;
     v = A(*w).load(std::memory_order_acquire);
     if (cmp_ok(v, cmp, value)) return {kWaitOk, v, -1, nullptr};
+    if (hook != nullptr) {
+      const char* hwhy = nullptr;
+      const int hp = hook->check(v, &hwhy);
+      if (hp >= 0) return {kWaitAbandoned, v, hp, hwhy};
+    }
     if (bad >= 0) return {kWaitPeer, v, bad, why};
     if (left <= 0) return {kWaitTimeout, v, -1, nullptr};
     if (PyErr_CheckSignals() != 0) return {kWaitInterrupted, v, -1, nullptr};

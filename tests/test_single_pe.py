@@ -137,7 +137,7 @@ def test_every_timeout(comm1):
     w = comm1.prepare_signal_wait(sig, 0, "!=", timeout=0.05)
     with pytest.raises(asap_comm.TimeoutError, match="timed out"):
         w(0)
-    with pytest.raises(asap_comm.TimeoutError, match=r"recv: waiting for a message: timed out"):
+    with pytest.raises(asap_comm.TimeoutError, match=r"recv: waiting for a message in PE 0.s inbox \(position 0, 2 slots\): timed out after [0-9.]+ s$"):
         box.recv(timeout=0.05)
     box.send(0, torch.zeros(2))
     box.send(0, torch.zeros(2))
@@ -220,24 +220,35 @@ def test_closed_communicator_rejects_calls():
 
 
 def test_torch_ops_registered_with_schemas_and_fakes(comm1):
+    from torch._higher_order_ops.effects import _get_effect
+
     ops = torch.ops.asap_comm
-    for name in ("put", "get", "put_signal", "signal_op", "signal_wait_until"):
-        assert hasattr(ops, name)
-    assert "Tensor(a!) dst" in str(ops.put.default._schema)
-    assert "Tensor(b!) sig" in str(ops.put_signal.default._schema)
+    for name in ("put", "get", "put_signal", "signal_op", "signal_wait_until", "signal_wait_read"):
+        op = getattr(ops, name).default
+        # No local tensor is marked as written (the writes land in another PE's
+        # memory), every op is an ordered side effect, and the values are symbolic.
+        assert "!" not in str(op._schema), op._schema
+        assert _get_effect(op) is not None, name
+    assert "SymInt value" in str(ops.put_signal.default._schema)
+    assert "SymInt idx" in str(ops.signal_wait_until.default._schema)
     x = comm1.zeros((2, 3))
     sig = comm1.signals(2)
     ops.put(x, torch.ones(2, 3), 0, comm1.id)
     assert float(x.sum()) == 6.0
-    out = torch.empty(3)
-    ops.get(out, x[1], 0)  # comm=-1: the newest open communicator
-    assert torch.equal(out, torch.ones(3))
+    out = ops.get(x[1], 0)  # comm=-1: the newest open communicator
+    assert torch.equal(out, torch.ones(3)) and out.data_ptr() != x[1].data_ptr()
     ops.put_signal(x, torch.full((2, 3), 2.0), 0, sig, 1, 9, "add", comm1.id)
     assert float(x.sum()) == 12.0 and comm1.signal_fetch(sig, 1) == 9
     prev = ops.signal_op(sig, 1, 1, "add", 0, comm1.id)
     assert prev.dtype == torch.uint64 and int(prev) == 9
     v = ops.signal_wait_until(sig, 1, "==", 10, 1.0, comm1.id)
     assert v.dtype == torch.uint64 and int(v) == 10
+    v = ops.signal_wait_until(sig, 1, "==", 10, 1.0, comm1.id, [0])
+    assert int(v) == 10
+    r = ops.signal_wait_read(x, sig, 1, ">=", 10, 1.0, comm1.id)
+    assert torch.equal(r, x) and r.data_ptr() != x.data_ptr()
+    with pytest.raises(ValueError, match="signal_wait_read: data .* is not a symmetric tensor"):
+        ops.signal_wait_read(torch.zeros(2, 3), sig, 1, ">=", 10, 1.0, comm1.id)
     with pytest.raises(asap_comm.TimeoutError):
         ops.signal_wait_until(sig, 0, ">", 0, 0.01, comm1.id)
     with pytest.raises(CommError, match="communicator id 12345 is unknown"):
@@ -252,6 +263,10 @@ def test_torch_ops_registered_with_schemas_and_fakes(comm1):
         ops.put_signal(fx, torch.empty(2, 3), 0, fs, 0, 1, "set", comm1.id)
         r = ops.signal_wait_until(fs, 0, ">=", 1, None, comm1.id)
         assert r.shape == () and r.dtype == torch.uint64
+        g = ops.get(fx[1], 0, comm1.id)
+        assert g.shape == (3,) and g.dtype == torch.float32
+        d = ops.signal_wait_read(fx, fs, 0, ">=", 1, None, comm1.id)
+        assert d.shape == (2, 3)
     assert float(x.sum()) == 12.0
 
 
