@@ -107,6 +107,7 @@ class Communicator:
         self._linked: list[str] = []  # segment names this PE created and has not unlinked
         self._epoch = 0
         self._barrier_pending: "int | None" = None  # round this PE arrived at but timed out in
+        self._hosted: "tuple | None" = None  # (addr, port) of the TCPStore this PE hosts, if any
         self._group = _C.Group(rank, world_size)
         self._ghandle = self._group.handle
         self._pid = os.getpid()
@@ -187,6 +188,7 @@ class Communicator:
         self._chunks = []
         self._allocs = {}
         self._fast = {}
+        self.__dict__.pop("_coll_views", None)
         fastpath = getattr(self, "_fastpath", None)
         if fastpath is not None:
             fastpath.clear()
@@ -362,6 +364,85 @@ class Communicator:
             raise ValueError(f"{fn}: shape {shape} has a negative dimension")
         return shape
 
+    # ------------------------------------------------------------ collective calls
+    # Every collective allocation publishes "call #k is <description>" in this
+    # PE's control page (two slots, k % 2: a PE can be at most one collective
+    # call ahead of any other, because each ends with a barrier). After the
+    # barrier every PE checks that every peer made the same call #k; when the
+    # call cannot complete, the error names the call and what each peer did.
+    def _coll_view(self, pe: int) -> torch.Tensor:
+        views = self.__dict__.setdefault("_coll_views", {})
+        v = views.get(pe)
+        if v is None:
+            page = torch.frombuffer(self._ctrl_maps[pe], dtype=torch.uint8)
+            v = page[_C.CTRL_COLL_OFFSET: _C.CTRL_COLL_OFFSET + 2 * _C.CTRL_COLL_SLOT_BYTES]
+            views[pe] = v
+        return v
+
+    def _coll_read(self, pe: int, k: int) -> "tuple[int, str]":
+        """(call number, description) in slot k % 2 of PE ``pe``'s control page."""
+        slot = self._coll_view(pe)[(k % 2) * _C.CTRL_COLL_SLOT_BYTES:][: _C.CTRL_COLL_SLOT_BYTES]
+        head = slot[:16].view(torch.int64)
+        n, length = int(head[0]), int(head[1])
+        length = max(0, min(length, _C.CTRL_COLL_SLOT_BYTES - 16))
+        return n, bytes(slot[16: 16 + length].tolist()).decode("utf-8", "replace")
+
+    def _coll_last(self, pe: int) -> "tuple[int, str]":
+        """The newest collective call PE ``pe`` published: (number, description); (0, '') if none."""
+        a, b = self._coll_read(pe, 0), self._coll_read(pe, 1)
+        return max(a, b)
+
+    def _coll_publish(self, desc: str) -> int:
+        k = self.__dict__.get("_coll_n", 0) + 1
+        self._coll_n = k
+        raw = desc.encode()[: _C.CTRL_COLL_SLOT_BYTES - 16]
+        slot = self._coll_view(self.rank)[(k % 2) * _C.CTRL_COLL_SLOT_BYTES:][: _C.CTRL_COLL_SLOT_BYTES]
+        slot[16: 16 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else slot[16:16]
+        slot[:16].view(torch.int64).copy_(torch.tensor([k, len(raw)], dtype=torch.int64))
+        _C.fence()  # published before this PE arrives at the call's barrier
+        return k
+
+    def _coll_mismatch(self, k: int, desc: str) -> "str | None":
+        """After call #k's barrier: a description of every peer whose call #k differs, or None."""
+        bad = []
+        for pe in range(self.world_size):
+            if pe == self.rank:
+                continue
+            n, d = self._coll_read(pe, k)
+            if n != k:
+                last_n, last_d = self._coll_last(pe)
+                bad.append(f"PE {pe} had made {last_n} collective calls"
+                           + (f" (its last: {last_d})" if last_d else ""))
+            elif d != desc:
+                bad.append(f"PE {pe}'s call #{k} is {d}")
+        return "; ".join(bad) or None
+
+    def _collective(self, fn: str, desc: str, body):
+        """Runs a collective allocation ``body`` then the closing barrier, naming the call on failure."""
+        self._check_open(fn)
+        k = self._coll_publish(desc)
+        try:
+            result = body()
+            self.barrier()
+        except (TimeoutError, PeerFailure) as e:
+            late = []
+            for pe in range(self.world_size):
+                if pe != self.rank and self._coll_last(pe)[0] < k and self.peer_alive(pe):
+                    n, d = self._coll_last(pe)
+                    late.append(f"PE {pe} has made {n} collective calls" + (f" (its last: {d})" if d else ""))
+            hint = ("; ".join(late) + "; " if late else "") + \
+                "every PE must make the same collective calls (empty, zeros, signals, mailbox) in the same order"
+            msg = f"{fn}: collective call #{k}, {desc}, did not complete: {hint} ({e})"
+            if isinstance(e, PeerFailure):
+                raise PeerFailure(msg, pe=e.pe, reason=e.reason) from None
+            raise TimeoutError(msg) from None
+        bad = self._coll_mismatch(k, desc)
+        if bad is not None:
+            raise CommError(f"{fn}: collective calls do not match: this PE's call #{k} is {desc}, but {bad}; every PE "
+                            "must make the same collective calls (empty, zeros, signals, mailbox) with the same "
+                            "arguments in the same order")
+        return result
+
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Collective: a symmetric tensor, uninitialised (zero on first use).
 
@@ -372,26 +453,34 @@ class Communicator:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"empty: dtype must be a torch.dtype, got {dtype!r}")
         itemsize = torch.empty((), dtype=dtype).element_size()
-        a = self._alloc("empty", math.prod(shape) * itemsize)
-        t = self._tensor_of(a, shape, dtype)
-        self.barrier()
-        return t
+
+        def body():
+            a = self._alloc("empty", math.prod(shape) * itemsize)
+            return self._tensor_of(a, shape, dtype)
+
+        return self._collective("empty", f"empty(shape={shape}, dtype={dtype})", body)
 
     def zeros(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Collective: a symmetric tensor filled with zeros on every PE.
 
         On return every PE's copy is zeroed (a barrier follows the fill).
         """
-        shape = self._shape("zeros", shape)
+        return self._zeros("zeros", shape, dtype)
+
+    def _zeros(self, fn: str, shape, dtype, desc: "str | None" = None) -> torch.Tensor:
+        shape = self._shape(fn, shape)
         if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"zeros: dtype must be a torch.dtype, got {dtype!r}")
+            raise TypeError(f"{fn}: dtype must be a torch.dtype, got {dtype!r}")
         itemsize = torch.empty((), dtype=dtype).element_size()
-        a = self._alloc("zeros", math.prod(shape) * itemsize)
-        t = self._tensor_of(a, shape, dtype)
-        if t.numel():
-            t.zero_()
-        self.barrier()
-        return t
+
+        def body():
+            a = self._alloc(fn, math.prod(shape) * itemsize)
+            t = self._tensor_of(a, shape, dtype)
+            if t.numel():
+                t.zero_()
+            return t
+
+        return self._collective(fn, desc or f"zeros(shape={shape}, dtype={dtype})", body)
 
     def signals(self, n: int) -> torch.Tensor:
         """Collective: ``n`` zeroed uint64 signal words, a 1-D symmetric tensor ``[n]``."""
@@ -399,13 +488,14 @@ class Communicator:
             raise TypeError(f"signals: n must be an int, got {type(n).__name__}")
         if n <= 0:
             raise ValueError(f"signals: n={n} must be positive")
-        return self.zeros((n,), torch.uint64)
+        return self._zeros("signals", (n,), torch.uint64, f"signals(n={n})")
 
     def mailbox(self, slot_bytes: int, num_slots: int) -> Mailbox:
         """Collective: one bounded MPSC inbox per PE (see :class:`asap_comm.Mailbox`).
 
         ``slot_bytes``: the largest payload one message may carry;
-        ``num_slots``: how many messages an inbox holds before senders wait.
+        ``num_slots``: how many messages an inbox holds before senders wait
+        (any capacity >= 1).
         """
         for nm, v in (("slot_bytes", slot_bytes), ("num_slots", num_slots)):
             if isinstance(v, bool) or not isinstance(v, int):
@@ -415,15 +505,17 @@ class Communicator:
         if self.world_size > _C.MAILBOX_MAX_PES:
             raise ValueError(f"mailbox: world_size={self.world_size} exceeds the {_C.MAILBOX_MAX_PES} PEs a mailbox "
                              "slot can name")
-        nbytes = _C.mailbox_bytes(slot_bytes, num_slots)
-        a = self._alloc("mailbox", nbytes)
-        base = a.chunk.base + a.offset
-        _C.mailbox_init(base, slot_bytes, num_slots)
-        buf = torch.frombuffer(a.chunk.local, dtype=torch.uint8, count=a.nbytes, offset=a.offset)
-        self._allocs[buf.untyped_storage().data_ptr()] = a
-        box = Mailbox(self, buf, base, a.chunk.deltas, slot_bytes, num_slots)
-        self.barrier()
-        return box
+
+        def body():
+            nbytes = _C.mailbox_bytes(slot_bytes, num_slots)
+            a = self._alloc("mailbox", nbytes)
+            base = a.chunk.base + a.offset
+            _C.mailbox_init(base, slot_bytes, num_slots)
+            buf = torch.frombuffer(a.chunk.local, dtype=torch.uint8, count=a.nbytes, offset=a.offset)
+            self._allocs[buf.untyped_storage().data_ptr()] = a
+            return Mailbox(self, buf, base, a.chunk.deltas, slot_bytes, num_slots)
+
+        return self._collective("mailbox", f"mailbox(slot_bytes={slot_bytes}, num_slots={num_slots})", body)
 
     # ------------------------------------------------------------ remote views
     def _peer_u8(self, chunk: _Chunk, pe: int) -> torch.Tensor:
@@ -712,6 +804,13 @@ class Communicator:
         pe = self._check_pe("peer_alive", pe)
         return self._group.check(pe) is None
 
+    def peer_state(self, pe: int) -> str:
+        """``"alive"``, ``"closed"`` (left with ``close()``) or ``"died"`` (exited or killed without it)."""
+        self._check_open("peer_state")
+        pe = self._check_pe("peer_state", pe)
+        bad = self._group.check(pe)
+        return "alive" if bad is None else ("closed" if bad[1].startswith("closed") else "died")
+
 
 def _env_int(name: str, fn: str) -> int:
     v = os.environ.get(name)
@@ -778,8 +877,22 @@ def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_a
             store = TCPStore(addr, port, world_size if is_master else None, is_master,
                              timedelta(seconds=t), wait_for_workers=False)
         except Exception as e:
+            if is_master and port != 0 and "in use" in str(e).lower():
+                with _registry_lock:
+                    mine = [c for c in _registry.values() if not c.closed and c._hosted == (addr, port)]
+                if mine:
+                    raise CommError(f"init: a communicator is already open on {addr}:{port} in this process "
+                                    f"(id {mine[0].id}, rank {mine[0].rank} of {mine[0].world_size}, hosting its "
+                                    "store); close it first, or pass another master_port") from None
+                raise CommError(f"init: cannot host the TCPStore at {addr}:{port}: the address is in use by another "
+                                f"process (a communicator still open elsewhere?); pick a free port ({e})") from None
             raise CommError(f"init: cannot {'host' if is_master else 'reach'} the TCPStore at "
                             f"{addr}:{port}: {e}") from None
+        comm = Communicator(rank, world_size, store, timeout=t, heap_chunk_bytes=heap_chunk_bytes,
+                            shm_prefix=shm_prefix)
+        if is_master:
+            comm._hosted = (addr, port)
+        return comm
     return Communicator(rank, world_size, store, timeout=t, heap_chunk_bytes=heap_chunk_bytes,
                         shm_prefix=shm_prefix)
 

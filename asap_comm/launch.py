@@ -7,6 +7,7 @@ import os
 import pickle
 import secrets
 import signal
+import tempfile
 import time
 import traceback
 from multiprocessing.connection import wait as mp_wait
@@ -14,6 +15,23 @@ from multiprocessing.connection import wait as mp_wait
 from .errors import LaunchError, PeerFailure, TimeoutError
 
 __all__ = ["launch"]
+
+# Set for the children of launch(): the file where a child that re-ran an
+# unguarded script (and so called launch() while being spawned) says so.
+_GUARD_ENV = "ASAP_LAUNCH_GUARD_FILE"
+_UNGUARDED = ("the script that calls asap_comm.launch has no `if __name__ == \"__main__\":` guard: each spawned "
+              "process re-imports it and ran launch() again instead of its rank's work. Put the script's top-level "
+              "code under `if __name__ == \"__main__\":`")
+
+
+def _report_unguarded() -> None:
+    """In a child being spawned: the main script called launch() at import time."""
+    try:
+        with open(os.environ[_GUARD_ENV], "a") as f:
+            f.write("unguarded\n")
+    except OSError:
+        pass
+    raise RuntimeError(f"asap_comm.launch: {_UNGUARDED}")
 
 
 def _child(fn, rank, world_size, port, args, conn, shm_prefix, comm_timeout):
@@ -79,6 +97,8 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
     raised. ``comm_timeout`` is each communicator's default wait bound.
     Shared-memory segments of the run are removed whatever happens.
     """
+    if os.environ.get(_GUARD_ENV) and getattr(mp.current_process(), "_inheriting", False):
+        _report_unguarded()
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"launch: world_size must be an int, got {type(world_size).__name__}")
     if world_size < 1:
@@ -95,6 +115,10 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
     prefix = f"asap-{secrets.token_hex(6)}-"
     ctx = mp.get_context("spawn")
     procs, conns = [], []
+    fd, guard_file = tempfile.mkstemp(prefix="asap-launch-")
+    os.close(fd)
+    old_env = os.environ.get(_GUARD_ENV)
+    os.environ[_GUARD_ENV] = guard_file  # inherited by the children
     try:
         for rank in range(world_size):
             r, w = ctx.Pipe(duplex=False)
@@ -104,8 +128,22 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
             w.close()
             procs.append(p)
             conns.append(r)
-        return _collect(procs, conns, timeout)
+        try:
+            return _collect(procs, conns, timeout)
+        except LaunchError as e:
+            if e.exitcode is not None and os.path.getsize(guard_file) > 0:
+                raise LaunchError(f"launch: rank {e.rank} exited with code {e.exitcode} while starting: {_UNGUARDED}",
+                                  rank=e.rank, exitcode=e.exitcode) from None
+            raise
     finally:
+        if old_env is None:
+            os.environ.pop(_GUARD_ENV, None)
+        else:
+            os.environ[_GUARD_ENV] = old_env
+        try:
+            os.unlink(guard_file)
+        except OSError:
+            pass
         _stop(procs)
         for c in conns:
             c.close()

@@ -230,6 +230,11 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("ctrl_pid", [](uintptr_t addr) { return reinterpret_cast<Ctrl*>(addr)->pid; });
   m.attr("CTRL_BYTES") = py::int_(4096);
+  // Collective-call records (written by Python, asap_comm/comm.py): two slots
+  // of [int64 call number][int64 length][description] after the Ctrl block.
+  static_assert(sizeof(Ctrl) <= 2048, "the control block overlaps the collective-call records");
+  m.attr("CTRL_COLL_OFFSET") = py::int_(2048);
+  m.attr("CTRL_COLL_SLOT_BYTES") = py::int_(512);
   m.attr("BARRIER_ARRIVE_OFFSET") = py::int_(offsetof(Ctrl, barrier_arrive));
   m.attr("BARRIER_GEN_OFFSET") = py::int_(offsetof(Ctrl, barrier_gen));
   m.attr("STATE_CLOSED") = py::int_(static_cast<int>(kStateClosed));

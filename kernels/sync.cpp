@@ -128,7 +128,10 @@ int Group::check(int dep, const char** why, const uint8_t* mask) const {
     bool last_closed = false;
     for (int pe = 0; pe < world_; ++pe) {
       if (dep == kDepSet && (mask == nullptr || mask[pe] == 0)) continue;
-      if (pe == rank_) return -1;  // this PE may still satisfy it (another thread)
+      if (pe == rank_) {
+        if (dep == kDepOthers) continue;
+        return -1;  // this PE named itself: it may still satisfy the wait (another thread)
+      }
       if (closed(pe)) { last = pe; last_closed = true; continue; }
       if (is_dead(pe)) { last = pe; last_closed = false; continue; }
       return -1;  // a live peer may still act

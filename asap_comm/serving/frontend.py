@@ -42,6 +42,29 @@ def validate(req, info, cfg) -> "str | None":
     return None
 
 
+class DeathWatch:
+    """Turns the death of a PE this one depends on into ``PeerFailure``, checked at most every ``every_s``.
+
+    Mailbox receives and scoped waits fail only when *every* peer that could
+    satisfy them is gone (``asap_comm``'s failure scope), so a serving loop
+    that idles on its inbox checks the PEs it needs itself. PEs that closed
+    finished their work and are not failures.
+    """
+
+    def __init__(self, comm, peers: Sequence[int], every_s: float = 0.01) -> None:
+        self.comm, self.peers, self.every_s = comm, [p for p in peers if p != comm.rank], every_s
+        self._next = 0.0
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.every_s
+        for pe in self.peers:
+            if self.comm.peer_state(pe) == "died":
+                raise PeerFailure(f"PE {pe} died while PE {self.comm.rank} depended on it", pe=pe, reason="died")
+
+
 def finish_chunks(model, box, front: int, chunks, hs, caches: dict, batcher) -> None:
     """After a micro-batch's last layer: send each finished request's result (final-normed hidden of its
     last prompt token + its greedy first token) to the front end, drop its cache, free its chunks."""
@@ -112,6 +135,7 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
                 if m is not None:
                     take(m)
     progress = cfg.progress
+    watch = DeathWatch(comm, range(comm.world_size))
     try:
         last_report = 0.0
         while i < len(order) or outstanding:
@@ -143,6 +167,7 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
             try:
                 take(box.recv(timeout=max(1e-4, min(0.05, next_arrival))))
             except CommTimeoutError:
+                watch.check()
                 continue
     except PeerFailure as e:
         failure = f"worker failure: {role_of(e.pe)} PE {e.pe} {e.reason} ({e})"

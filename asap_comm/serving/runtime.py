@@ -36,7 +36,7 @@ import torch
 
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import AttentionEnd, ExpertBatch, ExpertEnd, MoEPlan, apply_experts, join_as_bystander
-from .frontend import HDR, STOP, finish_chunks, request_mailbox, run_front_end, run_group
+from .frontend import HDR, STOP, DeathWatch, finish_chunks, request_mailbox, run_front_end, run_group
 from .policies import Chunk, ExpertBatcher, MicroBatcher
 
 __all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "run_async"]
@@ -225,6 +225,7 @@ class _AttentionRank:
         self.spans.append((self.comm.rank, 0, "attn tail", t_start, time.monotonic() - t_start))
 
     def run(self) -> list:
+        self.watch = DeathWatch(self.comm, range(self.comm.world_size))
         running: list = []  # [generator, handle or None, dispatch sequence number]
         seq = 0
         stopped = False
@@ -265,7 +266,7 @@ class _AttentionRank:
                 try:  # with the lock-step ablation on, come back soon to join the others' steps
                     stopped |= not self._take(self.box.recv(timeout=0.05 if self.lockstep is None else 0.0005))
                 except CommTimeoutError:
-                    pass
+                    self.watch.check()
         if self.lockstep is not None:
             self.lockstep.leave()
         self.att.finish()
@@ -288,6 +289,7 @@ def _expert_main(comm, cfg, info, model_factory, plan):
     _lockstep_signals(comm, cfg)
     batcher = ExpertBatcher(cfg.expert_token_budget, cfg.expert_deadline_s, enabled=cfg.expert_batching)
     spans = []
+    watch = DeathWatch(comm, range(comm.world_size))
     while True:
         now = time.monotonic()
         layer = batcher.ready(now)
@@ -303,6 +305,7 @@ def _expert_main(comm, cfg, info, model_factory, plan):
         try:
             batches = ex.dispatch_recv_many(timeout=0.05 if wait is None else max(wait, 1e-4))
         except CommTimeoutError:
+            watch.check()
             batches = []
         now = time.monotonic()
         for b in batches:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import ExpertBatch, apply_experts
-from .frontend import HDR, STOP, finish_chunks, request_mailbox, run_front_end, run_group
+from .frontend import HDR, STOP, DeathWatch, finish_chunks, request_mailbox, run_front_end, run_group
 from .policies import Chunk, MicroBatcher
 from .runtime import ModelInfo, PromptRequest, RunResult, RuntimeConfig
 
@@ -192,6 +192,7 @@ class _Worker:
 
     def run(self, box) -> list:
         self.box = box
+        watch = DeathWatch(self.comm, range(self.comm.world_size))
         stopped = False
         flags = torch.zeros(2, dtype=torch.int64)
         while True:
@@ -216,7 +217,7 @@ class _Worker:
                 try:
                     stopped |= not self._take(box.recv(timeout=_IDLE_S))
                 except CommTimeoutError:
-                    pass
+                    watch.check()
         return self.spans
 
 
