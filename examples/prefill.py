@@ -2,6 +2,7 @@
 
     python examples/prefill.py                       # defaults: `small` model, skewed trace
     python examples/prefill.py --sweep 2,4,8 --out runs/sweep
+    python examples/prefill.py --help                # every flag, with its default
 
 Runs the same requests through the asynchronous disaggregated runtime
 (``asap_comm.serving.run_async``: A attention + E expert processes) and the
@@ -11,15 +12,26 @@ hidden state against the single-process reference forward, prints a table
 and writes ``summary.json``, ``ttft.png`` and ``timeline_<mode>.json``
 (Chrome trace format: open in https://ui.perfetto.dev) into ``--out``.
 
-The TTFT SLO defaults to 3x the unloaded single-process prefill time of the
-trace's 90th-percentile prompt, measured here before the runs: production
-SLOs are set as a multiple of unloaded latency, and tying it to this
-machine's speed keeps the default meaningful on any host.
+The TTFT SLO (``--slo auto``, the default) is 3x the *unloaded* TTFT of the
+served baseline: before the runs, each mode is started on the same ranks and
+configuration and sent a few prompts of the trace's 90th-percentile length
+one at a time (each alone in the system); the median TTFT (after a warm-up
+request) is that mode's unloaded latency. Both modes' values and the SLO are
+printed and stored under ``"slo"`` in ``summary.json``. Production SLOs are
+set as a multiple of unloaded latency; basing it on the baseline's, measured
+on the processes that serve the load, keeps it meaningful on any host (a
+request that meets no queue meets it; compare the printed unloaded TTFTs).
+``--slo SECONDS`` overrides it (and skips the measurement).
+
+Progress goes to stderr: one live line, rewritten in place, on a terminal;
+whole lines when stderr is a pipe or a file.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -81,20 +93,95 @@ def check(result, references: dict) -> tuple[int, int, list]:
     return checked, bad, details
 
 
+def p90_prompt_len(requests: list) -> int:
+    """The trace's 90th-percentile prompt length (the nearest rank at or above it), in tokens."""
+    lens = sorted(int(r.token_ids.numel()) for r in requests)
+    return lens[min(len(lens) - 1, int(0.9 * len(lens)))]
+
+
 def references(factory: StageFactory, requests: list) -> tuple[dict, float]:
-    """Reference outputs of every request (single process), and the unloaded TTFT of the p90 prompt."""
+    """Reference outputs of every request (single process), and the single-process prefill time of the
+    p90 prompt (seconds; not the SLO basis any more, see :func:`unloaded_ttft`; it sizes the calibration)."""
     model = factory.full()
     out = {}
     for r in requests:
         with torch.no_grad():
             o = model.prefill(r.token_ids)
         out[r.request_id] = (int(o.logits[-1].argmax()), o.final_hidden[-1])
-    lens = sorted(int(r.token_ids.numel()) for r in requests)
-    p90 = torch.randint(0, factory.config().vocab_size, (lens[min(len(lens) - 1, int(0.9 * len(lens)))],))
+    p90 = torch.randint(0, factory.config().vocab_size, (p90_prompt_len(requests),))
     t0 = time.perf_counter()
     with torch.no_grad():
         model.prefill(p90)
     return out, time.perf_counter() - t0
+
+
+SLO_MULTIPLIER = 3.0  # the automatic SLO: this many times the baseline's unloaded TTFT
+SLO_BASIS = "sync"  # the mode whose unloaded TTFT the automatic SLO is based on
+CALIBRATION_REQUESTS = 5  # per mode; the first is a warm-up of the fresh processes and is not counted
+
+
+def unloaded_ttft(mode: str, factory, info, cfg, prompt_len: int, vocab: int, gap_s: float,
+                  seed: int = 0) -> tuple[float, int]:
+    """``(median TTFT in seconds, samples)`` of ``mode`` with nothing queued: the served system itself.
+
+    Starts ``mode`` on ``cfg``'s ranks and configuration and sends it
+    :data:`CALIBRATION_REQUESTS` random prompts of ``prompt_len`` tokens,
+    ``gap_s`` apart. The first is a warm-up; of the rest, a sample counts only
+    if the request was alone in the system (the one before had finished when
+    it arrived, and it finished before the next arrived). With fewer than 3
+    such samples it tries once more with 3x the gap; after that it takes
+    every post-warm-up TTFT and says so.
+    """
+    runner = run_async if mode == "async" else run_sync
+    if runner is None:
+        raise SystemExit("prefill.py: the synchronous baseline (asap_comm.serving.sync) is not available")
+    cfg = dataclasses.replace(cfg, progress=False)
+    g = torch.Generator().manual_seed(seed + 1)
+    n = CALIBRATION_REQUESTS
+    for _ in range(2):
+        reqs = [PromptRequest(i, 0.02 + i * gap_s, torch.randint(0, vocab, (prompt_len,), generator=g))
+                for i in range(n)]
+        recs = sorted(runner(factory, info, reqs, cfg).records, key=lambda r: r.arrival_s)
+        bad = [r for r in recs if not r.ok]
+        if bad:
+            raise SystemExit(f"prefill.py: measuring the unloaded TTFT of {mode} failed: request "
+                             f"{bad[0].request_id}: {bad[0].error}")
+        alone = [recs[i].ttft_s for i in range(1, n)
+                 if recs[i - 1].done_s <= recs[i].arrival_s and (i == n - 1 or recs[i].done_s <= recs[i + 1].arrival_s)]
+        if len(alone) >= 3:
+            return statistics.median(alone), len(alone)
+        gap_s *= 3
+    print(f"  warning: {mode}'s calibration requests overlapped even {gap_s / 3:.2f} s apart; its unloaded TTFT "
+          "includes some queueing", file=sys.stderr, flush=True)
+    samples = [r.ttft_s for r in recs[1:]]
+    return statistics.median(samples), len(samples)
+
+
+def resolve_slo(args, factory, info, cfg, requests, single_process_s: float, modes: list) -> dict:
+    """The TTFT SLO and where it comes from: the ``"slo"`` entry of ``summary.json``."""
+    prompt_len = min(p90_prompt_len(requests), cfg.max_prompt_len)
+    if args.slo != "auto":
+        return {"ttft_s": float(args.slo), "source": "flag", "multiplier": None, "p90_prompt_tokens": prompt_len,
+                "unloaded_ttft_s": {}}
+    gap = max(0.1, 2 * single_process_s)  # well above the unloaded TTFT: calibration requests meet no queue
+    unloaded = {}
+    for mode in sorted(set(modes) | {SLO_BASIS}):
+        print(f"{mode}: unloaded TTFT of {prompt_len}-token prompts, one at a time ...", file=sys.stderr, flush=True)
+        unloaded[mode], used = unloaded_ttft(mode, factory, info, cfg, prompt_len, factory.config().vocab_size,
+                                             gap, args.seed)
+        print(f"  {mode}: {unloaded[mode] * 1e3:.1f} ms (median of {used})", file=sys.stderr, flush=True)
+    return {"ttft_s": SLO_MULTIPLIER * unloaded[SLO_BASIS], "source": "auto", "multiplier": SLO_MULTIPLIER,
+            "p90_prompt_tokens": prompt_len, "unloaded_ttft_s": unloaded}
+
+
+def describe_slo(slo: dict) -> str:
+    if slo["source"] == "flag":
+        return f"TTFT SLO {slo['ttft_s']:.3f} s (--slo)"
+    u = slo["unloaded_ttft_s"]
+    others = ", ".join(f"{m} {v:.3f} s" for m, v in u.items() if m != SLO_BASIS)
+    return (f"TTFT SLO {slo['ttft_s']:.3f} s = {slo['multiplier']:g} x the baseline's ({SLO_BASIS}) unloaded TTFT "
+            f"{u[SLO_BASIS]:.3f} s ({slo['p90_prompt_tokens']}-token p90 prompt)"
+            + (f"; unloaded TTFT of {others}" if others else ""))
 
 
 def run_mode(mode: str, factory, info, requests, cfg):
@@ -148,28 +235,65 @@ def plot(path: Path, points: dict, slo: float) -> None:
     plt.close(fig)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's default in ``--help``; the description keeps its line breaks."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    doc = __doc__.split("\n")
+    p = argparse.ArgumentParser(description="\n".join(doc[:4] + doc[5:]).strip(), formatter_class=_HelpFormatter)
+    p.add_argument("--model", default="small", help="model preset (tiny, small) or a checkpoint directory")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model weights, the trace and the prompts")
+    p.add_argument("--attention-ranks", type=int, default=2,
+                   help="A: attention processes of ASAP (the baseline runs A + E DP+EP workers)")
+    p.add_argument("--expert-ranks", type=int, default=2, help="E: expert processes of ASAP")
+    p.add_argument("--trace", default="synthetic",
+                   help="the load: 'synthetic' (Gamma-bursty arrivals, log-normal prompt lengths), or a "
+                        "Mooncake .jsonl / Azure .csv trace file")
+    p.add_argument("--num-requests", type=int, default=24, help="requests in the load (at most, for a file)")
+    p.add_argument("--rate", type=float, default=3.0,
+                   help="offered load in requests/s (a file's arrivals are rescaled to it); --sweep overrides it")
+    p.add_argument("--burstiness", type=float, default=2.0,
+                   help="coefficient of variation of the synthetic inter-arrival times (1 = Poisson)")
+    p.add_argument("--median-len", type=int, default=48, help="median synthetic prompt length, tokens")
+    p.add_argument("--max-prompt-len", type=int, default=512,
+                   help="longest prompt, tokens (longer prompts of the trace are clipped to it)")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply a trace file's prompt lengths by this (to size a real trace for CPUs)")
+    p.add_argument("--token-budget", type=int, default=256, help="tokens per attention micro-batch")
+    p.add_argument("--chunk-len", type=int, default=256,
+                   help="split longer prompts into chunks of at most this many tokens (with load-aware placement)")
+    p.add_argument("--slo", default="auto",
+                   help=f"TTFT SLO in seconds, or 'auto': {SLO_MULTIPLIER:g}x the baseline's ({SLO_BASIS}) unloaded "
+                        "TTFT of the trace's p90 prompt, measured on the same ranks and configuration before the "
+                        "runs")
+    p.add_argument("--sweep", default="",
+                   help="comma-separated request rates (req/s): run each and report SLO-compliant throughput "
+                        "(default: %(default)r, one run at --rate)")
+    p.add_argument("--modes", default="async,sync", help="comma-separated modes to run: async (ASAP), sync (baseline)")
+    for opt, what in (("barrier-free", "(1), the barrier-free pipeline (off: a barrier across the attention ranks "
+                                       "at every MoE layer)"),
+                      ("ping-pong", "(2), ping-pong (two micro-batches in flight per attention rank)"),
+                      ("load-aware", "(3), load-aware placement (least outstanding work) and long-prompt splitting"),
+                      ("expert-batching", "(4), expert-side batching (rows of a layer across attention ranks)")):
+        p.add_argument(f"--no-{opt}", action="store_true", help=f"ablation: turn off ASAP's optimization {what}")
+    p.add_argument("--out", default="runs/prefill",
+                   help="directory for summary.json, ttft.png and timeline_<mode>.json")
+    return p
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="small", help="preset name (tiny, small) or a checkpoint directory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention-ranks", type=int, default=2)
-    p.add_argument("--expert-ranks", type=int, default=2)
-    p.add_argument("--trace", default="synthetic", help="synthetic, or a Mooncake .jsonl / Azure .csv file")
-    p.add_argument("--num-requests", type=int, default=24)
-    p.add_argument("--rate", type=float, default=3.0, help="requests/s (synthetic, or the file's rate is rescaled)")
-    p.add_argument("--burstiness", type=float, default=2.0, help="coefficient of variation of inter-arrivals")
-    p.add_argument("--median-len", type=int, default=48)
-    p.add_argument("--max-prompt-len", type=int, default=512)
-    p.add_argument("--length-scale", type=float, default=1.0, help="scale file prompt lengths (CPU-sized runs)")
-    p.add_argument("--token-budget", type=int, default=256)
-    p.add_argument("--chunk-len", type=int, default=256)
-    p.add_argument("--slo", default="auto", help="TTFT SLO in seconds, or auto (3x unloaded p90 prefill)")
-    p.add_argument("--sweep", default="", help="comma-separated request rates for an SLO sweep")
-    p.add_argument("--modes", default="async,sync")
-    for opt in ("barrier-free", "ping-pong", "load-aware", "expert-batching"):
-        p.add_argument(f"--no-{opt}", action="store_true", help=f"turn optimization '{opt}' off (ablation)")
-    p.add_argument("--out", default="runs/prefill", help="directory for summary.json, ttft.png, timelines")
-    args = p.parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - {"async", "sync"}:
+        parser.error(f"--modes {args.modes!r}: give async, sync or both")
+    if args.slo != "auto":
+        try:
+            if not float(args.slo) > 0:
+                raise ValueError
+        except ValueError:
+            parser.error(f"--slo {args.slo!r}: give a positive number of seconds or auto")
 
     torch.set_num_threads(1)
     factory = StageFactory(args.model, args.seed)
@@ -178,20 +302,21 @@ def main(argv=None) -> int:
     requests = make_requests(args, mcfg.vocab_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    modes = [m for m in args.modes.split(",") if m]
     print(f"model {args.model}: {mcfg.num_hidden_layers} layers, {mcfg.n_routed_experts} experts (top "
           f"{mcfg.num_experts_per_tok}); {len(requests)} requests; computing reference outputs ...",
           file=sys.stderr, flush=True)
-    refs, unloaded = references(factory, requests)
-    slo = 3 * unloaded if args.slo == "auto" else float(args.slo)
+    refs, single_process_s = references(factory, requests)
     cfg = RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
                         token_budget=args.token_budget, chunk_len=args.chunk_len,
-                        max_prompt_len=args.max_prompt_len, barrier_free=not args.no_barrier_free, ping_pong=not args.no_ping_pong,
-                        load_aware=not args.no_load_aware, expert_batching=not args.no_expert_batching,
-                        progress=True)
+                        max_prompt_len=args.max_prompt_len, barrier_free=not args.no_barrier_free,
+                        ping_pong=not args.no_ping_pong, load_aware=not args.no_load_aware,
+                        expert_batching=not args.no_expert_batching, progress=True)
+    slo_info = resolve_slo(args, factory, info, cfg, requests, single_process_s, modes)
+    slo = slo_info["ttft_s"]
+    print(describe_slo(slo_info), file=sys.stderr, flush=True)
     rates = [float(x) for x in args.sweep.split(",") if x] or [args.rate]
     mean_len = sum(int(r.token_ids.numel()) for r in requests) / len(requests)
-    summary = {"config": {**vars(args), "slo_s": slo, "unloaded_p90_prefill_s": unloaded}, "runs": []}
+    summary = {"config": vars(args), "slo": slo_info, "runs": []}
     rows, points, checked, mismatches, details = [], {m: [] for m in modes}, 0, 0, []
     for rate in rates:
         load = at_rate(requests, rate) if len(rates) > 1 or args.trace != "synthetic" else requests
@@ -218,7 +343,8 @@ def main(argv=None) -> int:
     plot(out / "ttft.png", points, slo)
     print()
     print(table(rows))
-    print(f"\nTTFT SLO {slo:.3f} s; correctness: {checked} outputs checked, {mismatches} mismatches")
+    print(f"\n{describe_slo(slo_info)}")
+    print(f"correctness: {checked} outputs checked, {mismatches} mismatches")
     if len(rates) > 1:
         for mode in modes:
             print(f"SLO-compliant throughput ({mode}): {summary[mode].get('slo_compliant_throughput')} tokens/s")

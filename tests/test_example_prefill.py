@@ -1,22 +1,37 @@
 """The README's main job, on a tiny configuration: it runs both modes, checks every request
-against the reference forward and writes the artifacts with the contract keys."""
+against the reference forward and writes the artifacts with the contract keys; the automatic
+SLO sits above both modes' measured unloaded TTFT; ``--help`` describes every flag with its
+default; progress written to a pipe has no carriage returns. Every subprocess is bounded."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "prefill.py"
+TINY = ["--model", "tiny", "--max-prompt-len", "64", "--median-len", "12", "--token-budget", "32", "--chunk-len", "16"]
+
+
+def run_example(args: list, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """The example with stdout and stderr on pipes, as raw bytes (text mode would turn "\\r" into "\\n")."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": path})
+
+
+def tail(r: subprocess.CompletedProcess) -> str:
+    return (r.stdout[-2000:] + r.stderr[-4000:]).decode(errors="replace")
 
 
 def test_prefill_example_end_to_end(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "examples" / "prefill.py"), "--model", "tiny", "--num-requests", "8",
-           "--rate", "20", "--max-prompt-len", "64", "--median-len", "12", "--token-budget", "32",
-           "--chunk-len", "16", "--sweep", "10,40", "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    r = run_example([*TINY, "--num-requests", "8", "--rate", "20", "--sweep", "10,40", "--out", str(out)],
+                    tmp_path, timeout=240)
+    assert r.returncode == 0, tail(r)
     summary = json.loads((out / "summary.json").read_text())
     for mode in ("async", "sync"):
         for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s", "slo_attainment",
@@ -24,7 +39,57 @@ def test_prefill_example_end_to_end(tmp_path):
             assert key in summary[mode], (mode, key)
         assert summary[mode]["num_requests"] == 8 and summary[mode]["num_failed"] == 0
     assert summary["correctness"]["checked"] == 32 and summary["correctness"]["mismatches"] == 0
+    assert len(summary["runs"]) == 4 and {run["mode"] for run in summary["runs"]} == {"async", "sync"}
+
+    # the automatic SLO: 3x the baseline's unloaded TTFT, measured on the served system, above both modes'
+    slo = summary["slo"]
+    assert slo["source"] == "auto" and slo["multiplier"] == 3.0
+    unloaded = slo["unloaded_ttft_s"]
+    assert set(unloaded) == {"async", "sync"} and all(0 < v < 5 for v in unloaded.values()), unloaded
+    assert slo["ttft_s"] == pytest.approx(3.0 * unloaded["sync"])
+    assert slo["ttft_s"] >= max(unloaded.values()), slo
+    assert 1 <= slo["p90_prompt_tokens"] <= 64
+    assert not {"slo_s", "unloaded_p90_prefill_s"} & set(summary["config"])  # stored once, under "slo"
+    assert f"TTFT SLO {slo['ttft_s']:.3f} s".encode() in r.stdout
+
+    # progress on a pipe: whole lines, never "\r"
+    assert b"\r" not in r.stdout and b"\r" not in r.stderr
+    assert re.search(rb"\[async\][^\n]*completed\n", r.stderr) and re.search(rb"\[sync\][^\n]*completed\n", r.stderr)
+
     timeline = json.loads((out / "timeline_async.json").read_text())
     assert any(e.get("ph") == "X" for e in timeline["traceEvents"])
     assert (out / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "mismatches" in r.stdout and "async" in r.stdout and "sync" in r.stdout
+    assert b"mismatches" in r.stdout and b"async" in r.stdout and b"sync" in r.stdout
+
+
+def test_prefill_example_slo_flag_overrides(tmp_path):
+    out = tmp_path / "run"
+    r = run_example([*TINY, "--num-requests", "4", "--rate", "20", "--modes", "async", "--slo", "0.5",
+                     "--out", str(out)], tmp_path, timeout=120)
+    assert r.returncode == 0, tail(r)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["slo"]["ttft_s"] == 0.5 and summary["slo"]["source"] == "flag"
+    assert summary["slo"]["unloaded_ttft_s"] == {}  # not measured when the SLO is given
+    assert b"unloaded TTFT" not in r.stderr and b"TTFT SLO 0.500 s (--slo)" in r.stdout
+    assert "sync" not in summary and summary["async"]["num_requests"] == 4 and summary["async"]["num_failed"] == 0
+
+
+def test_prefill_example_help_lists_every_flag_with_default(tmp_path):
+    r = run_example(["--help"], tmp_path, timeout=60)
+    assert r.returncode == 0, tail(r)
+    text = r.stdout.decode()
+    assert "\r" not in text
+    usage, _, options = text.partition("\noptions:\n")
+    flags = re.findall(r"\[(--[a-z][a-z-]*)", usage)
+    assert len(flags) >= 20 and "--slo" in flags and "--no-expert-batching" in flags, flags
+    # one block per option: its first line starts with two spaces and a dash
+    blocks = {}
+    for block in re.split(r"\n(?=  -)", options):
+        block = block.strip()
+        blocks[re.match(r"(?:-\w, )?(--[a-z-]+)", block).group(1)] = block
+    for flag in flags:
+        assert flag in blocks, f"{flag} missing from --help"
+        body = " ".join(blocks[flag].split())
+        assert "(default: " in body, f"{flag} shows no default: {body}"
+        described = re.sub(r"^--[a-z-]+( [A-Z_]+)?|\(default: [^)]*\)", "", body).strip()
+        assert len(described) > 10, f"{flag} has no description: {body}"

@@ -135,16 +135,19 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
                 if m is not None:
                     take(m)
     progress = cfg.progress
+    # On a terminal one live line rewrites itself ("\r"); into a pipe or a file, whole lines, less often.
+    live = progress and sys.stderr.isatty()
+    every_s = 0.5 if live else 5.0
     watch = DeathWatch(comm, range(comm.world_size))
     try:
         last_report = 0.0
         while i < len(order) or outstanding:
             now = time.monotonic() - t0
-            if progress and now - last_report >= 0.5:
+            if progress and now - last_report >= every_s:
                 last_report = now
                 done = sum(1 for rec in records.values() if rec.done_s is not None)
-                print(f"\r  [{label}] {now:6.1f} s  arrived {i}/{len(order)}  done {done}  in flight "
-                      f"{len(outstanding)}  ", end="", file=sys.stderr, flush=True)
+                line = f"  [{label}] {now:6.1f} s  arrived {i}/{len(order)}  done {done}  in flight {len(outstanding)}"
+                print("\r" + line + "  " if live else line, end="" if live else "\n", file=sys.stderr, flush=True)
             while i < len(order) and order[i].arrival_s <= now:
                 r = order[i]
                 i += 1
@@ -174,8 +177,8 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
     except CommTimeoutError as e:
         failure = f"worker failure: {e}"
     if progress:
-        print(f"\r  [{label}] {time.monotonic() - t0:6.1f} s  {len(outputs)}/{len(order)} completed" + " " * 30,
-              file=sys.stderr, flush=True)
+        line = f"  [{label}] {time.monotonic() - t0:6.1f} s  {len(outputs)}/{len(order)} completed"
+        print("\r" + line + " " * 30 if live else line, file=sys.stderr, flush=True)
     for rid in outstanding:
         records[rid].done_s = None
         records[rid].error = failure or "not completed"
