@@ -15,7 +15,8 @@ swept over request rates for each variant, in this order, in one run:
 
 Per variant: the SLO-compliant throughput (highest offered load, prompt
 tokens/s, at which >= 90% of requests meet the TTFT SLO; the SLO is the
-example's default, 3x the unloaded p90 prefill time) and its ratio over the
+example's default, 3x the baseline's unloaded TTFT of the p90 prompt, measured
+on the served processes) and its ratio over the
 baseline's, and TTFT p50/p90 at the lowest swept rate (equal load). Every
 output is checked against the reference forward. Writes ``serving.json`` and
 ``serving.md`` under ``--out``.
@@ -47,8 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--rates", default="6,8,10,12,14,16,18", help="request rates (req/s) of the sweep")
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--variants", default="", help="comma-separated subset of: " + ", ".join(v[0] for v in VARIANTS))
-    p.add_argument("--slo", default="auto", help="TTFT SLO in seconds, or auto (3x unloaded p90 prefill, measured "
-                                                 "at the start: fix it to compare runs)")
+    p.add_argument("--slo", default="auto", help="TTFT SLO in seconds, or auto (3x the baseline's unloaded TTFT of "
+                                                 "the p90 prompt, measured at the start: fix it to compare runs)")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     eargs = argparse.Namespace(trace="synthetic", rate=3.0, num_requests=args.num_requests, burstiness=2.0,
@@ -58,12 +59,15 @@ def main(argv=None) -> int:
     mcfg = factory.config()
     info = prefill.model_info(mcfg)
     requests = prefill.make_requests(eargs, mcfg.vocab_size)
-    refs, unloaded = prefill.references(factory, requests)
-    slo = 3 * unloaded if args.slo == "auto" else float(args.slo)
+    refs, single_process_s = prefill.references(factory, requests)
     mean_len = sum(int(r.token_ids.numel()) for r in requests) / len(requests)
     rates = [float(x) for x in args.rates.split(",") if x]
     base = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=2, token_budget=256, chunk_len=256,
                          max_prompt_len=512)
+    slo_info = prefill.resolve_slo(argparse.Namespace(slo=args.slo, seed=0), factory, info, base, requests,
+                                   single_process_s, ["sync"])
+    slo = slo_info["ttft_s"]
+    print(prefill.describe_slo(slo_info), file=sys.stderr, flush=True)
     chosen = [v for v in VARIANTS if not args.variants or v[0] in args.variants.split(",")]
     print(f"{len(requests)} requests, mean prompt {mean_len:.0f} tokens, SLO {slo:.3f} s, rates {rates}",
           file=sys.stderr, flush=True)
@@ -92,11 +96,11 @@ def main(argv=None) -> int:
         low = r["runs"][0]
         lines.append(f"| {name} | {sct if sct is None else round(sct)} | {ratio} | "
                      f"{low['ttft_p50_s']:.3f} / {low['ttft_p90_s']:.3f} |")
-    md = "\n".join(lines) + (f"\n\nSLO {slo:.3f} s (3x unloaded p90 prefill), {len(requests)} requests, mean prompt "
+    md = "\n".join(lines) + (f"\n\n{prefill.describe_slo(slo_info)}; {len(requests)} requests, mean prompt "
                              f"{mean_len:.0f} tokens; correctness: {checked} outputs checked, {mismatches} mismatches\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps({"slo_s": slo, "rates": rates, "mean_prompt_tokens": mean_len,
+    (out / "serving.json").write_text(json.dumps({"slo": slo_info, "rates": rates, "mean_prompt_tokens": mean_len,
                                                   "correctness": {"checked": checked, "mismatches": mismatches},
                                                   "variants": results}, indent=2, default=str))
     (out / "serving.md").write_text(md)
