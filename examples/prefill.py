@@ -25,6 +25,17 @@ request that meets no queue meets it; compare the printed unloaded TTFTs).
 
 Progress goes to stderr: one live line, rewritten in place, on a terminal;
 whole lines when stderr is a pipe or a file.
+
+Emulated accelerators (``--emulate PROFILE``): the same runtime, processes and
+code, with every rank's compute held (sleeping) for the time a modelled device
+takes (``asap_comm.sim.emulate``): the work of ``--emulate-model`` (default
+deepseek-v3) on the hardware profile, times ``--time-scale``; each real token
+stands for ``--token-scale`` emulated tokens. Unless given, the defaults then
+become: the tiny model, 8 + 8 ranks (16 baseline workers), the Mooncake trace
+of ``shared/traces`` with lengths divided by the token scale, 128-token chunks
+and micro-batches. ``summary.json`` then carries ``overrun_fraction`` per mode.
+
+    python examples/prefill.py --emulate ascend-910c-cm384 --emulate-model deepseek-v3 --sweep auto --out DIR
 """
 from __future__ import annotations
 
@@ -33,6 +44,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +53,7 @@ import torch
 from asap_comm.serving import ChromeTrace, load_trace, slo_compliant_throughput, summarize_run
 from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig, run_async
 from asap_comm.serving.traces import LogNormalLengths, scale_trace, synthetic_trace
+from asap_comm.sim.costs import known_profiles
 
 try:
     from asap_comm.serving.sync import run_sync
@@ -116,6 +129,12 @@ def references(factory: StageFactory, requests: list) -> tuple[dict, float]:
 
 
 SLO_MULTIPLIER = 3.0  # the automatic SLO: this many times the baseline's unloaded TTFT
+DEFAULT_TIME_SCALE = 1.0  # --emulate: wall seconds per modelled second (under 5% overruns at 8+8 on 2 cores)
+DEFAULT_TOKEN_SCALE = 128  # --emulate: emulated tokens per real token
+# --emulate: defaults of the flags a user did not give
+EMULATE_DEFAULTS = {"model": "tiny", "attention_ranks": 8, "expert_ranks": 8, "trace": "mooncake",
+                    "num_requests": 48, "max_prompt_len": 512, "token_budget": 128, "chunk_len": 128}
+SWEEP_AUTO_BISECTIONS = 3  # --sweep auto: bisection steps after the doubling phase
 SLO_BASIS = "sync"  # the mode whose unloaded TTFT the automatic SLO is based on
 CALIBRATION_REQUESTS = 5  # per mode; the first is a warm-up of the fresh processes and is not counted
 
@@ -167,8 +186,8 @@ def resolve_slo(args, factory, info, cfg, requests, single_process_s: float, mod
     unloaded = {}
     for mode in sorted(set(modes) | {SLO_BASIS}):
         print(f"{mode}: unloaded TTFT of {prompt_len}-token prompts, one at a time ...", file=sys.stderr, flush=True)
-        unloaded[mode], used = unloaded_ttft(mode, factory, info, cfg, prompt_len, factory.config().vocab_size,
-                                             gap, args.seed)
+        f = factory[mode] if isinstance(factory, dict) else factory
+        unloaded[mode], used = unloaded_ttft(mode, f, info, cfg, prompt_len, f.config().vocab_size, gap, args.seed)
         print(f"  {mode}: {unloaded[mode] * 1e3:.1f} ms (median of {used})", file=sys.stderr, flush=True)
     return {"ttft_s": SLO_MULTIPLIER * unloaded[SLO_BASIS], "source": "auto", "multiplier": SLO_MULTIPLIER,
             "p90_prompt_tokens": prompt_len, "unloaded_ttft_s": unloaded}
@@ -182,6 +201,90 @@ def describe_slo(slo: dict) -> str:
     return (f"TTFT SLO {slo['ttft_s']:.3f} s = {slo['multiplier']:g} x the baseline's ({SLO_BASIS}) unloaded TTFT "
             f"{u[SLO_BASIS]:.3f} s ({slo['p90_prompt_tokens']}-token p90 prompt)"
             + (f"; unloaded TTFT of {others}" if others else ""))
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list) -> set:
+    """The destinations of the options present on the command line (``--flag value`` or ``--flag=value``)."""
+    words = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    return {a.dest for a in parser._actions if any(o in words for o in a.option_strings)}
+
+
+def apply_emulate_defaults(args, given: set) -> None:
+    """``--emulate``: the defaults of :data:`EMULATE_DEFAULTS` for every flag not given, and trace lengths divided
+    by the token scale."""
+    if args.emulate is None:
+        return
+    for k, v in EMULATE_DEFAULTS.items():
+        if k not in given:
+            setattr(args, k, v)
+    if args.trace == "mooncake":
+        from asap_comm.sim.validate import _mooncake_path
+
+        path = _mooncake_path()
+        if path is None:
+            print("  note: shared/traces/mooncake_conversation.jsonl not found; a synthetic Mooncake-like trace "
+                  "stands in", file=sys.stderr, flush=True)
+            args.trace = "synthetic"
+            args.burstiness = 3.0 if "burstiness" not in given else args.burstiness
+            args.median_len = max(1, round(6909 / args.token_scale)) if "median_len" not in given else args.median_len
+        else:
+            args.trace = str(path)
+    if "length_scale" not in given:
+        args.length_scale = 1.0 / args.token_scale
+
+
+def emulated(args, base, mode: str, stats_dir=None):
+    """The model factory of one run: ``base`` itself, or with ``--emulate`` the emulated device around it."""
+    if not args.emulate:
+        return base
+    from asap_comm.sim.emulate import EmulatedFactory
+
+    ranks = args.expert_ranks if mode == "async" else args.attention_ranks + args.expert_ranks
+    return EmulatedFactory(base, args.emulate, args.emulate_model, time_scale=args.time_scale,
+                           token_scale=args.token_scale, num_expert_ranks=ranks, stats_dir=stats_dir)
+
+
+def emulation_stats(stats_dir) -> dict:
+    """Overruns of an emulated run (and, for the baseline, whether gloo kept to the modelled collectives)."""
+    from asap_comm.sim.emulate import collective_summary, overrun_summary, read_stats
+
+    o = overrun_summary(read_stats(stats_dir))
+    o["collectives"] = collective_summary(stats_dir)
+    return o
+
+
+def sweep_auto(run_at, start_rate: float, bisections: int = SWEEP_AUTO_BISECTIONS, target: float = 0.9) -> None:
+    """Search the SLO-compliant rate without a hand-picked list: from ``start_rate``, double (or halve) until
+    the SLO attainment crosses ``target``, then bisect (geometrically) ``bisections`` times.
+    ``run_at(rate) -> slo_attainment`` runs (and records) one load."""
+    seen: dict = {}
+
+    def ok(rate: float) -> bool:
+        if rate not in seen:
+            seen[rate] = run_at(rate)
+        return seen[rate] >= target
+
+    r = start_rate
+    if ok(r):
+        for _ in range(8):
+            if not ok(r * 2):
+                break
+            r *= 2
+        lo, hi = r, r * 2
+    else:
+        for _ in range(8):
+            r /= 2
+            if ok(r):
+                break
+        lo, hi = r, r * 2
+    if not ok(lo):  # nothing met the target, even 256x below the start
+        return
+    for _ in range(bisections):
+        mid = (lo * hi) ** 0.5
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
 
 
 def run_mode(mode: str, factory, info, requests, cfg):
@@ -204,8 +307,9 @@ def write_timeline(path: Path, result, cfg) -> None:
     trace.write(path)
 
 
-def table(rows: list) -> str:
+def table(rows: list, emulated: bool = False) -> str:
     head = ["mode", "rate req/s", "offered tok/s", "TTFT p50 s", "p90 s", "p99 s", "tok/s", "SLO att.", "failed"]
+    head += ["overruns"] if emulated else []
     lines = [head] + rows
     widths = [max(len(str(r[i])) for r in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in lines)
@@ -268,8 +372,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "TTFT of the trace's p90 prompt, measured on the same ranks and configuration before the "
                         "runs")
     p.add_argument("--sweep", default="",
-                   help="comma-separated request rates (req/s): run each and report SLO-compliant throughput "
+                   help="comma-separated request rates (req/s): run each and report SLO-compliant throughput; or "
+                        "'auto': search each mode's SLO-compliant throughput (doubling, then bisection) "
                         "(default: %(default)r, one run at --rate)")
+    p.add_argument("--emulate", default=None, metavar="PROFILE",
+                   help="emulated accelerators: hold every stage for its modelled time on this hardware profile "
+                        f"({', '.join(known_profiles())}, or a profile .json)")
+    p.add_argument("--emulate-model", default="deepseek-v3",
+                   help="with --emulate: the model whose work is costed (deepseek-v3, small, tiny, or a config.json)")
+    p.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
+                   help="with --emulate: wall seconds per modelled second (the dilation; raise it if overruns "
+                        "exceed 5%%)")
+    p.add_argument("--token-scale", type=int, default=DEFAULT_TOKEN_SCALE,
+                   help="with --emulate: emulated tokens per real token (prompt lengths of a trace file are divided "
+                        "by it unless --length-scale is given)")
     p.add_argument("--modes", default="async,sync", help="comma-separated modes to run: async (ASAP), sync (baseline)")
     for opt, what in (("barrier-free", "(1), the barrier-free pipeline (off: a barrier across the attention ranks "
                                        "at every MoE layer)"),
@@ -284,7 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    apply_emulate_defaults(args, given_flags(parser, argv))
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - {"async", "sync"}:
         parser.error(f"--modes {args.modes!r}: give async, sync or both")
@@ -294,6 +412,18 @@ def main(argv=None) -> int:
                 raise ValueError
         except ValueError:
             parser.error(f"--slo {args.slo!r}: give a positive number of seconds or auto")
+    auto_sweep = args.sweep.strip() == "auto"
+    try:
+        rates = [] if auto_sweep else [float(x) for x in args.sweep.split(",") if x] or [args.rate]
+    except ValueError:
+        parser.error(f"--sweep {args.sweep!r}: give comma-separated rates (req/s) or auto")
+    if args.emulate:
+        try:
+            emulated(args, StageFactory(args.model, args.seed), "async")  # a bad profile or model fails here
+        except ValueError as e:
+            parser.error(f"--emulate {args.emulate} --emulate-model {args.emulate_model}: {e}")
+        if args.time_scale <= 0 or args.token_scale < 1:
+            parser.error("--time-scale must be > 0 and --token-scale >= 1")
 
     torch.set_num_threads(1)
     factory = StageFactory(args.model, args.seed)
@@ -305,51 +435,117 @@ def main(argv=None) -> int:
     print(f"model {args.model}: {mcfg.num_hidden_layers} layers, {mcfg.n_routed_experts} experts (top "
           f"{mcfg.num_experts_per_tok}); {len(requests)} requests; computing reference outputs ...",
           file=sys.stderr, flush=True)
+    if args.emulate:
+        print(f"emulated accelerators: {args.emulate_model} on {args.emulate}, time scale {args.time_scale:g}, "
+              f"{args.token_scale} emulated tokens per real token", file=sys.stderr, flush=True)
     refs, single_process_s = references(factory, requests)
     cfg = RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
                         token_budget=args.token_budget, chunk_len=args.chunk_len,
                         max_prompt_len=args.max_prompt_len, barrier_free=not args.no_barrier_free,
                         ping_pong=not args.no_ping_pong, load_aware=not args.no_load_aware,
                         expert_batching=not args.no_expert_batching, progress=True)
-    slo_info = resolve_slo(args, factory, info, cfg, requests, single_process_s, modes)
+    if args.emulate:  # calibration requests take emulated (long) times: space them by the emulated prefill time
+        single_process_s = max(single_process_s, _emulated_p90_s(args, factory, requests))
+    slo_info = resolve_slo(args, {m: emulated(args, factory, m) for m in ("async", "sync")}, info, cfg, requests,
+                           single_process_s, modes)
     slo = slo_info["ttft_s"]
     print(describe_slo(slo_info), file=sys.stderr, flush=True)
-    rates = [float(x) for x in args.sweep.split(",") if x] or [args.rate]
     mean_len = sum(int(r.token_ids.numel()) for r in requests) / len(requests)
     summary = {"config": vars(args), "slo": slo_info, "runs": []}
+    if args.emulate:
+        summary["emulation"] = emulated(args, factory, "async").describe_emulation()
     rows, points, checked, mismatches, details = [], {m: [] for m in modes}, 0, 0, []
-    for rate in rates:
-        load = at_rate(requests, rate) if len(rates) > 1 or args.trace != "synthetic" else requests
+    emu_runs: dict = {m: [] for m in modes}
+
+    def run_at(mode: str, rate: "float | None") -> float:
+        """One run of ``mode`` at ``rate`` req/s (None: the trace as made): recorded; returns its SLO attainment."""
+        nonlocal checked, mismatches, details
+        load = requests if rate is None else at_rate(requests, rate)
+        rate = args.rate if rate is None else rate
+        with tempfile.TemporaryDirectory(prefix="asap-emu-") as stats_dir:
+            result = run_mode(mode, emulated(args, factory, mode, stats_dir), info, load, cfg)
+            emu = emulation_stats(stats_dir) if args.emulate else None
+        s = summarize_run(result.records, slo).as_dict()
+        c, b, d = check(result, refs)
+        checked, mismatches, details = checked + c, mismatches + b, details + d
+        entry = {"mode": mode, "rate_req_s": rate, "offered_tokens_per_s": rate * mean_len, **s}
+        if emu is not None:
+            entry["overrun_fraction"] = emu["overrun_fraction"]
+            entry["emulation"] = {k: v for k, v in emu.items() if k != "overrun_fraction"}
+            emu_runs[mode].append(emu)
+            if emu["overrun_fraction"] > 0.05:
+                print(f"  warning: {mode}: {emu['overrun_fraction']:.1%} of the held stages overran their modelled "
+                      f"time: the dilation is too small for this host (raise --time-scale)", file=sys.stderr,
+                      flush=True)
+            late = emu["collectives"]
+            if late["collectives"] and late["late_fraction"] > 0.05:
+                print(f"  warning: {mode}: gloo on this host was slower than the modelled collective in "
+                      f"{late['late_fraction']:.1%} of {late['collectives']} collectives (median "
+                      f"{late['median_transport_s']:.2e} s vs {late['median_modelled_s']:.2e} s modelled): the "
+                      "baseline is slowed by the host's transport; raise --time-scale", file=sys.stderr, flush=True)
+        summary["runs"].append(entry)
+        summary.setdefault(mode, {k: v for k, v in s.items()})  # the first load's numbers, per mode
+        write_timeline(out / f"timeline_{mode}.json", result, cfg)
+        fmt = (lambda v: "-" if v is None else f"{v:.3f}")
+        rows.append([mode, f"{rate:g}", f"{rate * mean_len:.0f}", fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]),
+                     fmt(s["ttft_p99_s"]), f"{s['throughput_tokens_per_s']:.0f}", f"{s['slo_attainment']:.2f}",
+                     s["num_failed"]] + ([f"{emu['overrun_fraction']:.3f}"] if emu is not None else []))
+        if s["ttft_p90_s"] is not None:
+            points[mode].append((rate * mean_len, s["ttft_p90_s"], s["ttft_p50_s"]))
+        print(f"  [{mode}] {rate:g} req/s: SLO attainment {s['slo_attainment']:.2f}, TTFT p90 {fmt(s['ttft_p90_s'])} s"
+              + (f", overruns {emu['overrun_fraction']:.1%}" if emu is not None else ""), file=sys.stderr,
+              flush=True)
+        return s["slo_attainment"]
+
+    if auto_sweep:
         for mode in modes:
-            result = run_mode(mode, factory, info, load, cfg)
-            s = summarize_run(result.records, slo).as_dict()
-            c, b, d = check(result, refs)
-            checked, mismatches, details = checked + c, mismatches + b, details + d
-            summary["runs"].append({"mode": mode, "rate_req_s": rate, "offered_tokens_per_s": rate * mean_len, **s})
-            summary.setdefault(mode, s)  # the first (or only) load's numbers, per mode
-            write_timeline(out / f"timeline_{mode}.json", result, cfg)
-            fmt = (lambda v: "-" if v is None else f"{v:.3f}")
-            rows.append([mode, f"{rate:g}", f"{rate * mean_len:.0f}", fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]),
-                         fmt(s["ttft_p99_s"]), f"{s['throughput_tokens_per_s']:.0f}", f"{s['slo_attainment']:.2f}",
-                         s["num_failed"]])
-            if s["ttft_p90_s"] is not None:
-                points[mode].append((rate * mean_len, s["ttft_p90_s"], s["ttft_p50_s"]))
+            workers = args.attention_ranks if mode == "async" else args.attention_ranks + args.expert_ranks
+            unloaded = slo_info["unloaded_ttft_s"].get(mode) or slo / SLO_MULTIPLIER
+            start = max(0.05, 0.5 * workers / max(unloaded, 1e-3))
+            print(f"{mode}: searching the SLO-compliant rate from {start:.3g} req/s ...", file=sys.stderr, flush=True)
+            sweep_auto(lambda r, m=mode: run_at(m, r), start)
+    else:
+        for rate in rates:
+            for mode in modes:
+                run_at(mode, rate if len(rates) > 1 or args.trace != "synthetic" else None)
     summary["correctness"] = {"checked": checked, "mismatches": mismatches, "details": details[:20]}
-    if len(rates) > 1:
+    if auto_sweep or len(rates) > 1:
         for mode in modes:
-            pts = [(r["offered_tokens_per_s"], r["slo_attainment"]) for r in summary["runs"] if r["mode"] == mode]
+            pts = sorted((r["offered_tokens_per_s"], r["slo_attainment"]) for r in summary["runs"] if r["mode"] == mode)
             summary[mode]["slo_compliant_throughput"] = slo_compliant_throughput(pts)
+    if args.emulate:
+        for mode in modes:
+            calls = sum(e["calls"] for e in emu_runs[mode])
+            over = sum(e["overruns"] for e in emu_runs[mode])
+            summary[mode]["overrun_fraction"] = over / calls if calls else 0.0
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     plot(out / "ttft.png", points, slo)
     print()
-    print(table(rows))
+    print(table(rows, emulated=bool(args.emulate)))
     print(f"\n{describe_slo(slo_info)}")
     print(f"correctness: {checked} outputs checked, {mismatches} mismatches")
-    if len(rates) > 1:
+    if auto_sweep or len(rates) > 1:
+        sct = {m: summary[m].get("slo_compliant_throughput") for m in modes}
         for mode in modes:
-            print(f"SLO-compliant throughput ({mode}): {summary[mode].get('slo_compliant_throughput')} tokens/s")
+            print(f"SLO-compliant throughput ({mode}): {sct[mode]} tokens/s")
+        if sct.get("async") and sct.get("sync"):
+            print(f"ASAP / baseline: {sct['async'] / sct['sync']:.2f}x")
+    if args.emulate:
+        print("overruns: " + ", ".join(f"{m} {summary[m]['overrun_fraction']:.2%}" for m in modes))
     print(f"artifacts in {out}/: summary.json, ttft.png, " + ", ".join(f"timeline_{m}.json" for m in modes))
     return 0 if mismatches == 0 else 1
+
+
+def _emulated_p90_s(args, factory, requests) -> float:
+    """Modelled (dilated) single-device prefill time of the p90 prompt: spaces the SLO calibration requests."""
+    from asap_comm.sim.costs import CostModel
+
+    emu = emulated(args, factory, "async")
+    cost = CostModel.load(args.emulate, args.emulate_model)
+    n = int(p90_prompt_len(requests) * args.token_scale)
+    shapes = cost.shapes
+    per_layer = cost.attention_s([(n, 0)]) + cost.router_s(n) + cost.shared_experts_s(n)
+    return (shapes.num_layers * per_layer + cost.head_s(1)) * emu.time_scale
 
 
 if __name__ == "__main__":

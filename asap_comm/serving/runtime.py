@@ -284,6 +284,7 @@ def _expert_main(comm, cfg, info, model_factory, plan):
     torch.set_num_threads(1)
     experts = plan.local_experts(comm.rank)
     model = model_factory("expert", experts)
+    hold_transfer = getattr(model, "hold_transfer", None)  # optional hook of an emulated model
     ex = ExpertEnd(comm, plan)
     request_mailbox(comm, cfg, info, cfg.num_attention_ranks)
     _lockstep_signals(comm, cfg)
@@ -296,6 +297,8 @@ def _expert_main(comm, cfg, info, model_factory, plan):
         if layer is not None:
             batch = ExpertBatch.merge(batcher.take(layer))
             out = apply_experts(batch, lambda e, x: model.expert(layer, e, x), out=ex.output_buffer(batch))
+            if hold_transfer is not None:  # an emulated device: the batch's modelled dispatch + combine transfers
+                hold_transfer(batch.num_rows, time.monotonic(), layer)
             ex.combine_send(batch, out)
             spans.append((comm.rank, 0, f"experts L{layer} ({batch.num_rows} rows)", now, time.monotonic() - now))
             continue

@@ -77,6 +77,8 @@ class _Worker:
         self.rank_of = rank_of_expert(info.num_experts, workers)
         self.experts = (self.rank_of == self.rank).nonzero().flatten().tolist()
         self.model = model_factory("attention", [])
+        # Optional hook of an emulated model (asap_comm.sim.emulate): hold a collective for its modelled time.
+        self.hold = getattr(self.model, "hold_collective", None)
         self.expert_model = model_factory("expert", self.experts) if self.experts else None
         self.front = workers
         self.batcher = MicroBatcher(cfg.token_budget)
@@ -126,11 +128,18 @@ class _Worker:
             part[:, self.hbytes + 4 * k:] = _as_bytes(w32[rows])
             first += n
         t = self._span(f"{tag}route+pack L{layer}", t)
+        hold = self.hold  # an emulated device's modelled collective time (None: real time only)
         recv_counts_t = torch.empty(W, dtype=torch.int64)
         dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64))
+        if hold is not None:
+            hold("counts", 0, W, t, layer)
         recv_counts = recv_counts_t.tolist()
+        busiest = max(sum(send_counts), sum(recv_counts))
+        t_d = time.monotonic()
         recv = torch.empty(sum(recv_counts), self.width, dtype=torch.uint8)
         dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts)
+        if hold is not None:
+            hold("dispatch", busiest, W, t_d, layer)
         t = self._span(f"{tag}dispatch a2a L{layer}", t)
         m = recv.shape[0]
         if m:
@@ -143,7 +152,10 @@ class _Worker:
         else:
             out = torch.empty(0, H, dtype=dtype)
         back = torch.empty(sum(send_counts), H, dtype=dtype)
+        t_c = time.monotonic()
         dist.all_to_all_single(back, out.contiguous(), output_split_sizes=send_counts, input_split_sizes=recv_counts)
+        if hold is not None:
+            hold("combine", busiest, W, t_c, layer)
         t = self._span(f"{tag}combine a2a L{layer}", t)
         acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         y = torch.zeros(T, H, dtype=acc)
@@ -203,6 +215,8 @@ class _Worker:
             flags[0], flags[1] = int(bool(batch)), int(active)
             t = time.monotonic()
             dist.all_reduce(flags)
+            if self.hold is not None:
+                self.hold("all_reduce", 0, self.W, t)
             anyone_working, anyone_active = int(flags[0]), int(flags[1])
             if not anyone_active:
                 break
