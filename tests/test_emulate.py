@@ -211,3 +211,30 @@ def test_emulated_runs_of_both_modes_match_the_reference(tmp_path):
         else:
             assert roles == {"attention+expert"} and len(per_rank) == 4
             assert collective_summary(stats)["collectives"] > 0  # the baseline's collectives were held
+
+
+# ------------------------------------------------------------------------- validate on a foreign host
+def test_validate_detects_a_profile_fitted_on_another_host(tmp_path):
+    import json
+
+    from asap_comm.sim.calibrate import foreign_profile_reason, host_fingerprint
+    from asap_comm.sim.costs import Profile
+    from asap_comm.sim.validate import validate
+
+    here = host_fingerprint()
+    assert set(here) == {"cpu_model", "cores", "torch"} and here["cores"] >= 1
+    data = json.loads(Profile.load("local").path and open(Profile.load("local").path).read())
+    data["fit"]["host_fingerprint"] = dict(here)
+    assert foreign_profile_reason(data) is None  # fitted here
+    data["fit"]["host_fingerprint"] = dict(here, cpu_model="Some Other CPU", cores=here["cores"] + 6)
+    why = foreign_profile_reason(data)
+    assert "cpu_model 'Some Other CPU' there" in why and "cores" in why
+    del data["fit"]["host_fingerprint"]
+    assert "records no host fingerprint" in foreign_profile_reason(data)
+    assert foreign_profile_reason(Profile.load("ascend-910c-cm384").data) is None  # analytic: not tied to a host
+    foreign = tmp_path / "foreign.json"
+    data["fit"]["host_fingerprint"] = dict(here, cpu_model="Some Other CPU")
+    foreign.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"does not describe this host .*validate --calibrate"):
+        validate(tmp_path / "out", profile=str(foreign), recalibrate=False, progress=False)
+    assert not (tmp_path / "out" / "validation.json").exists()  # refused before running anything

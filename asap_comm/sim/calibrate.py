@@ -53,6 +53,45 @@ _BALANCE_GRID = (0.0,) + tuple(2.0 ** k for k in range(-3, 9))  # flops per byte
 
 
 # ------------------------------------------------------------------------------------------------ timing
+def host_fingerprint() -> dict:
+    """What a fitted profile depends on: the CPU model, the cores this process may use, and the torch version.
+
+    (The host name is not part of it: a profile carries over between machines of one kind.)
+    """
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count()
+    import torch
+
+    return {"cpu_model": cpu, "cores": cores, "torch": torch.__version__.split("+")[0]}
+
+
+def foreign_profile_reason(profile_data: dict) -> "str | None":
+    """Why a fitted (host-specific) profile does not describe this host, or None if it does or is not fitted.
+
+    A profile without a recorded fingerprint counts as foreign: nothing says which host it fits.
+    """
+    fit = profile_data.get("fit")
+    if not isinstance(fit, dict):
+        return None  # an analytic (cluster) profile: not tied to a host
+    here = host_fingerprint()
+    there = fit.get("host_fingerprint")
+    if not isinstance(there, dict):
+        return f"it records no host fingerprint (fitted on {fit.get('host', 'an unknown host')!r}); this host is {here}"
+    diff = [f"{k} {there.get(k)!r} there vs {here[k]!r} here" for k in here if there.get(k) != here[k]]
+    return None if not diff else "it was fitted on another host: " + ", ".join(diff)
+
+
 def _median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
@@ -406,7 +445,8 @@ def calibrate(out_dir, model: str = "small", *, quick: bool = False, progress: b
     all_errs = [abs(p["rel_error"]) for pts in points.values() for p in pts if p["rel_error"] is not None]
     elapsed = time.perf_counter() - t_start
     fit = {"model": model, "quick": quick, "seconds": elapsed, "host": platform.node(), "cpu_count": os.cpu_count(),
-           "torch": torch.__version__, "median_abs_rel_error": statistics.median(all_errs), "per_op": summary}
+           "torch": torch.__version__, "host_fingerprint": host_fingerprint(),
+           "median_abs_rel_error": statistics.median(all_errs), "per_op": summary}
     data["fit"] = fit
     path.write_text(json.dumps(data, indent=2) + "\n")
     if runtime:  # the operators as the runtime runs them (asap_comm.sim.insitu)

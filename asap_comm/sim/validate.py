@@ -4,7 +4,10 @@ For each configuration (ranks, trace, load) and each mode, the real runtime
 (``asap_comm.serving.run_async`` / ``run_sync``, the model loaded through the
 ``asap_comm.models`` plug-in) serves the trace, then the simulator replays the
 same requests (same arrivals, same prompt lengths) with the ``local`` profile
-(``--profile``, or ``--calibrate`` to fit one first). ``validation.json`` has,
+(``--profile``, or ``--calibrate`` to fit one first; a fitted profile whose
+recorded host fingerprint (CPU model, usable cores, torch version) is not this
+host's is refitted first, or refused with ``--no-recalibrate``: a profile
+fitted elsewhere is never used silently). ``validation.json`` has,
 per run and metric (TTFT p50, TTFT p90, input-token throughput), the real and
 simulated values and the relative error ``(sim - real) / real``; the table
 on stdout marks errors above the 15% target.
@@ -73,7 +76,8 @@ def _real(mode: str, factory, info, trace, cfg, seed: int):
 
 
 def validate(out_dir, *, model: str = "small", profile: str = "local", configs: str = "default",
-             num_requests: int = 40, calibrate_first: bool = False, seed: int = 0, progress: bool = True) -> dict:
+             num_requests: int = 40, calibrate_first: bool = False, seed: int = 0, progress: bool = True,
+             recalibrate: bool = True) -> dict:
     """Run every configuration for real and simulated; write and return ``validation.json``'s content."""
     from ..serving.plugins import load_model_factory, model_info_of
 
@@ -81,6 +85,21 @@ def validate(out_dir, *, model: str = "small", profile: str = "local", configs: 
     out.mkdir(parents=True, exist_ok=True)
     if configs not in CONFIGS:
         raise ValueError(f"validate: configs={configs!r} is not one of {sorted(CONFIGS)}")
+    if not calibrate_first:
+        from .calibrate import foreign_profile_reason
+        from .costs import Profile
+
+        why = foreign_profile_reason(Profile.load(profile).data)
+        if why is not None:
+            if not recalibrate:
+                raise ValueError(f"validate: the profile {profile!r} does not describe this host ({why}); its "
+                                 "predictions would be checked against another machine. Run `python -m asap_comm.sim "
+                                 "validate --calibrate` (fits this host first, about 40 s), or give --profile a "
+                                 "profile fitted here")
+            if progress:
+                print(f"validate: the profile {profile!r} does not describe this host ({why}): calibrating this "
+                      "host first", file=sys.stderr, flush=True)
+            calibrate_first = True
     if calibrate_first:
         from .calibrate import calibrate
 
@@ -149,12 +168,19 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="small")
     p.add_argument("--profile", default="local", help="the profile to check (default: the committed local one)")
     p.add_argument("--calibrate", action="store_true", help="calibrate this host first and check that profile")
+    p.add_argument("--no-recalibrate", action="store_true",
+                   help="refuse (instead of calibrating first) when the profile was fitted on another host")
     p.add_argument("--configs", default="default", choices=sorted(CONFIGS))
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    result = validate(args.out, model=args.model, profile=args.profile, configs=args.configs,
-                      num_requests=args.num_requests, calibrate_first=args.calibrate, seed=args.seed)
+    try:
+        result = validate(args.out, model=args.model, profile=args.profile, configs=args.configs,
+                          num_requests=args.num_requests, calibrate_first=args.calibrate, seed=args.seed,
+                          recalibrate=not args.no_recalibrate)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(_table(result))
     print(f"wrote {Path(args.out) / 'validation.json'}")
     return 0
