@@ -33,7 +33,9 @@ deepseek-v3) on the hardware profile, times ``--time-scale``; each real token
 stands for ``--token-scale`` emulated tokens. Unless given, the defaults then
 become: the tiny model, 8 + 8 ranks (16 baseline workers), the Mooncake trace
 of ``shared/traces`` with lengths divided by the token scale, 128-token chunks
-and micro-batches. ``summary.json`` then carries ``overrun_fraction`` per mode.
+and micro-batches, 240 requests per load, and the baseline's collectives on
+shared memory (``--sync-collectives shm``: gloo's milliseconds would slow the
+baseline below what the modelled collectives take). ``summary.json`` then carries ``overrun_fraction`` per mode.
 
     python examples/prefill.py --emulate ascend-910c-cm384 --emulate-model deepseek-v3 --sweep auto --out DIR
 """
@@ -129,11 +131,12 @@ def references(factory: StageFactory, requests: list) -> tuple[dict, float]:
 
 
 SLO_MULTIPLIER = 3.0  # the automatic SLO: this many times the baseline's unloaded TTFT
-DEFAULT_TIME_SCALE = 1.0  # --emulate: wall seconds per modelled second (under 5% overruns at 8+8 on 2 cores)
+DEFAULT_TIME_SCALE = 0.25  # --emulate: wall seconds per modelled second (under 5% overruns at 8+8 on 2 cores)
 DEFAULT_TOKEN_SCALE = 128  # --emulate: emulated tokens per real token
 # --emulate: defaults of the flags a user did not give
 EMULATE_DEFAULTS = {"model": "tiny", "attention_ranks": 8, "expert_ranks": 8, "trace": "mooncake",
-                    "num_requests": 48, "max_prompt_len": 512, "token_budget": 128, "chunk_len": 128}
+                    "num_requests": 240, "max_prompt_len": 512, "token_budget": 128, "chunk_len": 128,
+                    "sync_collectives": "shm"}
 SWEEP_AUTO_BISECTIONS = 3  # --sweep auto: bisection steps after the doubling phase
 SLO_BASIS = "sync"  # the mode whose unloaded TTFT the automatic SLO is based on
 CALIBRATION_REQUESTS = 5  # per mode; the first is a warm-up of the fresh processes and is not counted
@@ -386,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-scale", type=int, default=DEFAULT_TOKEN_SCALE,
                    help="with --emulate: emulated tokens per real token (prompt lengths of a trace file are divided "
                         "by it unless --length-scale is given)")
+    p.add_argument("--sync-collectives", choices=("gloo", "shm"), default="gloo",
+                   help="the baseline's all-to-alls: gloo (torch.distributed), or shm (asap_comm shared memory, "
+                        "what NCCL/HCCL are to devices; the default with --emulate)")
     p.add_argument("--modes", default="async,sync", help="comma-separated modes to run: async (ASAP), sync (baseline)")
     for opt, what in (("barrier-free", "(1), the barrier-free pipeline (off: a barrier across the attention ranks "
                                        "at every MoE layer)"),
@@ -443,7 +449,8 @@ def main(argv=None) -> int:
                         token_budget=args.token_budget, chunk_len=args.chunk_len,
                         max_prompt_len=args.max_prompt_len, barrier_free=not args.no_barrier_free,
                         ping_pong=not args.no_ping_pong, load_aware=not args.no_load_aware,
-                        expert_batching=not args.no_expert_batching, progress=True)
+                        expert_batching=not args.no_expert_batching, progress=True,
+                        sync_collectives=args.sync_collectives)
     if args.emulate:  # calibration requests take emulated (long) times: space them by the emulated prefill time
         single_process_s = max(single_process_s, _emulated_p90_s(args, factory, requests))
     slo_info = resolve_slo(args, {m: emulated(args, factory, m) for m in ("async", "sync")}, info, cfg, requests,
@@ -500,8 +507,11 @@ def main(argv=None) -> int:
     if auto_sweep:
         for mode in modes:
             workers = args.attention_ranks if mode == "async" else args.attention_ranks + args.expert_ranks
+            # a rough capacity: each worker serves one request of the mean length in (unloaded TTFT of the p90
+            # prompt) x (mean length / p90 length); doubling or halving from there finds the bracket
             unloaded = slo_info["unloaded_ttft_s"].get(mode) or slo / SLO_MULTIPLIER
-            start = max(0.05, 0.5 * workers / max(unloaded, 1e-3))
+            per_request = max(unloaded * mean_len / max(1, slo_info["p90_prompt_tokens"]), 1e-3)
+            start = max(0.05, 0.8 * workers / per_request)
             print(f"{mode}: searching the SLO-compliant rate from {start:.3g} req/s ...", file=sys.stderr, flush=True)
             sweep_auto(lambda r, m=mode: run_at(m, r), start)
     else:

@@ -22,7 +22,10 @@ from serving_utils import CFG, INFO, TinyFactory, check_against_reference, make_
     # round-robin placement (uneven), no splitting, a smaller budget
     RuntimeConfig(num_attention_ranks=2, num_expert_ranks=1, token_budget=24, chunk_len=16, max_prompt_len=64,
                   load_aware=False, timeout_s=120),
-], ids=["load-aware", "round-robin"])
+    # the collectives over asap_comm shared memory instead of gloo
+    RuntimeConfig(num_attention_ranks=2, num_expert_ranks=1, token_budget=32, chunk_len=16, max_prompt_len=64,
+                  timeout_s=120, sync_collectives="shm"),
+], ids=["load-aware", "round-robin", "shm-collectives"])
 def test_sync_runtime_matches_reference_and_rejects_bad_requests(cfg):
     requests = make_trace(20, seed=1, spread_s=0.2)
     bad = [PromptRequest(100, 0.05, torch.tensor([], dtype=torch.int64)),

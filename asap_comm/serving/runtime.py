@@ -73,6 +73,9 @@ class RuntimeConfig:
     expert_deadline_s: float = 0.002
     timeout_s: float = 600.0  # bound on the whole run
     progress: bool = False  # a live progress line on stderr from the front end
+    # run_sync only: the baseline's all-to-alls and all-reduces over "gloo" (torch.distributed) or "shm"
+    # (asap_comm shared memory, what NCCL/HCCL are to devices: microseconds instead of gloo's milliseconds)
+    sync_collectives: str = "gloo"
 
     def __post_init__(self) -> None:
         for name in ("num_attention_ranks", "num_expert_ranks", "token_budget", "max_prompt_len",
@@ -82,6 +85,8 @@ class RuntimeConfig:
                 raise ValueError(f"RuntimeConfig: {name}={v!r} must be an int >= 1")
         if self.chunk_len is not None and (not isinstance(self.chunk_len, int) or self.chunk_len < 1):
             raise ValueError(f"RuntimeConfig: chunk_len={self.chunk_len!r} must be None or an int >= 1")
+        if self.sync_collectives not in ("gloo", "shm"):
+            raise ValueError(f"RuntimeConfig: sync_collectives={self.sync_collectives!r} must be 'gloo' or 'shm'")
 
     @property
     def effective_chunk_len(self) -> "int | None":

@@ -68,6 +68,82 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- worker
+class ShmCollectives:
+    """The baseline's collectives over ``asap_comm`` shared memory instead of gloo (``RuntimeConfig.sync_collectives
+    = "shm"``): what a deployment's fast collective library (NCCL, HCCL) is to its devices.
+
+    ``all_to_all(send, send_counts)`` has ``dist.all_to_all_single``'s meaning for row-split 2-D tensors (every
+    worker joins every call, in the same order); ``all_reduce_sum(vec)`` sums a small int64 vector. Each call
+    writes this worker's rows (and their count) straight into every peer's receive area with one-sided puts and
+    adds 1 to the peer's arrival counter; it returns once all ``W`` workers' rows have arrived. Receive areas are
+    double-buffered by call parity: a worker cannot start call ``k + 2`` before every worker has finished
+    reading call ``k`` (call ``k + 1`` needs their arrivals), so no area is overwritten while read.
+    Collective allocation: every PE (the front end too, which never joins a call) constructs it, in order.
+    """
+
+    def __init__(self, comm, workers: int, max_rows: int, row_bytes: int) -> None:
+        self.comm, self.W, self.max_rows, self.row_bytes = comm, workers, max_rows, row_bytes
+        self.buf = comm.zeros((2, workers, max_rows * row_bytes), torch.uint8)  # [parity, source, bytes]
+        self.counts = comm.zeros((2, workers), torch.int64)  # [parity, source]: rows the source sent here
+        self.arrived = comm.signals(2)  # per parity: sources arrived, cumulative
+        self.calls = 0
+
+    def _exchange(self, parts: list) -> list:
+        """``parts[d]``: a uint8 [n, row_bytes] tensor for worker ``d``. Returns what each worker sent here."""
+        comm, W = self.comm, self.W
+        par, k = self.calls % 2, self.calls // 2
+        self.calls += 1
+        me = comm.rank
+        for d in range(W):
+            part = parts[d]
+            n = int(part.shape[0])
+            if n > self.max_rows:
+                raise ValueError(f"ShmCollectives: {n} rows for worker {d} exceed the {self.max_rows} it was sized for")
+            if n:
+                comm.put(self.buf[par, me, : n * self.row_bytes], part.reshape(-1), d)
+            comm.put(self.counts[par, me: me + 1], torch.tensor([n], dtype=torch.int64), d)
+            comm.signal_op(self.arrived, par, 1, "add", d)
+        comm.signal_wait_until(self.arrived, par, ">=", (k + 1) * W)
+        counts = self.counts[par].tolist()
+        return [self.buf[par, s, : counts[s] * self.row_bytes].view(-1, self.row_bytes).clone() for s in range(W)]
+
+    def all_to_all(self, send: torch.Tensor, send_counts: list) -> tuple:
+        """``send`` [sum(send_counts), ...] split by rows -> (received rows [m, ...] in source order, recv_counts)."""
+        shape, dtype = send.shape[1:], send.dtype
+        raw = send.contiguous().view(torch.uint8).reshape(send.shape[0], -1) if send.numel() else \
+            torch.empty(send.shape[0], self.row_bytes, dtype=torch.uint8)
+        if raw.shape[1] != self.row_bytes:
+            pad = torch.zeros(raw.shape[0], self.row_bytes, dtype=torch.uint8)
+            pad[:, : raw.shape[1]] = raw
+            raw = pad
+        parts, first = [], 0
+        for n in send_counts:
+            parts.append(raw[first: first + n])
+            first += n
+        got = self._exchange(parts)
+        recv_counts = [int(g.shape[0]) for g in got]
+        width = torch.empty((), dtype=dtype).element_size() * (int(torch.tensor(shape).prod()) if len(shape) else 1)
+        rows = torch.cat(got)[:, :width] if got else torch.empty(0, width, dtype=torch.uint8)
+        return rows.contiguous().view(dtype).reshape(-1, *shape), recv_counts
+
+    def all_reduce_sum(self, vec: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of every worker's small int64 ``vec``."""
+        row = vec.to(torch.int64).contiguous().view(torch.uint8).reshape(1, -1)
+        pad = torch.zeros(1, self.row_bytes, dtype=torch.uint8)
+        pad[:, : row.shape[1]] = row
+        got = self._exchange([pad] * self.W)
+        n = vec.numel()
+        return torch.stack([g[0, : 8 * n].view(torch.int64) for g in got]).sum(0)
+
+
+def _shm_collectives(comm, cfg, info, workers: int) -> ShmCollectives:
+    """The collective allocation of the baseline's shm collectives (every PE, in this order)."""
+    max_rows = max(cfg.token_budget, cfg.max_chunk_tokens)
+    esize = torch.empty(0, dtype=info.dtype).element_size()
+    row_bytes = max(info.hidden * esize + 8 * info.top_k, info.hidden * esize, 16)
+    return ShmCollectives(comm, workers, max_rows, row_bytes)
+
+
 class _Worker:
     """One DP-attention + EP-expert worker; PE ``rank`` of ``W`` workers."""
 
@@ -88,6 +164,7 @@ class _Worker:
         k = info.top_k
         self.hbytes = info.hidden * torch.empty(0, dtype=info.dtype).element_size()
         self.width = self.hbytes + 8 * k  # packed row: hidden bytes, k int32 ids, k float32 weights
+        self.shm: "ShmCollectives | None" = None  # set by _worker_main when cfg.sync_collectives == "shm"
 
     def _span(self, name: str, start: float) -> float:
         now = time.monotonic()
@@ -129,15 +206,21 @@ class _Worker:
             first += n
         t = self._span(f"{tag}route+pack L{layer}", t)
         hold = self.hold  # an emulated device's modelled collective time (None: real time only)
-        recv_counts_t = torch.empty(W, dtype=torch.int64)
-        dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64))
-        if hold is not None:
-            hold("counts", 0, W, t, layer)
-        recv_counts = recv_counts_t.tolist()
+        if self.shm is not None:  # counts travel with the rows: one exchange
+            recv, recv_counts = self.shm.all_to_all(send, send_counts)
+            if hold is not None:
+                hold("counts", 0, W, t, layer)
+            t_d = time.monotonic()
+        else:
+            recv_counts_t = torch.empty(W, dtype=torch.int64)
+            dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64))
+            if hold is not None:
+                hold("counts", 0, W, t, layer)
+            recv_counts = recv_counts_t.tolist()
+            t_d = time.monotonic()
+            recv = torch.empty(sum(recv_counts), self.width, dtype=torch.uint8)
+            dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts)
         busiest = max(sum(send_counts), sum(recv_counts))
-        t_d = time.monotonic()
-        recv = torch.empty(sum(recv_counts), self.width, dtype=torch.uint8)
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts)
         if hold is not None:
             hold("dispatch", busiest, W, t_d, layer)
         t = self._span(f"{tag}dispatch a2a L{layer}", t)
@@ -151,9 +234,13 @@ class _Worker:
             t = self._span(f"experts L{layer} ({m} rows)", t)
         else:
             out = torch.empty(0, H, dtype=dtype)
-        back = torch.empty(sum(send_counts), H, dtype=dtype)
         t_c = time.monotonic()
-        dist.all_to_all_single(back, out.contiguous(), output_split_sizes=send_counts, input_split_sizes=recv_counts)
+        if self.shm is not None:
+            back, _ = self.shm.all_to_all(out.contiguous(), recv_counts)
+        else:
+            back = torch.empty(sum(send_counts), H, dtype=dtype)
+            dist.all_to_all_single(back, out.contiguous(), output_split_sizes=send_counts,
+                                   input_split_sizes=recv_counts)
         if hold is not None:
             hold("combine", busiest, W, t_c, layer)
         t = self._span(f"{tag}combine a2a L{layer}", t)
@@ -214,7 +301,10 @@ class _Worker:
             active = not (stopped and not batch and len(self.batcher) == 0)
             flags[0], flags[1] = int(bool(batch)), int(active)
             t = time.monotonic()
-            dist.all_reduce(flags)
+            if self.shm is not None:
+                flags = self.shm.all_reduce_sum(flags)
+            else:
+                dist.all_reduce(flags)
             if self.hold is not None:
                 self.hold("all_reduce", 0, self.W, t)
             anyone_working, anyone_active = int(flags[0]), int(flags[1])
@@ -243,6 +333,8 @@ def _worker_main(comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, store
     dist.init_process_group("gloo", store=dist.PrefixStore("asap-sync", store), rank=comm.rank, world_size=W,
                             timeout=timedelta(seconds=cfg.timeout_s))
     try:
+        if cfg.sync_collectives == "shm":
+            worker.shm = _shm_collectives(comm, cfg, info, W)
         box = request_mailbox(comm, cfg, info, W)
         return worker.run(box)
     finally:
@@ -254,6 +346,8 @@ def _pe_main(comm, cfg, info, model_factory, requests, report_path, store_port):
     if comm.rank < W:
         return ("worker", _worker_main(comm, cfg, info, model_factory, store_port))
     torch.set_num_threads(1)
+    if cfg.sync_collectives == "shm":
+        _shm_collectives(comm, cfg, info, W)  # collective allocation: the front end joins it, never a call
     box = request_mailbox(comm, cfg, info, W)
     return ("front", run_front_end(comm, cfg, info, requests, report_path, box, W, "sync", lambda pe: "worker"))
 
