@@ -623,7 +623,9 @@ class Communicator:
         d = self._info("put_signal", "dst", dst, symmetric=True)
         self._check_pair("put_signal", dst, src)
         g, addr = self._sig_addr("put_signal", sig, idx)
-        if d[4] and src.is_contiguous() and src.__class__ is torch.Tensor and d[2] < _COPY_WITH_TORCH:
+        if d[2] == 0:  # nothing to copy (an empty view's data_ptr may be 0): the signal alone
+            _C.signal_update(addr + g[6][pe], value, _OPS[op], self._ctrl[pe])
+        elif d[4] and src.is_contiguous() and src.__class__ is torch.Tensor and d[2] < _COPY_WITH_TORCH:
             # Register the checked call with the native path; it holds dst,
             # src and sig, so their identities stay theirs while registered.
             self._fastpath.add_put_signal(dst, src, pe, sig, idx, _OPS[op], d[1] + d[6][pe], src.data_ptr(), d[2],
@@ -738,8 +740,9 @@ class Communicator:
         g, addr = self._sig_addr("prepare_put_signal", sig, idx)
         keep = (dst, src, sig, self._alloc_of("", "", dst).chunk.peers[pe],
                 self._alloc_of("", "", sig).chunk.peers[pe], self._group)
-        return _C.make_put_signal(d[1] + d[6][pe], src.data_ptr(), d[2], addr + g[6][pe], _OPS[op], self._ctrl[pe],
-                                  self._ghandle, keep)
+        dst_addr = d[1] + d[6][pe] if d[2] else 0  # an empty view copies nothing (its data_ptr may be 0)
+        return _C.make_put_signal(dst_addr, src.data_ptr() if d[2] else 0, d[2], addr + g[6][pe], _OPS[op],
+                                  self._ctrl[pe], self._ghandle, keep)
 
     def prepare_signal_wait(self, sig: torch.Tensor, idx: int, cmp: str, timeout=None, *, peers=None):
         """Validate a ``signal_wait_until`` once; return ``f(value) -> int`` that performs it.

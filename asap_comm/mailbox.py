@@ -60,7 +60,10 @@ class Mailbox(_C.Inbox):
     into the slot with the dtype and shape that were sent, valid until
     ``release()`` (or the end of its ``with`` block, or until the Message is
     garbage-collected, which releases it). Clone the tensor to keep it.
-    Until released, the slot is not reused.
+    Until released, the slot is not reused. Slots are reused in ring order:
+    the inbox's message at position ``p`` waits until message
+    ``p - num_slots`` is released, so hold Messages briefly and release them
+    in the order received to keep the whole capacity.
     """
 
     def __init__(self, comm, buf: torch.Tensor, base: int, deltas: list, slot_bytes: int, num_slots: int) -> None:

@@ -138,6 +138,8 @@ EMULATE_DEFAULTS = {"model": "tiny", "attention_ranks": 8, "expert_ranks": 8, "t
                     "num_requests": 240, "max_prompt_len": 512, "token_budget": 128, "chunk_len": 128,
                     "sync_collectives": "shm"}
 SWEEP_AUTO_BISECTIONS = 3  # --sweep auto: bisection steps after the doubling phase
+SWEEP_PROBE_S = 45.0  # --sweep auto: a probe's arrivals span at most this many seconds ...
+SWEEP_MIN_REQUESTS = 60  # ... but hold at least this many requests
 SLO_BASIS = "sync"  # the mode whose unloaded TTFT the automatic SLO is based on
 CALIBRATION_REQUESTS = 5  # per mode; the first is a warm-up of the fresh processes and is not counted
 
@@ -467,15 +469,21 @@ def main(argv=None) -> int:
     def run_at(mode: str, rate: "float | None") -> float:
         """One run of ``mode`` at ``rate`` req/s (None: the trace as made): recorded; returns its SLO attainment."""
         nonlocal checked, mismatches, details
-        load = requests if rate is None else at_rate(requests, rate)
+        if rate is None:
+            load = requests
+        else:  # --sweep auto: a low-rate probe takes at most SWEEP_PROBE_S of arrivals (>= SWEEP_MIN_REQUESTS)
+            n = len(requests) if not auto_sweep else \
+                max(min(len(requests), SWEEP_MIN_REQUESTS), min(len(requests), int(rate * SWEEP_PROBE_S)))
+            load = at_rate(requests[:n], rate)
         rate = args.rate if rate is None else rate
+        mean_len = sum(int(r.token_ids.numel()) for r in load) / len(load)  # of this load's prompts
         with tempfile.TemporaryDirectory(prefix="asap-emu-") as stats_dir:
             result = run_mode(mode, emulated(args, factory, mode, stats_dir), info, load, cfg)
             emu = emulation_stats(stats_dir) if args.emulate else None
         s = summarize_run(result.records, slo).as_dict()
         c, b, d = check(result, refs)
         checked, mismatches, details = checked + c, mismatches + b, details + d
-        entry = {"mode": mode, "rate_req_s": rate, "offered_tokens_per_s": rate * mean_len, **s}
+        entry = {"mode": mode, "rate_req_s": rate, "offered_tokens_per_s": rate * mean_len, "requests": len(load), **s}
         if emu is not None:
             entry["overrun_fraction"] = emu["overrun_fraction"]
             entry["emulation"] = {k: v for k, v in emu.items() if k != "overrun_fraction"}

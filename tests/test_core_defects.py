@@ -149,6 +149,37 @@ def test_one_slot_mailbox_back_pressure(comm1):
     assert box.poll() is None
 
 
+def test_slots_are_reused_in_ring_order(comm1):
+    """Documented back-pressure: message p waits for the release of message p - num_slots, even if a later one
+    was released first (found by the model-based tier)."""
+    box = comm1.mailbox(64, 2)
+    box.send(0, torch.tensor([0]))
+    box.send(0, torch.tensor([1]))
+    m0, m1 = box.recv(timeout=1), box.recv(timeout=1)
+    m1.release()
+    with pytest.raises(asap_comm.TimeoutError):
+        box.send(0, torch.tensor([2]), timeout=0.02)  # position 2 reuses message 0's slot, still held
+    assert m0.tensor.tolist() == [0]  # the held view is intact
+    m0.release()
+    box.send(0, torch.tensor([2]), timeout=0.02)
+    box.send(0, torch.tensor([3]), timeout=0.02)
+    assert [box.recv(timeout=1).tensor.tolist() for _ in range(2)] == [[2], [3]]
+
+
+def _empty_put_signal(comm):
+    x = comm.zeros((2, 2), torch.float32)
+    sig = comm.signals(1)
+    peer = 1 - comm.rank
+    comm.put_signal(x[0:0], torch.empty(0, 2), peer, sig, 0, 1, "add")  # an empty view: the signal alone
+    comm.prepare_put_signal(x[0:0], torch.empty(0, 2), peer, sig, 0, "add")(1)
+    comm.signal_wait_until(sig, 0, ">=", 2, timeout=30)
+    return comm.signal_fetch(sig, 0)
+
+
+def test_put_signal_of_an_empty_view_to_a_peer_only_signals():
+    assert run(_empty_put_signal, 2) == [2, 2]
+
+
 # --------------------------------------------------------------------------
 # 3. prepared handles take the documented keyword forms
 # --------------------------------------------------------------------------
