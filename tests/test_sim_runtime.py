@@ -38,7 +38,7 @@ class ToyCost:
     def experts_s(self, rows): return 5e-6 + sum(self.expert_s(r) for r in rows)
     def dispatch_s(self, rows): return LINK + 1e-9 * rows
     def combine_s(self, rows): return LINK + 1e-9 * rows
-    def all_to_all_s(self, rows, ranks): return 2 * LINK * ranks + 1e-9 * rows
+    def all_to_all_s(self, rows, ranks, combine=False): return 2 * LINK * ranks + 1e-9 * rows
     def all_reduce_s(self, ranks): return LINK * ranks
     def message_s(self, nbytes): return 5e-6
 

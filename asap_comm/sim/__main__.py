@@ -5,6 +5,11 @@
 * ``run``: simulate both modes on a profile, model and trace; one load (``--rate``) or a list
   (``--rates``), or ``--sweep`` to search each mode's SLO-compliant throughput. ``DIR/summary.json``
   has the runtime's keys per mode, plus per-rank utilisation and idle time; plots beside it.
+  Deployment: ``--attention-ranks A --attention-tp T`` (ASAP: A attention groups of T devices),
+  ``--expert-ranks E`` (expert devices), ``--sync-ranks W --sync-tp T`` (baseline: W DP groups of T
+  devices, EP over all W*T), ``--cp-threshold TOKENS`` (baseline context parallelism),
+  ``--sync-overlap`` (the baseline hides its all_to_alls behind compute);
+  ``--slo SECONDS`` (or auto) and ``--slo-percentile P`` (the share of requests that must meet it).
 * ``validate``: real runtime on this host against the simulator with the local profile
   (``DIR/validation.json``: the relative error of every compared metric).
 * ``headline``: the documented CloudMatrix384 comparison (and the same on H800 nodes), with the
@@ -23,14 +28,27 @@ from ..serving.traces import LogNormalLengths, load_trace, synthetic_trace
 from . import plots
 from .costs import CostModel
 from .shapes import ModelShapes
-from .study import capacity_rate, compare, run_point, unloaded_slo
+from .simulate import Parallelism
+from .study import capacity_rate, compare, parse_slo, percentile_target, run_point, spread_buckets, unloaded_slo
 
 
 def _runtime_args(p: argparse.ArgumentParser, *, a: int, e: int, budget: int, chunk: int, max_len: int,
                   ex_budget: int, deadline: float) -> None:
-    p.add_argument("--attention-ranks", type=int, default=a, help=f"ASAP attention ranks (default {a})")
-    p.add_argument("--expert-ranks", type=int, default=e, help=f"ASAP expert ranks (default {e})")
-    p.add_argument("--sync-ranks", type=int, default=None, help="DP+EP ranks of the baseline (default A + E)")
+    p.add_argument("--attention-ranks", type=int, default=a,
+                   help=f"ASAP attention ranks: DP groups of --attention-tp devices each (default {a})")
+    p.add_argument("--expert-ranks", type=int, default=e, help=f"ASAP expert ranks, one device each (default {e})")
+    p.add_argument("--sync-ranks", type=int, default=None,
+                   help="baseline DP groups of --sync-tp devices each, EP over all of them "
+                        "(default: the same devices as ASAP, (A * attention_tp + E) / sync_tp)")
+    p.add_argument("--attention-tp", type=int, default=1, metavar="T",
+                   help="devices per ASAP attention rank, tensor-parallel (cluster profiles; default 1)")
+    p.add_argument("--sync-tp", type=int, default=1, metavar="T",
+                   help="devices per baseline DP group, tensor-parallel (cluster profiles; default 1)")
+    p.add_argument("--cp-threshold", type=int, default=None, metavar="TOKENS",
+                   help="baseline: prompts longer than this run with context parallelism on "
+                        "ceil(prompt / TOKENS) DP groups (default: never)")
+    p.add_argument("--sync-overlap", action="store_true",
+                   help="baseline: hide the all_to_alls behind compute (two micro-batches per step; cluster profiles)")
     p.add_argument("--token-budget", type=int, default=budget, help="tokens per attention micro-batch")
     p.add_argument("--chunk-len", type=int, default=chunk, help="split longer prompts into chunks of this size")
     p.add_argument("--max-prompt-len", type=int, default=max_len)
@@ -49,6 +67,42 @@ def _runtime_config(args) -> RuntimeConfig:
                          expert_batching=not args.no_expert_batching)
 
 
+def parallel_args(p: argparse.ArgumentParser, args) -> tuple:
+    """(Parallelism, baseline DP groups) from --attention-tp/--sync-tp/--cp-threshold/--sync-ranks; the default
+    baseline has ASAP's device count, ``attention_ranks * attention_tp + expert_ranks`` devices."""
+    try:
+        par = Parallelism(attention_tp=args.attention_tp, sync_tp=args.sync_tp, cp_threshold=args.cp_threshold,
+                          sync_overlap=args.sync_overlap)
+    except ValueError as e:
+        p.error(str(e).replace("Parallelism: ", "").replace("attention_tp", "--attention-tp")
+                .replace("sync_tp", "--sync-tp").replace("cp_threshold", "--cp-threshold"))
+    devices = args.attention_ranks * args.attention_tp + args.expert_ranks
+    if args.sync_ranks is None:
+        if devices % args.sync_tp:
+            p.error(f"--sync-tp {args.sync_tp} does not divide ASAP's {devices} devices "
+                    f"(--attention-ranks x --attention-tp + --expert-ranks): give --sync-ranks")
+        return par, devices // args.sync_tp
+    if args.sync_ranks < 1:
+        p.error(f"--sync-ranks {args.sync_ranks} must be >= 1")
+    return par, args.sync_ranks
+
+
+def slo_target(p: argparse.ArgumentParser, args) -> float:
+    """--slo-percentile P as the attainment target P/100."""
+    try:
+        return percentile_target(args.slo_percentile)
+    except ValueError as e:
+        p.error(f"--slo-percentile: {e}")
+
+
+def slo_arg(p: argparse.ArgumentParser, value: str) -> "float | None":
+    """--slo SECONDS, or None for auto."""
+    try:
+        return parse_slo(value)
+    except ValueError as e:
+        p.error(f"--slo: {e}")
+
+
 def _trace_args(p: argparse.ArgumentParser, *, median: int, max_len: int) -> None:
     p.add_argument("--trace", default="synthetic",
                    help="synthetic (Gamma arrivals, log-normal lengths), or a Mooncake .jsonl / Azure .csv file")
@@ -57,6 +111,9 @@ def _trace_args(p: argparse.ArgumentParser, *, median: int, max_len: int) -> Non
     p.add_argument("--median-len", type=int, default=median, help="synthetic: median prompt length")
     p.add_argument("--sigma", type=float, default=1.0, help="synthetic: log-normal sigma of prompt lengths (skew)")
     p.add_argument("--length-scale", type=float, default=1.0, help="scale the file's prompt lengths")
+    p.add_argument("--spread-arrivals", action="store_true",
+                   help="spread the requests that share a timestamp evenly over the file's timestamp step (the "
+                        "Mooncake trace's timestamps come in 3-s steps; headline does this)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -64,7 +121,10 @@ def _trace(args, max_len: int) -> list:
     if args.trace == "synthetic":
         return synthetic_trace(1.0, num_requests=args.num_requests, arrival="gamma", cv=args.burstiness,
                                lengths=LogNormalLengths(args.median_len, args.sigma, 1, max_len), seed=args.seed)
-    return load_trace(args.trace, limit=args.num_requests, length_scale=args.length_scale, max_prompt_len=max_len)
+    trace = load_trace(args.trace, limit=args.num_requests, length_scale=args.length_scale, max_prompt_len=max_len)
+    if args.spread_arrivals:
+        trace = spread_buckets(trace)[0]
+    return trace
 
 
 def _write(out: Path, name: str, data: dict) -> None:
@@ -87,24 +147,39 @@ def cmd_run(argv) -> int:
     p.add_argument("--rate", type=float, default=None, help="requests/s (default: half the baseline's capacity)")
     p.add_argument("--rates", default="", help="comma-separated request rates (a load sweep)")
     p.add_argument("--sweep", action="store_true", help="search each mode's SLO-compliant throughput")
-    p.add_argument("--slo", default="auto", help="TTFT SLO in seconds, or auto (3x unloaded p90 prefill)")
+    p.add_argument("--slo", default="auto", metavar="SECONDS",
+                   help="TTFT SLO in seconds, or auto (3x the baseline's unloaded TTFT of the p90 prompt)")
+    p.add_argument("--slo-percentile", type=float, default=90.0, metavar="P",
+                   help="SLO attainment target: at least P%% of requests must meet the SLO (default 90)")
     p.add_argument("--modes", default="async,sync")
     _trace_args(p, median=48, max_len=512)
     _runtime_args(p, a=2, e=2, budget=256, chunk=256, max_len=512, ex_budget=1024, deadline=0.002)
     args = p.parse_args(argv)
+    par, W = parallel_args(p, args)
+    target = slo_target(p, args)
+    slo_s = slo_arg(p, args.slo)
     cost, shapes = CostModel.load(args.profile, args.model), ModelShapes.load(args.model)
+    if max(par.attention_tp, par.sync_tp) > 1 and cost.cores is not None:
+        p.error(f"--attention-tp / --sync-tp above 1 need a profile of dedicated devices; {cost.name!r} shares "
+                f"{cost.cores} CPU cores between its ranks")
     cfg = _runtime_config(args)
-    W = args.sync_ranks or cfg.num_attention_ranks + cfg.num_expert_ranks
     trace = _trace(args, cfg.max_prompt_len)
-    slo = unloaded_slo(trace, cost, shapes, cfg, sync_ranks=W) if args.slo == "auto" else float(args.slo)
+    try:
+        slo = unloaded_slo(trace, cost, shapes, cfg, sync_ranks=W, par=par) if slo_s is None else slo_s
+    except ValueError as e:
+        p.error(str(e))
     modes = [m for m in args.modes.split(",") if m]
     out = Path(args.out)
     summary = {"config": {"profile": cost.name, "model": shapes.name, "runtime": cfg.__dict__, "sync_ranks": W,
+                          "parallelism": par.describe(),
+                          "devices": {"async": cfg.num_attention_ranks * par.attention_tp + cfg.num_expert_ranks,
+                                      "sync": W * par.sync_tp},
                           "trace": args.trace, "num_requests": len(trace), "slo_s": slo,
-                          "cost_model": cost.describe()}, "runs": []}
+                          "slo_percentile": args.slo_percentile, "cost_model": cost.describe()}, "runs": []}
     t0 = time.perf_counter()
     if args.sweep:
-        res = compare(trace, cost, shapes, cfg, sync_ranks=W, slo=slo, progress="sweep", modes=modes)
+        res = compare(trace, cost, shapes, cfg, sync_ranks=W, slo=slo, progress="sweep", modes=modes,
+                      target=target, par=par)
         for mode in modes:
             summary["runs"] += [{"mode": mode, **pt} for pt in res[mode]["points"]]
         rates = sorted({pt["rate_req_s"] for m in modes for pt in res[m]["points"]})
@@ -112,17 +187,17 @@ def cmd_run(argv) -> int:
     else:
         rates = [float(x) for x in args.rates.split(",") if x] or [args.rate]
         if rates == [None]:
-            rates = [0.5 * capacity_rate(trace, cost, shapes, cfg, sync_ranks=W)]
+            rates = [0.5 * capacity_rate(trace, cost, shapes, cfg, sync_ranks=W, par=par)]
     mid = rates[len(rates) // 2]
     timelines = {}
     for mode in modes:
         if not args.sweep:
             for rate in rates:
-                s, _ = run_point(mode, trace, rate, cost, shapes, cfg, slo, sync_ranks=W)
+                s, _ = run_point(mode, trace, rate, cost, shapes, cfg, slo, sync_ranks=W, par=par)
                 summary["runs"].append({"mode": mode, **s})
                 print(f"  {mode:5s} {rate:10.3f} req/s  TTFT p50 {_f(s['ttft_p50_s'])}  p90 {_f(s['ttft_p90_s'])}  "
                       f"SLO att. {s['slo_attainment']:.2f}", file=sys.stderr, flush=True)
-        s, res = run_point(mode, trace, mid, cost, shapes, cfg, slo, sync_ranks=W, spans=True)
+        s, res = run_point(mode, trace, mid, cost, shapes, cfg, slo, sync_ranks=W, spans=True, par=par)
         summary[mode] = {**_mode_keys(s), "rate_req_s": mid, "ranks": res.ranks,
                          "idle_s_total": sum(r["idle_s"] * r["stands_for"] for r in res.ranks),
                          "sim_wall_s": res.wall_s, "sim_events": res.events}
@@ -131,7 +206,7 @@ def cmd_run(argv) -> int:
             from ..serving.metrics import slo_compliant_throughput
 
             pts = [(r["offered_tokens_per_s"], r["slo_attainment"]) for r in summary["runs"] if r["mode"] == mode]
-            summary[mode]["slo_compliant_throughput"] = slo_compliant_throughput(pts)
+            summary[mode]["slo_compliant_throughput"] = slo_compliant_throughput(pts, target)
     summary["sim_wall_s"] = time.perf_counter() - t0
     _write(out, "summary.json", summary)
     made = plots.ttft_vs_load(out / "ttft.png", summary["runs"], slo, title=f"{cost.name}, {shapes.name}")

@@ -43,6 +43,29 @@ kv_lora_rank, ``r`` qk_rope, ``v`` v_head, ``E`` routed experts, ``I`` a width,
     embed      no flops;                  bytes T*H*(w + a)
     head       gemm 2*n*H*V;              bytes V*H*w + n*(H + V)*a  (n finished sequences, last token each)
 
+Parallel attention groups (the baseline's DP groups and ASAP's attention
+ranks may be groups of ``t`` devices; ``tp``/``cp`` arguments below)::
+
+    tensor parallelism (t devices, heads split; as SGLang / vLLM run MLA):
+        per device: q_a and kv_a down-projections replicated (2*T*(H*q_lora + H*(c+r)), every device),
+                    q_b / q (without q_lora), kv_b, o_proj and the core split by heads (/ t);
+                    bytes: the split weights / t, the replicated ones whole, the KV latents S*(c+r)*a whole
+                    (one latent serves every head), activations whole;
+        the compute and memory terms are divided by tp_eff(t) = eff_per_doubling ** log2(t)
+        (profile "parallel" block, with its source; absent: 1.0);
+        router, shared experts and dense MLP run data-parallel inside the group on ceil(T/t) tokens
+        per device (the simulator asks for them at that size), so they need no factor;
+        per layer: reduce-scatter of the attention output + all-gather before the next attention,
+        :meth:`CostModel.tp_all_reduce_s`: 2 * (latency_s + latency_per_rank_s*(t-1))
+                                           + 2*(t-1)/t * T*H*a / bytes_per_s   (ring, on-node link)
+    context parallelism (a chunk shared by g groups, zig-zag halves so causal work is balanced):
+        per group: T/g of the queries against all S keys: projections and gemm on T/g tokens,
+                   kv_b expanded for all S latents (every group needs every key), P/g query-key pairs;
+        per layer: the KV latents the group does not hold, all-gathered (ring attention's exchange,
+                   charged without overlap, an upper bound), :meth:`CostModel.cp_exchange_s`:
+                   latency_s + latency_per_rank_s*(g-1) + (g-1)/g * S*(c+r)*a / bytes_per_s
+                   (collective link; inter-node when g*t devices span more than a node)
+
 A dispatched row carries ``H * dispatch_bytes + 8 * top_k`` bytes (hidden state
 plus int32 expert id and float32 weight per choice); a combined row ``H *
 combine_bytes``. ``dispatch_bytes`` may include quantisation scales (1.03125 =
@@ -61,6 +84,7 @@ Profile JSON (``asap_comm/sim/profiles/<name>.json``)::
                "collective": {"latency_s", "latency_per_rank_s", "bytes_per_s": RATE,
                               ["inter_bytes_per_s": RATE, "ranks_per_node": int]},  # all_to_all
                "all_reduce": {"latency_s", "latency_per_rank_s"}},
+     ["parallel": {"tp_eff_per_doubling": fraction, "source": why}],  # TP efficiency (default 1.0)
      ["fit": {...}]}                                          # calibrate's summary (local profile)
 
     RATE = a number, null (term dropped), or {"peak": hardware key, "eff": fraction, "source": why}
@@ -100,12 +124,13 @@ class OpCoef:
         self.overhead_s, self.s_per_flop, self.s_per_byte, self.n_half = overhead_s, s_per_flop, s_per_byte, n_half
         self.per_item_s = per_item_s
 
-    def time(self, n: float, flops: dict, nbytes: float, items: int = 1) -> float:
-        """n rows (0: no call, 0 s); items: chunks (attention) or sequences (head) charged per_item_s each."""
+    def time(self, n: float, flops: dict, nbytes: float, items: int = 1, eff: float = 1.0) -> float:
+        """n rows (0: no call, 0 s); items: chunks (attention) or sequences (head) charged per_item_s each;
+        ``eff``: a further efficiency (0, 1] dividing the roofline term (tensor parallelism's)."""
         if n <= 0:
             return 0.0
         compute = sum(f * self.s_per_flop.get(c, 0.0) for c, f in flops.items()) * (n + self.n_half) / n
-        return self.overhead_s + items * self.per_item_s + max(compute, nbytes * self.s_per_byte)
+        return self.overhead_s + items * self.per_item_s + max(compute, nbytes * self.s_per_byte) / eff
 
     def describe(self) -> dict:
         return {"overhead_s": self.overhead_s, "per_item_s": self.per_item_s,
@@ -211,6 +236,16 @@ class Profile:
         ar = self._obj(links, "all_reduce", "links")
         self.all_reduce = {"latency_s": self._num(ar, "latency_s", "links.all_reduce"),
                            "latency_per_rank_s": self._num(ar, "latency_per_rank_s", "links.all_reduce")}
+        par = data.get("parallel", {})
+        if not isinstance(par, dict):
+            raise ValueError(f"{self._where}: field 'parallel' must be an object")
+        self.tp_eff_per_doubling = 1.0
+        if "tp_eff_per_doubling" in par:
+            v = par["tp_eff_per_doubling"]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"{self._where}: field 'parallel.tp_eff_per_doubling'={v!r} must be a number "
+                                 "in (0, 1]")
+            self.tp_eff_per_doubling = float(v)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -335,43 +370,89 @@ class CostModel:
         return cls(Profile.load(profile), ModelShapes.load(model))
 
     # ------------------------------------------------------------------ work (flops by class, bytes)
-    def attention_work(self, chunks: Sequence) -> tuple[int, dict, float]:
-        """(new tokens, flops by class, bytes) of one attention stage over ``chunks`` [(new, cached), ...]."""
+    def attention_work(self, chunks: Sequence, tp: int = 1) -> tuple[float, dict, float]:
+        """(new tokens, flops by class, bytes) of one attention stage over ``chunks`` on ONE device.
+
+        ``chunks``: ``[(new, cached), ...]`` or ``(new, cached, cp)`` where ``cp`` groups share the chunk
+        (this device's group computes ``new / cp`` of its queries; see the module docstring).
+        ``tp``: the devices of the tensor-parallel group (heads split, down-projections replicated).
+        With ``tp=1`` and no ``cp`` the work of the whole stage, as before.
+        """
         s, a = self.shapes, self.a
         qk = s.qk_nope + s.qk_rope
-        tokens, gemm, core, nbytes = 0, 0.0, 0.0, 0.0
-        for T, C in chunks:
+        # replicated: the low-rank down-projections (q_a, kv_a); split by heads: q_b (or q), kv_b, o_proj, core
+        q_down = 0 if s.q_lora_rank is None else s.hidden * s.q_lora_rank
+        rep = q_down + self.kva_params
+        split = (self.q_params - q_down + self.o_params) / tp
+        tokens, gemm, core, nbytes = 0.0, 0.0, 0.0, 0.0
+        for c in chunks:
+            T, C = c[0], c[1]
+            g = c[2] if len(c) > 2 else 1
             S = T + C
-            tokens += T
-            gemm += 2.0 * T * (self.q_params + self.kva_params + self.o_params) + 2.0 * S * self.kvb_params
-            pairs = T * C + T * (T + 1) / 2
-            core += 2.0 * pairs * s.heads * (qk + s.v_head)
-            nbytes += S * (s.kv_lora_rank + s.qk_rope) * a + 4.0 * T * s.hidden * a
-        nbytes += self.attn_params * self.w
+            Tq = T / g if g > 1 else T  # this group's share of the queries
+            tokens += Tq
+            gemm += 2.0 * Tq * (rep + split) + 2.0 * S * self.kvb_params / tp
+            pairs = (T * C + T * (T + 1) / 2) / g
+            core += 2.0 * pairs * s.heads * (qk + s.v_head) / tp
+            nbytes += S * (s.kv_lora_rank + s.qk_rope) * a + 4.0 * Tq * s.hidden * a
+        nbytes += (rep + (self.attn_params - rep) / tp) * self.w
+        if tokens == int(tokens):
+            tokens = int(tokens)
         return tokens, {"gemm": gemm, "core": core}, nbytes
+
+    def tp_eff(self, tp: int) -> float:
+        """Kernel efficiency of a ``tp``-way shard relative to one device: ``eff_per_doubling ** log2(tp)``
+        (the profile's ``parallel.tp_eff_per_doubling``, 1.0 if absent)."""
+        t = self._tp("tp_eff", tp)
+        return self.profile.tp_eff_per_doubling ** math.log2(t) if t > 1 else 1.0
+
+    def _tp(self, fn: str, tp) -> int:
+        t = _check_count(fn, "tp", tp)
+        if t < 1:
+            raise ValueError(f"{fn}: tp={t} must be >= 1")
+        if self.shapes.heads % t:
+            raise ValueError(f"{fn}: tp={t} must divide the {self.shapes.heads} attention heads")
+        return t
 
     def _swiglu_work(self, n: int, params: int) -> tuple[dict, float]:
         return {"gemm": 2.0 * n * params}, params * self.w + 2.0 * n * self.shapes.hidden * self.a
 
     # ------------------------------------------------------------------ compute ops
-    def attention_s(self, chunks: Sequence) -> float:
+    def attention_s(self, chunks: Sequence, *, tp: int = 1) -> float:
         """One layer's attention stage (norms, MLA projections, causal attention, o_proj) for one micro-batch.
 
-        ``chunks``: a sequence of ``(new_tokens, cached_tokens)``, one per request chunk.
+        ``chunks``: a sequence of ``(new_tokens, cached_tokens)``, one per request chunk, or
+        ``(new_tokens, cached_tokens, cp)`` for a chunk that ``cp`` groups share by context parallelism
+        (the time of one group's share). ``tp``: the micro-batch runs on a tensor-parallel group of ``tp``
+        devices; the time of one device (all run in parallel), without the group's all-reduces
+        (:meth:`tp_all_reduce_s`) or the CP exchange (:meth:`cp_exchange_s`).
         """
+        t = self._tp("attention_s", tp)
+        checked = self._chunks("attention_s", chunks)
+        n, flops, nbytes = self.attention_work(checked, t)
+        return self.profile.ops["attention"].time(n, flops, nbytes, items=sum(1 for c in checked if c[0]),
+                                                  eff=self.tp_eff(t))
+
+    @staticmethod
+    def _chunks(fn: str, chunks) -> list:
         try:
             items = [tuple(c) for c in chunks]
         except TypeError:
-            raise TypeError(f"attention_s: chunks must be a sequence of (new_tokens, cached_tokens) pairs, "
+            raise TypeError(f"{fn}: chunks must be a sequence of (new_tokens, cached_tokens) pairs, "
                             f"got {chunks!r}") from None
         checked = []
         for i, c in enumerate(items):
-            if len(c) != 2:
-                raise ValueError(f"attention_s: chunk {i} = {c!r} must be a (new_tokens, cached_tokens) pair")
-            checked.append((_check_count("attention_s", f"chunk {i} new_tokens", c[0]),
-                            _check_count("attention_s", f"chunk {i} cached_tokens", c[1])))
-        n, flops, nbytes = self.attention_work(checked)
-        return self.profile.ops["attention"].time(n, flops, nbytes, items=sum(1 for t, _c in checked if t))
+            if len(c) not in (2, 3):
+                raise ValueError(f"{fn}: chunk {i} = {c!r} must be a (new_tokens, cached_tokens) pair "
+                                 "or a (new_tokens, cached_tokens, cp) triple")
+            one = (_check_count(fn, f"chunk {i} new_tokens", c[0]), _check_count(fn, f"chunk {i} cached_tokens", c[1]))
+            if len(c) == 3:
+                g = _check_count(fn, f"chunk {i} cp", c[2])
+                if g < 1:
+                    raise ValueError(f"{fn}: chunk {i} cp={g} must be >= 1")
+                one += (g,)
+            checked.append(one)
+        return checked
 
     def router_s(self, tokens: int) -> float:
         n = _check_count("router_s", "tokens", tokens)
@@ -435,8 +516,9 @@ class CostModel:
         return self._p2p("combine_s", rows, self.combine_row_bytes)
 
     def all_to_all_s(self, max_rows_per_rank: int, ranks: int, *, combine: bool = False) -> float:
-        """One dispatch (``combine=True``: combine) all_to_all of the synchronous baseline among ``ranks`` ranks,
-        the busiest sending/receiving ``max_rows_per_rank`` rows. 1 rank: 0 (no peer)."""
+        """One dispatch (``combine=True``: combine, with the combine row bytes) all_to_all of the synchronous
+        baseline among ``ranks`` ranks, the busiest sending or receiving ``max_rows_per_rank`` rows in all (to or
+        from all its peers together). 1 rank: 0 (no peer)."""
         rows = _check_count("all_to_all_s", "max_rows_per_rank", max_rows_per_rank)
         r = _check_count("all_to_all_s", "ranks", ranks)
         if r < 1:
@@ -452,6 +534,44 @@ class CostModel:
             on = (rpn - 1) / (r - 1)
             wire = max(nbytes * on * c["s_per_byte"], nbytes * (1 - on) * c["inter_s_per_byte"])
         return c["latency_s"] + c["latency_per_rank_s"] * (r - 1) + wire
+
+    def _link_s_per_byte(self, devices: int) -> float:
+        """Seconds per byte of a collective among ``devices`` devices: on-node link, or the inter-node one when
+        a two-level profile's node is smaller than the group (the ring then crosses nodes)."""
+        c = self.profile.collective
+        rpn = c["ranks_per_node"]
+        return c["s_per_byte"] if rpn is None or devices <= rpn else c["inter_s_per_byte"]
+
+    def tp_all_reduce_s(self, tokens: int, tp: int) -> float:
+        """Per layer, a tensor-parallel group of ``tp`` devices holding ``tokens`` tokens: the reduce-scatter of
+        the attention output and the all-gather before the next attention (ring: together the bytes of one
+        all_reduce of ``tokens * hidden * activation_bytes``; the all_reduce link's latencies twice, the
+        collective link's bandwidth). 1 device or 0 tokens: 0."""
+        n = _check_count("tp_all_reduce_s", "tokens", tokens)
+        t = self._tp("tp_all_reduce_s", tp)
+        if t == 1 or n == 0:
+            return 0.0
+        ar = self.profile.all_reduce
+        nbytes = n * self.shapes.hidden * self.a
+        return (2 * (ar["latency_s"] + ar["latency_per_rank_s"] * (t - 1))
+                + 2 * (t - 1) / t * nbytes * self._link_s_per_byte(t))
+
+    def cp_exchange_s(self, new_tokens: int, cached_tokens: int, cp: int, tp: int = 1) -> float:
+        """Per layer, context parallelism over ``cp`` groups (of ``tp`` devices each) of a chunk of ``new_tokens``
+        after ``cached_tokens``: every device gathers the KV latents of the ``S = new + cached`` tokens that its
+        group does not hold, ``(cp-1)/cp * S * (kv_lora_rank + qk_rope) * activation_bytes`` (an all-gather /
+        ring-attention pass; charged without overlap with compute: an upper bound). 1 group: 0."""
+        T = _check_count("cp_exchange_s", "new_tokens", new_tokens)
+        C = _check_count("cp_exchange_s", "cached_tokens", cached_tokens)
+        g = _check_count("cp_exchange_s", "cp", cp)
+        t = self._tp("cp_exchange_s", tp)
+        if g < 1:
+            raise ValueError(f"cp_exchange_s: cp={g} must be >= 1")
+        if g == 1 or T == 0:
+            return 0.0
+        c, s = self.profile.collective, self.shapes
+        nbytes = (g - 1) / g * (T + C) * (s.kv_lora_rank + s.qk_rope) * self.a
+        return c["latency_s"] + c["latency_per_rank_s"] * (g - 1) + nbytes * self._link_s_per_byte(g * t)
 
     def all_reduce_s(self, ranks: int) -> float:
         """The small per-step all_reduce (two int64 flags) among ``ranks`` ranks. 1 rank: 0."""
@@ -493,6 +613,8 @@ class CostModel:
                                "inter_bytes_per_s": rate(p.collective["inter_s_per_byte"]),
                                "ranks_per_node": p.collective["ranks_per_node"]},
                 "all_reduce": dict(p.all_reduce)},
+            "parallel": {"tp_eff_per_doubling": p.tp_eff_per_doubling,
+                         "source": (p.data.get("parallel") or {}).get("source")},
             "row_bytes": {"dispatch": self.dispatch_row_bytes, "combine": self.combine_row_bytes},
             "params": {"attention": self.attn_params, "expert": self.expert_params, "shared": self.shared_params,
                        "dense": self.dense_params},

@@ -1,36 +1,62 @@
-"""``python -m asap_comm.sim headline``: ASAP against synchronous DP+EP at CloudMatrix384 scale.
+"""``python -m asap_comm.sim headline``: the best ASAP deployment against the best synchronous one, same hardware.
 
-The documented comparison (DESIGN.md, "asap_comm.sim"; issue 6):
+The documented comparison (DESIGN.md, "asap_comm.sim"; issue 6, best-vs-best part):
 
-* **Hardware**: the ``ascend-910c-cm384`` profile (one rank = one 910C die on the
-  UB network), and the same study on ``h800-node`` (8-GPU NVLink nodes, IB across).
+* **Hardware**: ``--devices`` (64) devices either way, on the ``ascend-910c-cm384``
+  profile (one device = one 910C die on the UB network) and on ``h800-node``
+  (8-GPU NVLink nodes, IB across).
 * **Model**: ``deepseek-v3`` shapes (61 layers, 58 MoE, 256 routed experts, top 8).
-* **Deployment**: 64 ranks either way. Baseline: 64 DP+EP ranks (DP attention,
-  4 experts each). ASAP: 48 attention + 16 expert ranks (``--splits``; the
-  first split is the headline). Why 48 + 16: the routed experts are 653 B
-  parameters (58 layers x 256 x 3 x 7168 x 2048), 653 GB in INT8/FP8, so
-  with 64 GB of HBM per 910C die (80 GB per H800) at least 11 (9) expert
-  ranks are needed; 16 leaves room for buffers, and the remaining 48 ranks
-  do attention, which dominates prefill of long prompts (at 32 + 32 the
-  expert ranks sit mostly idle). The split 32 + 32 is reported too (the
-  issue's example), as an ASAP-only sweep against the same baseline. Equal
-  hardware is the fair comparison. The baseline runs the same policies
-  (load-aware placement, long-prompt chunking, token budget).
-* **Runtime settings**: micro-batches of up to 16384 tokens, prompts split into
-  16384-token chunks, prompts up to 131072 tokens (the Mooncake trace's max is
-  126k), expert batches up to 32768 rows or 1 ms.
+* **Baseline, searched** (what production deployments run): ``devices / T`` DP
+  groups of ``T`` devices with tensor parallelism (``--sync-tp``, 1, 2, 4, 8),
+  EP over all devices, context parallelism for prompts above a threshold
+  (``--cp-threshold``: none, 16k, 32k tokens), chunk size (``--sync-chunk-len``:
+  4k, 8k, 16k) with a step's token budget equal to it (SGLang's
+  chunked-prefill size) or 16k (``--sync-token-budget``), all_to_alls hidden
+  behind compute (``--sync-overlap``: DeepSeek's two-micro-batch overlap, an
+  optimistic bound; ``off,on`` searches both). ``simulate.py``'s docstring
+  has the models.
+* **ASAP, searched**: ``E`` expert devices (``--expert-ranks``: 16, 32) and
+  ``(devices - E) / T`` attention groups of ``T`` devices (``--attention-tp``:
+  1, 2, 4, 8), chunk size (``--chunk-len``: 8k, 16k; micro-batches of up to
+  16k tokens). Why at least 16 expert devices:
+  the routed experts are 653 B parameters (58 layers x 256 x 3 x 7168 x 2048),
+  653 GB in INT8/FP8, so with 64 GB of HBM per 910C die (80 GB per H800) at
+  least 11 (9) expert devices are needed; 16 leaves room for buffers. The
+  baseline spreads the experts over all its devices (10 GB each at 64).
+* **Search**: every candidate's SLO-compliant throughput on the first
+  ``--num-requests-search`` requests with a coarse load search (2 bisection
+  steps), then the ``--confirm-top`` best of each mode again on the full
+  ``--num-requests`` with 4 steps; the best confirmed of each mode is its
+  headline (``study.search_best``). The ratio is best ASAP / best baseline.
+* **Runtime settings**: prompts up to 131072 tokens (the Mooncake trace's max
+  is 126k), expert batches up to 32768 rows or 1 ms.
 * **Load**: the first ``--num-requests`` requests of the public Mooncake
-  conversation trace (``shared/traces``; arrivals CV 3.0, prompt p50 6.9k / p90
-  27k / max 126k tokens), arrivals rescaled to each tested rate. If the file is
-  absent, a synthetic Mooncake-like trace (Gamma arrivals CV 3, log-normal
-  lengths with the same median and p90) stands in, and the summary says so.
-* **SLO**: 3x the unloaded TTFT of the trace's p90 prompt on the baseline
-  (the runtime example's rule). SLO-compliant throughput: see ``study``.
-* **Sensitivity**: the ratio against length skew (synthetic log-normal lengths
-  of equal mean, sigma 0 = all prompts equal, to 1.5), against the long-prompt
-  tail (the same Mooncake requests with prompts clipped at 32k and 8k tokens),
-  against the ASAP split, and against load (both modes at fractions of the
-  baseline's SLO-compliant rate).
+  conversation trace (``shared/traces``; prompt p50 6.9k / p90 27k / max 126k
+  tokens), arrivals rescaled to each tested rate. The file's timestamps come
+  in 3-s steps (up to 28 requests share one), so the requests of a step are
+  spread evenly over it (``study.spread_buckets``; the interarrival CV of the
+  first 2000 falls from 2.8 to 0.4, the per-3-s counts keep theirs): taken as
+  is, every load would have bursts of simultaneous arrivals that no
+  deployment serves within a few seconds. If the file is absent, a synthetic
+  Mooncake-like trace (Gamma arrivals CV 3, log-normal lengths with the same
+  median and p90) stands in, and the summary says so.
+* **SLO**: ``--slo SECONDS``, or by default ``F`` x the unloaded TTFT of the
+  trace's p90 prompt on the fastest baseline configuration of the grid
+  (``--slo-factors``, first ``F`` = 3: the runtime example's rule applied to
+  the best latency the baseline's hardware offers). A deployment meets it
+  when ``--slo-percentile`` (90) percent of requests do.
+* **Sensitivity** (the SLO rule re-applied to each trace; on the clipped and
+  skewed traces, ``--num-requests-sensitivity`` requests, the best of each
+  mode's finalists: its winner and the best configuration of the coarse
+  search for each other TP degree): the SLO (the search re-run at other
+  multiples, ``--slo-factors``); the per-die comparison (ASAP ``devices - 16`` + 16 against ``devices``
+  DP+EP ranks of one device, no TP, no CP, 16k chunks: the headline before
+  the best-vs-best search), also under its own SLO rule (3x that baseline's
+  unloaded p90 TTFT); the long-prompt tail (the same requests with prompts
+  clipped at 32k and 8k); length skew (synthetic log-normal lengths of equal
+  mean, sigma 0 = all prompts equal, to 1.5); the ASAP split (the best of the
+  coarse search for each expert count); load (both winners at fractions of
+  the baseline's SLO-compliant rate).
 """
 from __future__ import annotations
 
@@ -46,22 +72,27 @@ from ..serving.traces import LogNormalLengths, Request, load_trace, synthetic_tr
 from . import plots
 from .costs import CostModel
 from .shapes import ModelShapes
-from .study import compare, find_slo_throughput, mean_len, run_point
+from .simulate import Parallelism, simulate
+from .study import (Deployment, capacity_rate, mean_len, p90_prompt, parse_slo, percentile_target, run_point,
+                    search_best, spread_buckets, sweep_deployment)
 from .validate import _mooncake_path
 
 MOONCAKE_MEDIAN, MOONCAKE_P90 = 6909, 27367  # summarize_trace of shared/traces/mooncake_conversation.jsonl
+PER_DIE_EXPERTS = 16  # the per-die reference split: devices - 16 attention + 16 expert devices
 
 
-def headline_config(attention: int = 32, expert: int = 32) -> RuntimeConfig:
-    return RuntimeConfig(num_attention_ranks=attention, num_expert_ranks=expert, token_budget=16384,
-                         chunk_len=16384, max_prompt_len=131072, expert_token_budget=32768,
+def headline_config(attention: int = 32, expert: int = 32, chunk: int = 16384, budget: int = 16384) -> RuntimeConfig:
+    return RuntimeConfig(num_attention_ranks=attention, num_expert_ranks=expert, token_budget=budget,
+                         chunk_len=chunk, max_prompt_len=131072, expert_token_budget=32768,
                          expert_deadline_s=0.001)
 
 
 def mooncake_trace(n: int) -> tuple[list, str]:
     path = _mooncake_path()
     if path is not None:
-        return load_trace(path, limit=n, max_prompt_len=131072), f"mooncake file {path.name}, first {n} requests"
+        trace, g = spread_buckets(load_trace(path, limit=n, max_prompt_len=131072))
+        return trace, (f"mooncake file {path.name}, first {n} requests, arrivals spread over the file's "
+                       f"{g:g}-s timestamp steps")
     sigma = math.log(MOONCAKE_P90 / MOONCAKE_MEDIAN) / 1.2816  # p90 of a log-normal = median * exp(1.2816 sigma)
     return (synthetic_trace(1.0, num_requests=n, arrival="gamma", cv=3.0,
                             lengths=LogNormalLengths(MOONCAKE_MEDIAN, sigma, 1, 131072), seed=0),
@@ -75,77 +106,252 @@ def skew_trace(n: int, sigma: float, mean: float, seed: int = 0) -> list:
                            lengths=LogNormalLengths(median, sigma, 1, 131072), seed=seed)
 
 
-def study(profile: str, model: str, n: int, n_side: int, cfg: RuntimeConfig, W: int, out: Path,
-          sigmas, loads, quick: bool, other_splits=(), caps=()) -> dict:
+# ----------------------------------------------------------------------------- the grid
+def sync_grid(devices: int, tps, cps, chunks, heads: int, overlaps=(False,), budgets=(16384,)) -> list:
+    """Baseline candidates: ``devices / T`` DP groups of ``T`` devices, CP threshold, chunk size, token budget of
+    a step (each of ``budgets`` at least the chunk, and the chunk itself: SGLang's chunked-prefill size), overlap."""
+    out = []
+    for chunk in chunks:
+        for budget in sorted({chunk, *(b for b in budgets if b >= chunk)}):
+            for t in tps:
+                if devices % t or heads % t:
+                    continue
+                for cp in cps:
+                    for ov in overlaps:
+                        out.append(Deployment("sync", headline_config(chunk=chunk, budget=budget),  # A/E: unused
+                                              Parallelism(sync_tp=t, cp_threshold=cp, sync_overlap=ov),
+                                              sync_ranks=devices // t))
+    return out
+
+
+def async_grid(devices: int, experts, tps, chunks, heads: int) -> list:
+    """ASAP candidates: ``E`` expert devices and ``(devices - E) / T`` attention groups of ``T`` devices."""
+    out = []
+    for chunk in chunks:
+        for e in experts:
+            for t in tps:
+                if e >= devices or (devices - e) % t or heads % t:
+                    continue
+                out.append(Deployment("async", headline_config((devices - e) // t, e, chunk),
+                                      Parallelism(attention_tp=t)))
+    return out
+
+
+def per_die(devices: int) -> tuple:
+    """The comparison before the search: ASAP (devices - 16) + 16, baseline ``devices`` x 1, 16k chunks."""
+    e = min(PER_DIE_EXPERTS, devices // 4)
+    return (Deployment("async", headline_config(devices - e, e)),
+            Deployment("sync", headline_config(), Parallelism(), sync_ranks=devices))
+
+
+def unloaded_ttft(d: Deployment, prompt: int, cost, shapes) -> float:
+    res = simulate(d.mode, [Request(0, 0.0, prompt)], cost, shapes, d.cfg, sync_ranks=d.sync_ranks, par=d.par)
+    t = res.records[0].ttft_s
+    if t is None:
+        raise ValueError(f"headline: the p90 prompt ({prompt} tokens) failed on {d.label}: {res.records[0].error}")
+    return t
+
+
+def slo_rule(trace, candidates, cost, shapes, factor: float = 3.0) -> tuple:
+    """(SLO seconds, the candidate that set it): ``factor`` x the fastest unloaded TTFT of the p90 prompt."""
+    times = [(unloaded_ttft(d, p90_prompt(trace, d.cfg), cost, shapes), i) for i, d in enumerate(candidates)]
+    t, i = min(times)
+    return factor * t, candidates[i]
+
+
+def _sct(sweep) -> "float | None":
+    return None if sweep is None else sweep["slo_compliant_throughput"]
+
+
+def _ratio(a, b) -> "float | None":
+    return a / b if a and b else None
+
+
+def _pair(a: Deployment, s: Deployment, trace, cost, shapes, slo: float, start: float, bisections: int,
+          target: float, progress: str) -> dict:
+    """Both deployments swept on one trace under one SLO."""
+    out = {"slo_s": slo, "mean_prompt_tokens": mean_len(trace)}
+    for d in (a, s):
+        out[d.mode] = sweep_deployment(d, trace, cost, shapes, slo, start_rate=start, bisections=bisections,
+                                       target=target, progress=progress)
+    out["ratio"] = _ratio(_sct(out["async"]), _sct(out["sync"]))
+    return out
+
+
+# ----------------------------------------------------------------------------- one profile
+def best_vs_best(syncs, asyncs, probe, trace, cost, shapes, slo: float, *, start: float, target: float,
+                 confirm_top: int, bisections: int, progress: str) -> dict:
+    """:func:`~asap_comm.sim.study.search_best` for each mode under one SLO; the winners and their ratio."""
+    found = {}
+    for mode, cands in (("sync", syncs), ("async", asyncs)):
+        found[mode] = search_best(cands, probe, cost, shapes, slo, start_rate=start, bisections=2, target=target,
+                                  confirm_trace=trace, confirm_top=confirm_top, confirm_bisections=bisections,
+                                  progress=f"{progress} search {mode}")
+    out = {"found": found, "slo_s": slo}
+    for mode in ("async", "sync"):
+        out[mode] = found[mode]["best"]
+        out[f"{mode}_sct"] = _sct(found[mode]["best_sweep"])
+    out["ratio"] = _ratio(out["async_sct"], out["sync_sct"])
+    print(f"[{progress}] SLO {slo:.3g} s: best baseline {out['sync'].label} ({out['sync_sct'] or 0:.0f} tok/s), best "
+          f"ASAP {out['async'].label} ({out['async_sct'] or 0:.0f} tok/s), ratio {_fmt(out['ratio'])}",
+          file=sys.stderr, flush=True)
+    return out
+
+
+def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: dict, out: Path, sigmas, loads,
+          caps, quick: bool, slo_s: "float | None", target: float, confirm_top: int, slo_factors) -> dict:
     cost, shapes = CostModel.load(profile, model), ModelShapes.load(model)
     trace, trace_desc = mooncake_trace(n)
+    probe = trace[:n_search]
     tag = cost.name
-    print(f"[{tag}] main comparison: {trace_desc}; ASAP {cfg.num_attention_ranks}+{cfg.num_expert_ranks} vs "
-          f"{W} DP+EP", file=sys.stderr, flush=True)
+    D = grid["devices"]
+    syncs = sync_grid(D, grid["sync_tp"], grid["cp"], grid["sync_chunk"], shapes.heads, grid["overlap"],
+                      grid["sync_budget"])
+    asyncs = async_grid(D, grid["experts"], grid["attention_tp"], grid["chunk"], shapes.heads)
+    if not syncs or not asyncs:
+        raise ValueError(f"headline: the grid has no {'baseline' if not syncs else 'ASAP'} configuration for "
+                         f"{D} devices")
+    ref_a, ref_s = per_die(D)
     bis = 2 if quick else 4
-    main = compare(trace, cost, shapes, cfg, sync_ranks=W, progress=tag, bisections=bis)
-    slo = main["slo_s"]
-    res = {"profile": tag, "cost_model": cost.describe(), "trace": trace_desc, "slo_s": slo,
-           "slo_rule": "3x unloaded TTFT of the trace's p90 prompt on the baseline",
-           "async": None, "sync": None, "slo_compliant_throughput_ratio": main["ratio"], "runs": [],
-           "sweep": {m: {k: main[m][k] for k in ("slo_compliant_rate_req_s", "saturated", "arrival_span_over_slo")}
+    slo_given = slo_s is not None
+    unloaded, slo_by = slo_rule(trace, syncs, cost, shapes, factor=1.0)
+    if slo_given:
+        rule, factors = "given (--slo)", []
+    else:
+        f0, factors = slo_factors[0], list(slo_factors[1:])
+        slo_s = f0 * unloaded
+        rule = (f"{f0:g}x the unloaded TTFT of the trace's p90 prompt ({unloaded:.3g} s) on the fastest baseline "
+                f"of the grid ({slo_by.label})")
+    print(f"[{tag}] {trace_desc}; {D} devices; {len(syncs)} baseline and {len(asyncs)} ASAP configurations; "
+          f"SLO {slo_s:.3g} s ({rule}), {100 * target:g}% of requests", file=sys.stderr, flush=True)
+    start = 0.25 * capacity_rate(probe, cost, shapes, ref_s.cfg, sync_ranks=ref_s.sync_ranks)
+    main = best_vs_best(syncs, asyncs, probe, trace, cost, shapes, slo_s, start=start, target=target,
+                        confirm_top=confirm_top, bisections=bis, progress=tag)
+    found, best_a, best_s, ratio = main["found"], main["async"], main["sync"], main["ratio"]
+    res = {"profile": tag, "cost_model": cost.describe(), "trace": trace_desc, "devices": D, "slo_s": slo_s,
+           "slo_rule": rule, "slo_percentile": 100 * target, "unloaded_p90_ttft_s": unloaded,
+           "async": None, "sync": None, "slo_compliant_throughput_ratio": ratio, "runs": [],
+           "best": {"async": {**best_a.describe(), "slo_compliant_throughput": main["async_sct"]},
+                    "sync": {**best_s.describe(), "slo_compliant_throughput": main["sync_sct"]}, "ratio": ratio},
+           "search": {mode: [{**row["deployment"].describe(), "coarse_slo_compliant_throughput": _sct(row["coarse"]),
+                              "confirmed_slo_compliant_throughput": _sct(row["confirmed"])}
+                             for row in found[mode]["candidates"]] for mode in ("async", "sync")},
+           "search_requests": {"coarse": len(probe), "confirm": len(trace), "confirm_top": confirm_top},
+           "sweep": {m: {k: found[m]["best_sweep"][k] for k in ("slo_compliant_rate_req_s", "saturated",
+                                                                 "arrival_span_over_slo")}
                      for m in ("async", "sync")}}
-    res["split_sensitivity"] = [{"attention_ranks": cfg.num_attention_ranks, "expert_ranks": cfg.num_expert_ranks,
-                                 "async": main["async"]["slo_compliant_throughput"], "ratio": main["ratio"]}]
-    for a, e in other_splits:
-        r = find_slo_throughput("async", trace, cost, shapes, headline_config(a, e), slo, start_rate=main["start_rate"],
-                                bisections=bis, progress=f"{tag} split {a}+{e}")
-        sync = main["sync"]["slo_compliant_throughput"]
-        ratio = r["slo_compliant_throughput"] / sync if r["slo_compliant_throughput"] and sync else None
-        res["split_sensitivity"].append({"attention_ranks": a, "expert_ranks": e,
-                                         "async": r["slo_compliant_throughput"], "ratio": ratio})
-        print(f"[{tag}] split {a}+{e}: ratio {ratio}", file=sys.stderr, flush=True)
-    base_rate = main["sync"]["slo_compliant_rate_req_s"] or main["sync"]["points"][0]["rate_req_s"]
+    # the SLO: best-vs-best searched again at other multiples of the same unloaded TTFT
+    res["slo_sensitivity"] = [{"slo_factor": slo_factors[0] if not slo_given else None, "slo_s": slo_s,
+                               "async_label": best_a.label, "sync_label": best_s.label, "async": main["async_sct"],
+                               "sync": main["sync_sct"], "ratio": ratio,
+                               "saturated": {k: found[k]["best_sweep"]["saturated"] for k in ("async", "sync")}}]
+    for f in factors:
+        m = best_vs_best(syncs, asyncs, probe, trace, cost, shapes, f * unloaded, start=start, target=target,
+                         confirm_top=1, bisections=bis, progress=f"{tag} SLO x{f:g}")
+        res["slo_sensitivity"].append({"slo_factor": f, "slo_s": f * unloaded, "async_label": m["async"].label,
+                                       "sync_label": m["sync"].label, "async": m["async_sct"],
+                                       "sync": m["sync_sct"], "ratio": m["ratio"],
+                                       "saturated": {k: m["found"][k]["best_sweep"]["saturated"]
+                                                     for k in ("async", "sync")},
+                                       "arrival_span_over_slo": {k: m["found"][k]["best_sweep"]["arrival_span_over_slo"]
+                                                                 for k in ("async", "sync")}})
+    # the ASAP split: the best coarse configuration of each expert count, against the best baseline's coarse figure
+    coarse_s = _sct(found["sync"]["candidates"][found["sync"]["ranking"][0]]["coarse"])
+    res["split_sensitivity"] = []
+    for e in grid["experts"]:
+        rows = [r for r in found["async"]["candidates"] if r["deployment"].cfg.num_expert_ranks == e]
+        if not rows:
+            continue
+        r = max(rows, key=lambda r: _sct(r["coarse"]) or -1.0)
+        d = r["deployment"]
+        res["split_sensitivity"].append({"attention_ranks": d.cfg.num_attention_ranks,
+                                         "attention_tp": d.par.attention_tp, "expert_ranks": e,
+                                         "label": d.label, "async": _sct(r["coarse"]),
+                                         "ratio": _ratio(_sct(r["coarse"]), coarse_s),
+                                         "note": f"coarse search ({len(probe)} requests)"})
+    # the per-die comparison (the headline before this search), under this SLO and under its own rule
+    res["per_die"] = []
+    per_die_slos = [("headline SLO", slo_s)]
+    if not quick:
+        per_die_slos.append(("its own SLO rule (3x the per-die baseline's unloaded p90 TTFT)",
+                             3 * unloaded_ttft(ref_s, p90_prompt(trace, ref_s.cfg), cost, shapes)))
+    for what, slo in per_die_slos:
+        c = _pair(ref_a, ref_s, trace, cost, shapes, slo, start, bis, target, f"{tag} per-die")
+        res["per_die"].append({"slo": what, "slo_s": slo, "async_label": ref_a.label, "sync_label": ref_s.label,
+                               "async": _sct(c["async"]), "sync": _sct(c["sync"]), "ratio": c["ratio"],
+                               "arrival_span_over_slo": {k: c[k]["arrival_span_over_slo"] for k in ("async", "sync")},
+                               "saturated": {k: c[k]["saturated"] for k in ("async", "sync")}})
+        print(f"[{tag}] per-die ({what}, {slo:.3g} s): ratio {_fmt(c['ratio'])}", file=sys.stderr, flush=True)
+    base_rate = (found["sync"]["best_sweep"]["slo_compliant_rate_req_s"]
+                 or found["sync"]["best_sweep"]["points"][0]["rate_req_s"])
     timelines = {}
-    for mode in ("async", "sync"):
-        s, r = run_point(mode, trace, base_rate, cost, shapes, cfg, slo, sync_ranks=W, spans=True)
-        timelines[mode] = r.spans
-        res[mode] = {k: s[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s",
-                                        "slo_attainment", "num_requests", "num_failed")}
-        res[mode].update(rate_req_s=base_rate, slo_compliant_throughput=main[mode]["slo_compliant_throughput"],
-                         ranks=r.ranks, idle_s_total=sum(x["idle_s"] * x["stands_for"] for x in r.ranks),
-                         mean_utilisation=s["mean_utilisation"])
-        res["runs"] += [{"mode": mode, **p} for p in main[mode]["points"]]
-    # sensitivity to load: both modes at fractions of the baseline's SLO-compliant rate
+    for d in (best_a, best_s):
+        s, r = run_point(d.mode, trace, base_rate, cost, shapes, d.cfg, slo_s, sync_ranks=d.sync_ranks, spans=True,
+                         par=d.par)
+        timelines[d.mode] = r.spans
+        res[d.mode] = {k: s[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s",
+                                         "slo_attainment", "num_requests", "num_failed")}
+        res[d.mode].update(rate_req_s=base_rate, slo_compliant_throughput=_sct(found[d.mode]["best_sweep"]),
+                           deployment=d.label, ranks=r.ranks,
+                           idle_s_total=sum(x["idle_s"] * x["stands_for"] for x in r.ranks),
+                           mean_utilisation=s["mean_utilisation"])
+        res["runs"] += [{"mode": d.mode, **p} for p in found[d.mode]["best_sweep"]["points"]]
+    # sensitivity to load: both winners at fractions of the best baseline's SLO-compliant rate
     res["load_sensitivity"] = []
     for f in loads:
         row = {"load_fraction_of_baseline_slo_rate": f, "rate_req_s": f * base_rate}
-        for mode in ("async", "sync"):
-            s, _ = run_point(mode, trace, f * base_rate, cost, shapes, cfg, slo, sync_ranks=W)
-            row[mode] = {"ttft_p90_s": s["ttft_p90_s"], "ttft_p50_s": s["ttft_p50_s"],
-                         "slo_attainment": s["slo_attainment"]}
+        for d in (best_a, best_s):
+            s, _ = run_point(d.mode, trace, f * base_rate, cost, shapes, d.cfg, slo_s, sync_ranks=d.sync_ranks,
+                             par=d.par)
+            row[d.mode] = {"ttft_p90_s": s["ttft_p90_s"], "ttft_p50_s": s["ttft_p50_s"],
+                           "slo_attainment": s["slo_attainment"]}
         a, b = row["async"]["ttft_p90_s"], row["sync"]["ttft_p90_s"]
         row["ttft_p90_ratio_sync_over_async"] = b / a if a and b else None
         res["load_sensitivity"].append(row)
         print(f"[{tag}] load {f:.2f}x: TTFT p90 async {a:.3g} s, sync {b:.3g} s", file=sys.stderr, flush=True)
+
+    # the finalists, re-ranked on each side trace: the winner and, for each TP degree, the best of the coarse search
+    finalists = {}
+    for m, best in (("async", best_a), ("sync", best_s)):
+        finalists[m] = [best]
+        for i in found[m]["ranking"]:
+            d = found[m]["candidates"][i]["deployment"]
+            tp = d.par.attention_tp if m == "async" else d.par.sync_tp
+            if all(tp != (f.par.attention_tp if m == "async" else f.par.sync_tp) for f in finalists[m]):
+                finalists[m].append(d)
+    res["finalists"] = {m: [d.label for d in finalists[m]] for m in finalists}
+
+    def side(t, label: str) -> dict:
+        slo = slo_s if slo_given else slo_factors[0] * slo_rule(t, syncs, cost, shapes, factor=1.0)[0]
+        st = 0.25 * capacity_rate(t, cost, shapes, ref_s.cfg, sync_ranks=ref_s.sync_ranks)
+        row = {"mean_prompt_tokens": mean_len(t), "slo_s": slo}
+        for m in ("async", "sync"):
+            f = search_best(finalists[m], t, cost, shapes, slo, start_rate=st, bisections=2, target=target,
+                            confirm_top=1, confirm_bisections=bis)
+            row[m], row[f"{m}_label"] = _sct(f["best_sweep"]), f["best"].label
+            row[f"{m}_saturated"] = f["best_sweep"]["saturated"]
+        row["ratio"] = _ratio(row["async"], row["sync"])
+        return row
+
     # sensitivity to the long-prompt tail: the same trace with prompts clipped at a cap
     res["cap_sensitivity"] = []
     for cap in caps:
-        clipped = [Request(r.request_id, r.arrival_s, min(r.prompt_len, cap), r.output_len) for r in trace]
-        c = compare(clipped, cost, shapes, cfg, sync_ranks=W, progress=f"{tag} cap {cap}", bisections=bis)
-        res["cap_sensitivity"].append({"max_prompt_tokens": cap, "mean_prompt_tokens": mean_len(clipped),
-                                       "slo_s": c["slo_s"], "async": c["async"]["slo_compliant_throughput"],
-                                       "sync": c["sync"]["slo_compliant_throughput"], "ratio": c["ratio"]})
-        print(f"[{tag}] prompts clipped at {cap}: ratio {c['ratio']}", file=sys.stderr, flush=True)
+        clipped = [Request(r.request_id, r.arrival_s, min(r.prompt_len, cap), r.output_len) for r in trace[:n_side]]
+        row = {"max_prompt_tokens": cap, **side(clipped, f"cap {cap}")}
+        res["cap_sensitivity"].append(row)
+        print(f"[{tag}] prompts clipped at {cap}: ratio {_fmt(row['ratio'])}", file=sys.stderr, flush=True)
     # sensitivity to length skew: equal mean length, more and more spread
     res["skew_sensitivity"] = []
     mean = mean_len(trace)
     for sigma in sigmas:
-        t = skew_trace(n_side, sigma, mean)
-        c = compare(t, cost, shapes, cfg, sync_ranks=W, progress=f"{tag} sigma {sigma}", bisections=bis)
-        res["skew_sensitivity"].append({"sigma": sigma, "mean_prompt_tokens": mean_len(t), "slo_s": c["slo_s"],
-                                        "async": c["async"]["slo_compliant_throughput"],
-                                        "sync": c["sync"]["slo_compliant_throughput"], "ratio": c["ratio"]})
-        print(f"[{tag}] length sigma {sigma}: ratio {c['ratio']}", file=sys.stderr, flush=True)
-    made = plots.ttft_vs_load(out / f"ttft_{tag}.png", res["runs"], slo, title=f"{tag}, {shapes.name}, {trace_desc}")
+        row = {"sigma": sigma, **side(skew_trace(n_side, sigma, mean), f"sigma {sigma}")}
+        res["skew_sensitivity"].append(row)
+        print(f"[{tag}] length sigma {sigma}: ratio {_fmt(row['ratio'])}", file=sys.stderr, flush=True)
+    title = f"{tag}, {shapes.name}, {trace_desc}\n{best_a.label} vs {best_s.label}"
+    made = plots.ttft_vs_load(out / f"ttft_{tag}.png", res["runs"], slo_s, title=title)
     made += plots.ratio_plot(out / f"ratio_vs_skew_{tag}.png",
                              {"SLO-compliant throughput": [(r["sigma"], r["ratio"]) for r in res["skew_sensitivity"]]},
-                             "log-normal sigma of prompt lengths (equal mean)", f"{tag}: ASAP / baseline vs skew",
+                             "log-normal sigma of prompt lengths (equal mean)", f"{tag}: best ASAP / best baseline",
                              target=1.9)
     made += plots.ratio_plot(out / f"ratio_vs_load_{tag}.png",
                              {"TTFT p90 (baseline / ASAP)": [(r["load_fraction_of_baseline_slo_rate"],
@@ -153,65 +359,180 @@ def study(profile: str, model: str, n: int, n_side: int, cfg: RuntimeConfig, W: 
                                                              for r in res["load_sensitivity"]]},
                              "load (fraction of the baseline's SLO-compliant rate)", f"{tag}: TTFT p90 ratio vs load")
     made += plots.utilisation_timeline(out / f"utilisation_{tag}.png", timelines,
-                                       f"{tag}: the baseline's SLO-compliant load ({base_rate:.3g} req/s)")
+                                       f"{tag}: the best baseline's SLO-compliant load ({base_rate:.3g} req/s)")
     res["plots"] = made
     return res
 
 
+# ----------------------------------------------------------------------------- command line
+def _ints(p: argparse.ArgumentParser, flag: str, value: str, *, none_ok: bool = False) -> list:
+    out = []
+    for x in value.split(","):
+        x = x.strip()
+        if not x:
+            continue
+        if none_ok and x.lower() == "none":
+            out.append(None)
+            continue
+        try:
+            v = int(x)
+        except ValueError:
+            v = 0
+        if v < 1:
+            p.error(f"{flag} {value!r}: expected comma-separated ints >= 1{' or none' if none_ok else ''}")
+        out.append(v)
+    if not out:
+        p.error(f"{flag} {value!r}: expected at least one value")
+    return out
+
+
+def _onoff(p: argparse.ArgumentParser, value: str) -> list:
+    out = []
+    for x in value.split(","):
+        x = x.strip().lower()
+        if x in ("on", "off"):
+            out.append(x == "on")
+        elif x:
+            p.error(f"--sync-overlap {value!r}: expected off, on or off,on")
+    if not out:
+        p.error(f"--sync-overlap {value!r}: expected off, on or off,on")
+    return out
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m asap_comm.sim headline", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m asap_comm.sim headline", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--num-requests", type=int, default=2000, help="requests of the main comparison")
-    p.add_argument("--num-requests-sensitivity", type=int, default=1000)
-    p.add_argument("--splits", default="48+16,32+32",
-                   help="ASAP attention+expert ranks; the first is the headline, the others ASAP-only sweeps")
-    p.add_argument("--sync-ranks", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=2000,
+                   help="requests of the main comparison (the confirmation of the search's best)")
+    p.add_argument("--num-requests-search", type=int, default=400,
+                   help="requests of the coarse search over the grid (the first ones of the same trace)")
+    p.add_argument("--num-requests-sensitivity", type=int, default=600,
+                   help="requests of each clipped and skewed trace")
+    p.add_argument("--confirm-top", type=int, default=2,
+                   help="the best configurations of each mode confirmed on the full --num-requests")
+    p.add_argument("--devices", type=int, default=64, help="devices of either deployment (same hardware)")
+    p.add_argument("--expert-ranks", default="16,32", metavar="E[,E...]",
+                   help="ASAP expert devices searched (the expert weights need >= 11 910C dies / 9 H800s)")
+    p.add_argument("--attention-tp", default="1,2,4,8", metavar="T[,T...]",
+                   help="ASAP: devices per attention group (tensor parallelism) searched; "
+                        "(devices - E) / T attention groups")
+    p.add_argument("--sync-tp", default="1,2,4,8", metavar="T[,T...]",
+                   help="baseline: devices per DP group (tensor parallelism) searched; devices / T groups")
+    p.add_argument("--cp-threshold", default="none,16384,32768", metavar="TOKENS[,TOKENS...]",
+                   help="baseline: context-parallelism thresholds searched (none: no CP)")
+    p.add_argument("--chunk-len", default="8192,16384", metavar="TOKENS[,TOKENS...]",
+                   help="ASAP: chunk sizes searched (micro-batch budget 16384 tokens)")
+    p.add_argument("--sync-chunk-len", default="4096,8192,16384", metavar="TOKENS[,TOKENS...]",
+                   help="baseline: chunk sizes searched")
+    p.add_argument("--sync-token-budget", default="16384", metavar="TOKENS[,TOKENS...]",
+                   help="baseline: token budgets of a step searched, with each chunk size (a budget smaller than "
+                        "the chunk is skipped; the chunk size itself is always tried)")
+    p.add_argument("--sync-overlap", default="on", metavar="off|on[,...]",
+                   help="baseline: all_to_alls hidden behind compute (on), not (off), or both searched (off,on); "
+                        "on is never slower in this model")
+    p.add_argument("--slo", default="auto", metavar="SECONDS",
+                   help="TTFT SLO in seconds, or auto: 3x the unloaded TTFT of the trace's p90 prompt on the "
+                        "fastest baseline configuration of the grid")
+    p.add_argument("--slo-percentile", type=float, default=90.0, metavar="P",
+                   help="SLO attainment target: at least P%% of requests must meet the SLO")
+    p.add_argument("--slo-factors", default="3,10", metavar="F[,F...]",
+                   help="with --slo auto: the SLO is F x the fastest baseline's unloaded TTFT of the p90 prompt; the "
+                        "first F is the headline, the others re-run the search (SLO sensitivity)")
     p.add_argument("--profiles", default="ascend-910c-cm384,h800-node")
-    p.add_argument("--quick", action="store_true", help="a small smoke run (few requests, two skews, two loads)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small smoke run (8 devices, a small grid, few requests, two skews, two loads)")
     args = p.parse_args(argv)
+    try:
+        target = percentile_target(args.slo_percentile)
+    except ValueError as e:
+        p.error(f"--slo-percentile: {e}")
+    try:
+        slo_s = parse_slo(args.slo)
+    except ValueError as e:
+        p.error(f"--slo: {e}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    n, n_side = (200, 120) if args.quick else (args.num_requests, args.num_requests_sensitivity)
-    sigmas = (0.0, 1.0) if args.quick else (0.0, 0.5, 1.0, 1.5)
-    loads = (0.5, 1.0) if args.quick else (0.25, 0.5, 0.75, 1.0, 1.25)
-    caps = (8192,) if args.quick else (32768, 8192)
-    try:
-        splits = [tuple(int(x) for x in sp.split("+")) for sp in args.splits.split(",") if sp]
-        assert splits and all(len(sp) == 2 and min(sp) >= 1 for sp in splits)
-    except (ValueError, AssertionError):
-        p.error(f"--splits {args.splits!r}: expected A+E[,A+E...], e.g. 48+16,32+32")
+    grid = {"devices": args.devices, "experts": _ints(p, "--expert-ranks", args.expert_ranks),
+            "attention_tp": _ints(p, "--attention-tp", args.attention_tp),
+            "sync_tp": _ints(p, "--sync-tp", args.sync_tp),
+            "cp": _ints(p, "--cp-threshold", args.cp_threshold, none_ok=True),
+            "chunk": _ints(p, "--chunk-len", args.chunk_len),
+            "sync_chunk": _ints(p, "--sync-chunk-len", args.sync_chunk_len),
+            "sync_budget": _ints(p, "--sync-token-budget", args.sync_token_budget),
+            "overlap": _onoff(p, args.sync_overlap)}
+    n, n_search, n_side = args.num_requests, min(args.num_requests_search, args.num_requests), \
+        args.num_requests_sensitivity
+    sigmas = (0.0, 0.5, 1.0, 1.5)
+    loads = (0.25, 0.5, 0.75, 1.0, 1.25)
+    caps = (32768, 8192)
     if args.quick:  # a smaller deployment, so that a few hundred requests still make a sustained load
-        splits, args.sync_ranks = [(6, 2), (4, 4)], 8
-    cfg = headline_config(*splits[0])
+        n, n_search, n_side = 200, 120, 120
+        sigmas, loads, caps = (0.0, 1.0), (0.5, 1.0), (8192,)
+        grid = {"devices": 8, "experts": [2, 4], "attention_tp": [1, 2], "sync_tp": [1, 2], "cp": [None, 16384],
+                "chunk": [16384], "sync_chunk": [16384], "sync_budget": [16384], "overlap": [False]}
+    try:
+        factors = [float(x) for x in args.slo_factors.split(",") if x.strip()]
+        assert factors and all(f > 0 and math.isfinite(f) for f in factors)
+    except (ValueError, AssertionError):
+        p.error(f"--slo-factors {args.slo_factors!r}: expected comma-separated positive numbers")
+    if args.quick:
+        factors = factors[:1]
+    if args.devices < 2 or args.confirm_top < 1:
+        p.error("--devices must be >= 2 and --confirm-top >= 1")
     t0 = time.perf_counter()
-    summary = {"config": {"model": "deepseek-v3", "runtime": cfg.__dict__, "sync_ranks": args.sync_ranks,
-                          "splits": splits,
-                          "num_requests": n, "num_requests_sensitivity": n_side}, "profiles": {}}
+    summary = {"config": {"model": "deepseek-v3", "runtime": headline_config().__dict__, "grid": grid,
+                          "num_requests": n, "num_requests_search": n_search, "num_requests_sensitivity": n_side,
+                          "slo_percentile": args.slo_percentile, "slo": args.slo}, "profiles": {}}
     for prof in [x for x in args.profiles.split(",") if x]:
-        summary["profiles"][prof] = study(prof, "deepseek-v3", n, n_side, cfg, args.sync_ranks, out, sigmas, loads,
-                                          args.quick, splits[1:], caps)
+        summary["profiles"][prof] = study(prof, "deepseek-v3", n, n_search, n_side, grid, out, sigmas, loads, caps,
+                                          args.quick, slo_s, target, args.confirm_top, factors)
     first = summary["profiles"][next(iter(summary["profiles"]))]
     for mode in ("async", "sync"):  # the runtime's summary.json keys, for the first (headline) profile
         summary[mode] = first[mode]
     summary["slo_compliant_throughput_ratio"] = first["slo_compliant_throughput_ratio"]
     summary["wall_s"] = time.perf_counter() - t0
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    print(f"\nASAP {splits[0][0]}+{splits[0][1]} vs {args.sync_ranks} DP+EP ranks, deepseek-v3, SLO-compliant throughput")
-    print(f"{'profile':20s} {'SLO s':>8s} {'ASAP tok/s':>12s} {'sync tok/s':>12s} {'ratio':>7s}   ratio vs skew (sigma)")
+    print(f"\nbest ASAP vs best synchronous DP+EP on {grid['devices']} devices, deepseek-v3, SLO-compliant throughput "
+          f"(prompt tokens/s; {args.slo_percentile:g}% of requests within the SLO; >= : even the highest load tested "
+          "passed)")
     for prof, r in summary["profiles"].items():
-        a, s = r["async"]["slo_compliant_throughput"], r["sync"]["slo_compliant_throughput"]
-        skew = ", ".join(f"{x['sigma']:g}: {x['ratio']:.2f}" if x["ratio"] else f"{x['sigma']:g}: -"
-                         for x in r["skew_sensitivity"])
-        ratio = r["slo_compliant_throughput_ratio"]
-        print(f"{prof:20s} {r['slo_s']:8.2f} {a or 0:12.0f} {s or 0:12.0f} "
-              f"{'-' if ratio is None else f'{ratio:.2f}x':>7s}   {skew}")
+        b, sat = r["best"], r["slo_sensitivity"][0]["saturated"]
+        print(f"\n{prof}: SLO {r['slo_s']:.3g} s ({r['slo_rule']})")
+        for mode, name in (("sync", "best baseline"), ("async", "best ASAP")):
+            print(f"  {name:14s} {b[mode]['label']:50s} {_tok(b[mode]['slo_compliant_throughput'], sat[mode])}")
+        print(f"  ratio          {_fmt(b['ratio'], sat)}")
+        print("  sensitivity:")
+        for x in r["slo_sensitivity"][1:]:
+            print(f"    SLO {x['slo_factor']:g}x unloaded ({x['slo_s']:.3g} s): best ASAP {x['async_label']} "
+                  f"{_tok(x['async'], x['saturated']['async'])}, best baseline {x['sync_label']} "
+                  f"{_tok(x['sync'], x['saturated']['sync'])}, ratio {_fmt(x['ratio'], x['saturated'])}")
+        for x in r["per_die"]:
+            print(f"    per-die, {x['slo']} ({x['slo_s']:.3g} s): ASAP {_tok(x['async'], x['saturated']['async'])}, "
+                  f"baseline {_tok(x['sync'], x['saturated']['sync'])}, ratio {_fmt(x['ratio'], x['saturated'])}")
         for x in r["cap_sensitivity"]:
-            xr = "-" if x["ratio"] is None else f"{x['ratio']:.2f}x"
-            print(f"{'':20s} prompts clipped at {x['max_prompt_tokens']}: ASAP {x['async'] or 0:.0f}, "
-                  f"sync {x['sync'] or 0:.0f} tok/s, ratio {xr}")
-        for x in r["split_sensitivity"][1:]:
-            xr = "-" if x["ratio"] is None else f"{x['ratio']:.2f}x"
-            print(f"{'':20s} split {x['attention_ranks']}+{x['expert_ranks']}: ASAP {x['async'] or 0:.0f} tok/s, "
-                  f"ratio {xr}")
+            print(f"    prompts clipped at {x['max_prompt_tokens']} (SLO {x['slo_s']:.3g} s): ASAP {x['async_label']} "
+                  f"{_tok(x['async'], x['async_saturated'])}, baseline {x['sync_label']} "
+                  f"{_tok(x['sync'], x['sync_saturated'])}, "
+                  f"ratio {_fmt(x['ratio'], {'async': x['async_saturated'], 'sync': x['sync_saturated']})}")
+        print("    length skew (sigma: ratio): " + ", ".join(f"{x['sigma']:g}: {_fmt(x['ratio'])}"
+                                                         for x in r["skew_sensitivity"]))
+        for x in r["split_sensitivity"]:
+            print(f"    ASAP split, {x['label']}: {_tok(x['async'], True)}, ratio {_fmt(x['ratio'])} ({x['note']})")
     print(f"artifacts in {out}/ ({summary['wall_s']:.0f} s)")
     return 0
+
+
+def _fmt(r, saturated: "dict | None" = None) -> str:
+    """A ratio; with the two sweeps' ``saturated`` flags, '>=' / '<=' / '~' where one or both are lower bounds."""
+    if r is None:
+        return "-"
+    a, s = (True, True) if saturated is None else (saturated["async"], saturated["sync"])
+    return f"{'' if a and s else '>= ' if s else '<= ' if a else '~ '}{r:.2f}x"
+
+
+def _tok(v, saturated: bool) -> str:
+    """A throughput for the table: '-' when the SLO fails at every load, '>= v' when no tested load failed."""
+    if v is None:
+        return "- tok/s"
+    return f"{'' if saturated else '>= '}{v:,.0f} tok/s"

@@ -24,15 +24,53 @@ simplification):
 * **Where transfers cost**: on a host whose ranks share CPU cores (the
   ``local`` profile) a put is a copy done by the sender's CPU, so it is part
   of the sender's job; on a cluster profile it is a DMA / link delay that
-  does not occupy the sender.
+  does not occupy the sender's compute (but its link: see **Links**).
 * **Baseline**: per MoE layer three collectives as ``run_sync`` does them
-  (counts, dispatch and combine ``all_to_all``), plus the per-step
-  ``all_reduce`` of "anyone working?"; a step ends when the slowest rank does.
+  (counts, dispatch and combine ``all_to_all``, costed with the dispatch and
+  the combine row bytes), plus the per-step ``all_reduce`` of
+  "anyone working?"; a step ends when the slowest rank does.
   On a shared CPU host (``local``) the ranks waiting in a gloo collective keep
   polling and take a share of the cores from the ranks that compute
   (``sync_poll_weight`` of the profile, fitted in situ).
   An idle baseline notices new work at its next idle heartbeat
   (``run_sync`` polls every millisecond).
+* **Parallel attention groups** (:class:`Parallelism`, cluster profiles only;
+  the runtime has no such groups, so this is the simulator's model of a
+  production deployment): a baseline DP rank and an ASAP attention rank may
+  be a group of ``t`` devices with tensor parallelism. The group is one
+  simulated rank that stands for its ``t`` devices: its attention costs one
+  device's share (``CostModel.attention_s(..., tp=t)``), the router, shared
+  experts and dense MLP run data-parallel inside the group on ``ceil(T/t)``
+  tokens per device (after a reduce-scatter of the attention output), and
+  every layer pays the reduce-scatter + all-gather
+  (``CostModel.tp_all_reduce_s``). Each device dispatches its own
+  ``ceil(T/t)`` tokens. The baseline's EP spans all ``sync_ranks * t``
+  devices (``ceil(N / (sync_ranks * t))`` experts each).
+* **Context parallelism** (baseline, ``cp_threshold``): a prompt longer than
+  the threshold runs on ``g = min(sync_ranks, ceil(prompt / threshold))`` DP
+  groups at once, the ``g`` least loaded when it arrives (the placer's
+  load-aware rule, extended to ``g`` groups; its work counts ``1/g`` on each).
+  It is still split into ``chunk_len`` chunks, in order; each chunk is shared
+  by the ``g`` groups (zig-zag halves: each computes ``1/g`` of the queries
+  and of the causal query-key pairs, against all keys) in ONE step, and each
+  group pays per layer the gather of the KV latents it does not hold
+  (``CostModel.cp_exchange_s``). Scheduling: at each step the CP chunks go
+  first, in arrival order (a CP chunk joins a step if each of its groups has
+  no CP share yet or room left under the token budget); a group then takes a
+  micro-batch of its own queue under the budget its CP shares leave, if a
+  whole chunk still fits (so no micro-batch exceeds the budget). The head of
+  the CP queue always runs, so every CP request progresses.
+* **Links** (cluster profiles): a device's link carries all it sends. ASAP:
+  an attention device sends its rows for each of the ``E`` expert ranks over
+  its own link, and the (representative) expert rank's link receives every
+  micro-batch's rows one after another (and sends the combined rows the same
+  way): a transfer ends when both its sender's and its receiver's share have
+  passed, plus the latency. Baseline: an ``all_to_all`` costs the rows of
+  its busiest device, the larger of what it sends to its ``D - 1`` peers and
+  what it receives from them. ``sync_overlap`` (DeepSeek's two-micro-batch
+  overlap in prefill): a MoE layer takes ``max(compute, all_to_alls)``
+  instead of their sum, an optimistic bound for the baseline (the halves'
+  smaller kernels and the pipeline's fill are not charged).
 """
 from __future__ import annotations
 
@@ -47,7 +85,7 @@ from ..serving.traces import Request
 from .costs import RUNTIME_FACTORS
 from .engine import Engine, Host, Rank, ps_makespan
 
-__all__ = ["SimResult", "simulate", "rows_per_rank_fraction", "SYNC_IDLE_POLL_S"]
+__all__ = ["SimResult", "Parallelism", "simulate", "rows_per_rank_fraction", "SYNC_IDLE_POLL_S"]
 
 SYNC_IDLE_POLL_S = 0.001  # asap_comm.serving.sync._IDLE_S: the idle baseline's heartbeat
 _RESULT_BYTES_PER_HIDDEN = 4  # the result message carries the float32 final hidden state
@@ -64,6 +102,37 @@ class SimResult:
     events: int
     wall_s: float
     spans: list = field(default_factory=list)  # (rank name, label, start_s, dur_s) when asked for
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How attention groups are built (see the module docstring); the defaults are one device per rank.
+
+    ``attention_tp``: devices per ASAP attention rank (tensor parallelism);
+    ``sync_tp``: devices per baseline DP group; ``cp_threshold``: baseline prompts longer than this many tokens
+    use context parallelism (None: never); ``sync_overlap``: the baseline hides its all_to_alls behind compute
+    (two micro-batches per step, one's communication during the other's compute).
+    """
+
+    attention_tp: int = 1
+    sync_tp: int = 1
+    cp_threshold: "int | None" = None
+    sync_overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sync_overlap, bool):
+            raise ValueError(f"Parallelism: sync_overlap={self.sync_overlap!r} must be a bool")
+        for name in ("attention_tp", "sync_tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Parallelism: {name}={v!r} must be an int >= 1")
+        c = self.cp_threshold
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"Parallelism: cp_threshold={c!r} must be None or an int >= 1")
+
+    def describe(self) -> dict:
+        return {"attention_tp": self.attention_tp, "sync_tp": self.sync_tp, "cp_threshold": self.cp_threshold,
+                "sync_overlap": self.sync_overlap}
 
 
 def rows_per_rank_fraction(num_experts: int, top_k: int, local_experts: int) -> float:
@@ -110,10 +179,25 @@ class _Memo:
             setattr(self, name, cached)
         self._experts: dict = {}
         self._a2a: dict = {}
+        self._attn: dict = {}
+        self._tp_ar: dict = {}
         self.runtime = {**RUNTIME_FACTORS, **(getattr(cost, "runtime", None) or {})}
 
     def __getattr__(self, name):
         return getattr(self._cost, name)
+
+    def attention_s(self, chunks, tp: int = 1) -> float:
+        if tp == 1:  # the plain call (cost models without tensor parallelism need not know ``tp``)
+            return self._cost.attention_s(chunks)
+        return self._cost.attention_s(chunks, tp=tp)
+
+    def tp_all_reduce_s(self, tokens: int, tp: int) -> float:
+        if tp == 1:
+            return 0.0
+        v = self._tp_ar.get((tokens, tp))
+        if v is None:
+            v = self._tp_ar[(tokens, tp)] = self._cost.tp_all_reduce_s(tokens, tp)
+        return v
 
     def experts_s(self, pairs: list) -> float:
         key = (pairs[0], pairs[-1], len(pairs))  # balanced lists (see _pairs) are fixed by these
@@ -122,17 +206,18 @@ class _Memo:
             v = self._experts[key] = self._cost.experts_s(pairs)
         return v
 
-    def all_to_all_s(self, rows: int, ranks: int) -> float:
-        v = self._a2a.get((rows, ranks))
+    def all_to_all_s(self, rows: int, ranks: int, combine: bool = False) -> float:
+        v = self._a2a.get((rows, ranks, combine))
         if v is None:
-            v = self._a2a[(rows, ranks)] = self._cost.all_to_all_s(rows, ranks)
+            v = self._a2a[(rows, ranks, combine)] = self._cost.all_to_all_s(rows, ranks, combine=combine)
         return v
 
 
 class _Common:
-    def __init__(self, cost, shapes, cfg: RuntimeConfig, requests, record_spans: bool) -> None:
+    def __init__(self, cost, shapes, cfg: RuntimeConfig, requests, record_spans: bool,
+                 par: Parallelism = Parallelism()) -> None:
         cost = _Memo(cost)
-        self.cost, self.shapes, self.cfg = cost, shapes, cfg
+        self.cost, self.shapes, self.cfg, self.par = cost, shapes, cfg, par
         self.engine = Engine()
         self.cpu = cost.cores is not None  # ranks share this host's CPU cores
         self.host = Host(self.engine, cost.cores)
@@ -216,15 +301,17 @@ class _MicroBatch:
 
 
 class _AsyncSim(_Common):
-    def __init__(self, cost, shapes, cfg, requests, record_spans) -> None:
-        super().__init__(cost, shapes, cfg, requests, record_spans)
+    def __init__(self, cost, shapes, cfg, requests, record_spans, par: Parallelism = Parallelism()) -> None:
+        super().__init__(cost, shapes, cfg, requests, record_spans, par)
         A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
         self.A, self.E = A, E
+        self.tp = par.attention_tp  # devices per attention rank
         self.placer = Placer(A, load_aware=cfg.load_aware)
         self.batchers = [MicroBatcher(cfg.token_budget) for _ in range(A)]
         self.running = [0] * A
         self.max_running = 2 if cfg.ping_pong else 1
-        self.att = [Rank(self.engine, self.host, f"attention {r}", spans=self.spans) for r in range(A)]
+        name = "attention" if self.tp == 1 else f"attention group (TP {self.tp})"
+        self.att = [Rank(self.engine, self.host, f"{name} {r}", spans=self.spans) for r in range(A)]
         # one representative expert rank for all E (see the module docstring); the most-loaded share of experts
         self.local = -(-shapes.num_experts // E)
         self.frac = rows_per_rank_fraction(shapes.num_experts, shapes.top_k, self.local)
@@ -232,6 +319,7 @@ class _AsyncSim(_Common):
         self.ex_batcher = ExpertBatcher(cfg.expert_token_budget, cfg.expert_deadline_s,
                                         enabled=cfg.expert_batching)
         self.ex_wake = None  # (time, handle) of the pending deadline wake-up
+        self.ex_in_free = self.ex_out_free = 0.0  # when the expert rank's link is free to receive / to send
         self.segs = self._segments()
         rt = self.cost.runtime
         self.k_att, self.k_exp, self.layer_overhead = (rt["async_attention"], rt["async_expert"],
@@ -239,6 +327,10 @@ class _AsyncSim(_Common):
 
     def _rows(self, tokens: int) -> int:
         return max(1, round(tokens * self.frac)) if tokens else 0
+
+    def _per_device(self, tokens: int) -> int:
+        """Tokens of one device of the attention group after the reduce-scatter (all of them when tp=1)."""
+        return -(-tokens // self.tp)
 
     def _queued(self, rank: int) -> None:
         self._fill(rank)
@@ -249,17 +341,21 @@ class _AsyncSim(_Common):
             if not batch:
                 return
             self.running[rank] += 1
-            mb = _MicroBatch(rank, batch, self.cost.attention_s([(c.length, c.start) for c in batch]))
+            attn = self.cost.attention_s([(c.length, c.start) for c in batch], self.tp)
+            # a TP group's layer also pays its reduce-scatter + all-gather (0 when tp=1)
+            attn += self.cost.tp_all_reduce_s(sum(c.length for c in batch), self.tp)
+            mb = _MicroBatch(rank, batch, attn)
             self._segment(mb, first=True)
 
     def _segment(self, mb: _MicroBatch, first: bool = False) -> None:
         """Queue the attention-side work up to the next dispatch (or the end) of ``mb``."""
         cost, T = self.cost, mb.tokens
+        Td = self._per_device(T)
         dense, moe = self.segs[mb.seg]
-        work = (cost.embed_s(T) if first else 0.0) + dense * (mb.attn_s + cost.dense_mlp_s(T))
+        work = (cost.embed_s(T) if first else 0.0) + dense * (mb.attn_s + cost.dense_mlp_s(Td))
         if moe:
-            rows = self._rows(T)
-            work += mb.attn_s + cost.router_s(T)
+            rows = self._rows(Td)  # rows one device of the group sends to one expert rank
+            work += mb.attn_s + cost.router_s(Td)
             if self.cpu:  # the attention rank's CPU copies the rows into each expert rank's memory
                 work += self.E * cost.dispatch_s(rows)
             self.att[mb.rank].submit(work * self.k_att, lambda: self._dispatched(mb, rows), f"attn seg {mb.seg}")
@@ -271,13 +367,31 @@ class _AsyncSim(_Common):
     def _dispatched(self, mb: _MicroBatch, rows: int) -> None:
         mb.waiting = 2
         # shared experts run right after the dispatch on the same rank (same generator step)
-        self.att[mb.rank].submit(self.cost.shared_experts_s(mb.tokens) * self.k_att, lambda: self._part_back(mb),
-                                 "shared", front=True)
-        delay = 0.0 if self.cpu else self.cost.dispatch_s(rows)
-        self.engine.after(delay, self._expert_arrive, mb, rows)
+        self.att[mb.rank].submit(self.cost.shared_experts_s(self._per_device(mb.tokens)) * self.k_att,
+                                 lambda: self._part_back(mb), "shared", front=True)
+        self.engine.after(0.0 if self.cpu else self._dispatch_delay(mb, rows), self._expert_arrive, mb, rows)
+
+    def _link(self, fn, rows: int) -> tuple:
+        """(latency, bandwidth time of ``rows`` rows) of a p2p transfer ``fn`` (``dispatch_s`` / ``combine_s``)."""
+        if not rows:
+            return 0.0, 0.0
+        one, two = fn(rows), fn(2 * rows)
+        return 2 * one - two, two - one
+
+    def _dispatch_delay(self, mb: _MicroBatch, rows: int) -> float:
+        """When the rows reach the (representative) expert rank, on a cluster profile: the sending device's link
+        carries its ``rows`` for each of the E expert ranks; the expert rank's link receives every micro-batch's
+        rows, one after another (``ex_in_free``: when it is free)."""
+        now = self.engine.now
+        lat, _ = self._link(self.cost.dispatch_s, rows)
+        _, send = self._link(self.cost.dispatch_s, self.E * rows)
+        _, recv = self._link(self.cost.dispatch_s, self._rows(mb.tokens) if self.tp > 1 else rows)
+        self.ex_in_free = max(now, self.ex_in_free) + recv
+        return max(send, self.ex_in_free - now) + lat
 
     def _expert_arrive(self, mb: _MicroBatch, rows: int) -> None:
-        self.ex_batcher.add(mb.seg, rows, (mb, rows), self.engine.now)
+        # an expert rank holds rows from every device of the group: the micro-batch's rows for it
+        self.ex_batcher.add(mb.seg, rows if self.tp == 1 else self._rows(mb.tokens), (mb, rows), self.engine.now)
         self._poke()
 
     def _poke(self) -> None:
@@ -288,7 +402,9 @@ class _AsyncSim(_Common):
         if layer is None:
             wait = self.ex_batcher.wait_s(now)
             if wait is not None:
-                t = now + max(wait, 1e-9)  # never "now" again: the deadline test must see time move
+                # never "now" again: the deadline test must see time move (also where 1e-9 s is below the
+                # clock's resolution, late in a long simulated run)
+                t = max(now + max(wait, 1e-9), math.nextafter(now, math.inf))
                 if self.ex_wake is None or self.ex_wake[0] > t:
                     if self.ex_wake is not None:
                         Engine.cancel(self.ex_wake[1])
@@ -307,9 +423,20 @@ class _AsyncSim(_Common):
 
     def _experts_done(self, items: list) -> None:
         for mb, rows in items:
-            delay = (0.0 if self.cpu else self.cost.combine_s(rows)) + self.layer_overhead
+            delay = (0.0 if self.cpu else self._combine_delay(mb, rows)) + self.layer_overhead
             self.engine.after(delay, self._part_back, mb)
         self._poke()
+
+    def _combine_delay(self, mb: _MicroBatch, rows: int) -> float:
+        """When a micro-batch's combined rows are back, on a cluster profile: the expert rank's link sends the
+        micro-batches of a batch one after another (``ex_out_free``); the receiving device's link takes ``rows``
+        from each of the E expert ranks."""
+        now = self.engine.now
+        lat, _ = self._link(self.cost.combine_s, rows)
+        _, recv = self._link(self.cost.combine_s, self.E * rows)
+        _, send = self._link(self.cost.combine_s, self._rows(mb.tokens) if self.tp > 1 else rows)
+        self.ex_out_free = max(now, self.ex_out_free) + send
+        return max(recv, self.ex_out_free - now) + lat
 
     def _part_back(self, mb: _MicroBatch) -> None:
         mb.waiting -= 1
@@ -328,19 +455,38 @@ class _AsyncSim(_Common):
     def run(self) -> tuple:
         self._arrivals(self.arrive)
         end = self.engine.run()
-        ranks = [(f"attention {r}", "attention", rk, 1) for r, rk in enumerate(self.att)]
+        ranks = [(rk.name, "attention", rk, self.tp) for rk in self.att]
         ranks += [(f"expert 0..{self.E - 1}", "expert", self.ex, self.E)]
         return end, ranks
 
 
 # ----------------------------------------------------------------------------- synchronous DP+EP baseline
+def _even_parts(n: int, parts: int) -> list:
+    """``n`` tokens in ``parts`` near-equal shares (as ``split_prompt`` balances chunks)."""
+    base, extra = divmod(n, parts)
+    return [base + 1] * extra + [base] * (parts - extra)
+
+
+class _CpRequest:
+    """A request run with context parallelism: its chunks, the DP groups that share each of them, progress."""
+    __slots__ = ("request_id", "chunks", "groups", "next", "busy")
+
+    def __init__(self, request_id: int, chunks: list, groups: list) -> None:
+        self.request_id, self.chunks, self.groups = request_id, chunks, groups
+        self.next = 0  # index of the chunk to run next
+        self.busy = False
+
+
 class _SyncSim(_Common):
-    def __init__(self, cost, shapes, cfg, requests, record_spans, num_ranks: int) -> None:
-        super().__init__(cost, shapes, cfg, requests, record_spans)
-        W = self.W = num_ranks
+    def __init__(self, cost, shapes, cfg, requests, record_spans, num_ranks: int,
+                 par: Parallelism = Parallelism()) -> None:
+        super().__init__(cost, shapes, cfg, requests, record_spans, par)
+        W = self.W = num_ranks  # DP groups
+        self.tp = par.sync_tp  # devices per DP group
+        self.D = W * self.tp  # devices; EP spans all of them
         self.placer = Placer(W, load_aware=cfg.load_aware)
         self.batchers = [MicroBatcher(cfg.token_budget) for _ in range(W)]
-        self.local = -(-shapes.num_experts // W)
+        self.local = -(-shapes.num_experts // self.D)
         self.frac = rows_per_rank_fraction(shapes.num_experts, shapes.top_k, self.local)
         self.busy = [0.0] * W
         self.stepping = False
@@ -348,32 +494,110 @@ class _SyncSim(_Common):
         self.segs = self._segments()
         self.steps = 0
         self.k, self.layer_overhead = self.cost.runtime["sync_compute"], self.cost.runtime["sync_layer_overhead_s"]
+        self.cp_threshold = par.cp_threshold if W > 1 else None
+        self.cp: list = []  # unfinished context-parallel requests, in arrival order
 
+    # ------------------------------------------------------------------ context parallelism
+    def arrive(self, r: Request) -> None:
+        if (self.cp_threshold is None or r.prompt_len <= self.cp_threshold
+                or _validate(r, self.cfg) is not None):
+            super().arrive(r)
+            return
+        # a long prompt: the g least loaded DP groups share it (the placer's load-aware rule for g groups)
+        g = min(self.W, -(-r.prompt_len // self.cp_threshold))
+        chunks = split_prompt(r.request_id, r.prompt_len, self.cfg.effective_chunk_len)
+        load = self.placer.outstanding
+        groups = sorted(range(self.W), key=lambda j: (load[j], j))[:g]
+        work = sum(c.cost for c in chunks) / g
+        for j in groups:  # the placer's accounting, released by complete((request, group)) at the end
+            self.placer._work[j] += work
+            self.placer._held[(r.request_id, j)] = (j, work)
+        self.records[r.request_id].start_s = self.engine.now
+        self.engine.after(self._delivery_s(chunks), self._deliver_cp, _CpRequest(r.request_id, chunks, groups))
+
+    def _deliver_cp(self, req: _CpRequest) -> None:
+        self.cp.append(req)
+        self._queued(req.groups[0])
+
+    def _result_cp(self, req: _CpRequest) -> None:
+        self.records[req.request_id].done_s = self.engine.now
+        for j in req.groups:
+            self.placer.complete((req.request_id, j))
+
+    def _batches(self) -> tuple:
+        """This step's micro-batch per group, and its CP shares [(request, chunk, tokens, part)] (module docstring)."""
+        if not self.cp:
+            return [b.next_batch() for b in self.batchers], None
+        budget = self.cfg.token_budget
+        cp_tokens = [0] * self.W
+        shares: list = [[] for _ in range(self.W)]
+        for req in self.cp:
+            if req.busy:
+                continue
+            c = req.chunks[req.next]
+            parts = _even_parts(c.length, len(req.groups))
+            if all(cp_tokens[j] == 0 or cp_tokens[j] + n <= budget for j, n in zip(req.groups, parts)):
+                req.busy = True
+                for i, (j, n) in enumerate(zip(req.groups, parts)):
+                    cp_tokens[j] += n
+                    shares[j].append((req, c, n, i))
+        batches = []
+        for j, b in enumerate(self.batchers):
+            left = budget - cp_tokens[j]
+            if cp_tokens[j] == 0:
+                batches.append(b.next_batch())
+            elif left >= self.cfg.max_chunk_tokens:  # a whole chunk still fits under the budget
+                b.token_budget = left
+                try:
+                    batches.append(b.next_batch())
+                finally:
+                    b.token_budget = budget
+            else:
+                batches.append([])
+        return batches, shares
+
+    # ------------------------------------------------------------------ lock-step
     def _queued(self, rank: int) -> None:
         if not self.stepping and self.check_at is None:
             # the idle ranks notice at their next heartbeat: the others' 1 ms receive timeouts must expire
-            delay = (1.0 - 1.0 / self.W) * SYNC_IDLE_POLL_S + self.cost.all_reduce_s(self.W)
+            delay = (1.0 - 1.0 / self.W) * SYNC_IDLE_POLL_S + self.cost.all_reduce_s(self.D)
             self.check_at = self.engine.after(delay, self._step)
 
     def _step(self) -> None:
         self.check_at = None
-        batches = [b.next_batch() for b in self.batchers]
-        if not any(batches):
+        batches, shares = self._batches()
+        if not any(batches) and not (shares and any(shares)):
             self.stepping = False
             return
         self.stepping = True
         self.steps += 1
-        cost, W, cores = self.cost, self.W, self.cost.cores
+        cost, W, D, tp, cores = self.cost, self.W, self.D, self.tp, self.cost.cores
         tokens = [sum(c.length for c in b) for b in batches]
-        attn = [cost.attention_s([(c.length, c.start) for c in b]) if b else 0.0 for b in batches]
-        rows = [round(t * self.frac) for t in tokens]
+        attn = [cost.attention_s([(c.length, c.start) for c in b], tp) if b else 0.0 for b in batches]
+        last = [sum(1 for c in b if c.last) for b in batches]
+        if shares:
+            for r, sh in enumerate(shares):
+                if not sh:
+                    continue
+                chunks = [(c.length, c.start) for c in batches[r]]
+                chunks += [(c.length, c.start, len(req.groups)) for req, c, _n, _i in sh]
+                tokens[r] += sum(n for _req, _c, n, _i in sh)
+                attn[r] = (cost.attention_s(chunks, tp)
+                           + sum(cost.cp_exchange_s(c.length, c.start, len(req.groups), tp) for req, c, _n, _i in sh))
+                last[r] += sum(1 for _req, c, _n, i in sh if c.last and i == 0)  # one group computes the head
+        if tp > 1:  # every layer: the group's reduce-scatter + all-gather
+            attn = [a + cost.tp_all_reduce_s(T, tp) if T else a for a, T in zip(attn, tokens)]
+        per_dev = [-(-T // tp) for T in tokens]  # tokens of one device after the reduce-scatter
+        rows = [round(T * self.frac) for T in per_dev]  # rows one device sends to one peer
         # every token of every rank may choose this rank's experts: its share of the (token, expert) pairs
         # is sum(tokens) * top_k * local / N (see _pairs)
         k = self.k
         expert_work = k * cost.experts_s(_pairs(sum(tokens), self.shapes, self.local)) if sum(tokens) else 0.0
-        a2a_rows = max(max(rows), round(sum(rows) / W))  # the busiest sender / receiver
-        a2a = cost.all_to_all_s(0, W) + 2 * cost.all_to_all_s(a2a_rows, W)  # counts, dispatch, combine
-        t = cost.all_reduce_s(W)
+        # the busiest device: what it sends (its rows for each of its D - 1 peers) or receives (from D - 1 devices)
+        a2a_rows = max(max(rows) * (D - 1), round(sum(rows) * tp * (D - 1) / D))
+        # counts, dispatch (dispatch rows), combine (combine rows)
+        a2a = cost.all_to_all_s(0, D) + cost.all_to_all_s(a2a_rows, D) + cost.all_to_all_s(a2a_rows, D, True)
+        t = cost.all_reduce_s(D)
         busy_before = list(self.busy)
         pending = [0.0] * W  # rank-local work since the last collective
         # On a shared CPU host the ranks that wait in a gloo collective stay runnable (they poll): a phase
@@ -387,19 +611,22 @@ class _SyncSim(_Common):
                 T = tokens[r]
                 if not T:
                     continue
-                w = (cost.embed_s(T) if i == 0 else cost.shared_experts_s(T))
-                w += dense * (attn[r] + cost.dense_mlp_s(T))
+                Td = per_dev[r]
+                w = (cost.embed_s(T) if i == 0 else cost.shared_experts_s(Td))
+                w += dense * (attn[r] + cost.dense_mlp_s(Td))
                 if moe:
-                    w += attn[r] + cost.router_s(T)
+                    w += attn[r] + cost.router_s(Td)
                 else:
-                    last = sum(1 for c in batches[r] if c.last)
-                    w += cost.head_s(last) if last else 0.0
+                    w += cost.head_s(last[r]) if last[r] else 0.0
                 pending[r] += k * w
             if not moe:
                 break
             seg = spin * max(pending) if cores is not None else ps_makespan(pending, None)
             ex = spin_ex * expert_work
-            t += seg + a2a + ex + self.layer_overhead
+            if self.par.sync_overlap:  # the all_to_alls hidden behind compute as far as it lasts
+                t += max(seg + ex, a2a) + self.layer_overhead
+            else:
+                t += seg + a2a + ex + self.layer_overhead
             for r in range(W):
                 self.busy[r] += pending[r] + expert_work
             pending = [0.0] * W
@@ -409,16 +636,29 @@ class _SyncSim(_Common):
         t += tail
         if self.spans is not None:  # each rank's own compute of the step (the rest of the step it waits)
             for r in range(W):
-                self.spans.append((f"rank {r}", "step" if batches[r] else "dummy step (experts only)",
-                                   self.engine.now, self.busy[r] - busy_before[r]))
-        self.engine.after(t, self._step_done, batches)
+                label = "step" if batches[r] or (shares and shares[r]) else "dummy step (experts only)"
+                self.spans.append((self._name(r), label, self.engine.now, self.busy[r] - busy_before[r]))
+        self.engine.after(t, self._step_done, batches, shares)
 
-    def _step_done(self, batches: list) -> None:
+    def _name(self, r: int) -> str:
+        return f"rank {r}" if self.tp == 1 else f"group {r} (TP {self.tp})"
+
+    def _step_done(self, batches: list, shares) -> None:
         for r, b in enumerate(batches):
             for c in b:
                 self.batchers[r].done(c)
                 if c.last:
                     self.engine.after(self.msg_result, self._result, c.request_id)
+        if shares:
+            for sh in shares:
+                for req, c, _n, i in sh:
+                    if i:
+                        continue  # once per request: its first group's share
+                    req.busy = False
+                    req.next += 1
+                    if c.last:
+                        self.cp.remove(req)
+                        self.engine.after(self.msg_result, self._result_cp, req)
         # the loop comes straight back to the next step's all_reduce
         self._step()
 
@@ -430,28 +670,37 @@ class _SyncSim(_Common):
             def __init__(self, busy_s: float, jobs: int) -> None:
                 self.busy_s, self.jobs = busy_s, jobs
 
-        ranks = [(f"rank {r}", "dp+ep", _Busy(self.busy[r], self.steps), 1) for r in range(self.W)]
+        role = "dp+ep" if self.tp == 1 else f"dp+ep (TP {self.tp})"
+        ranks = [(self._name(r), role, _Busy(self.busy[r], self.steps), self.tp) for r in range(self.W)]
         return end, ranks
 
 
 def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConfig(), *,
-             sync_ranks: int | None = None, spans: bool = False) -> SimResult:
+             sync_ranks: int | None = None, spans: bool = False, par: Parallelism | None = None) -> SimResult:
     """Simulate ``requests`` (``asap_comm.serving.traces.Request``: id, arrival, prompt length).
 
-    ``mode``: ``"async"`` (``cfg.num_attention_ranks`` + ``cfg.num_expert_ranks``
-    ranks) or ``"sync"`` (``sync_ranks`` DP+EP ranks, default the same total).
+    ``mode``: ``"async"`` (``cfg.num_attention_ranks`` attention ranks of ``par.attention_tp`` devices each +
+    ``cfg.num_expert_ranks`` expert ranks) or ``"sync"`` (``sync_ranks`` DP+EP groups of ``par.sync_tp``
+    devices each, default as many groups as ASAP has ranks; context parallelism above ``par.cp_threshold``).
     Returns records with the runtime's fields, so ``summarize_run`` applies.
     """
     if mode not in ("async", "sync"):
         raise ValueError(f"simulate: mode must be 'async' or 'sync', got {mode!r}")
+    par = Parallelism() if par is None else par
+    if not isinstance(par, Parallelism):
+        raise TypeError(f"simulate: par must be a Parallelism, got {type(par).__name__}")
+    tp = par.attention_tp if mode == "async" else par.sync_tp
+    if tp > 1 and cost.cores is not None:
+        raise ValueError(f"simulate: tensor parallelism (tp={tp}) needs a profile of dedicated devices; "
+                         f"{cost.name!r} shares {cost.cores} CPU cores between its ranks")
     t0 = time.perf_counter()
     if mode == "async":
-        sim = _AsyncSim(cost, shapes, cfg, requests, spans)
+        sim = _AsyncSim(cost, shapes, cfg, requests, spans, par)
     else:
         W = cfg.num_attention_ranks + cfg.num_expert_ranks if sync_ranks is None else sync_ranks
         if isinstance(W, bool) or not isinstance(W, int) or W < 1:
             raise ValueError(f"simulate: sync_ranks={sync_ranks!r} must be an int >= 1")
-        sim = _SyncSim(cost, shapes, cfg, requests, spans, W)
+        sim = _SyncSim(cost, shapes, cfg, requests, spans, W, par)
     end, ranks = sim.run()
     records = sim._finish_records()
     span = max(end, 1e-12)

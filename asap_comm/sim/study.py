@@ -7,22 +7,81 @@
   unloaded latency, and tying it to the modelled hardware keeps the default
   meaningful on any profile.
 * :func:`find_slo_throughput`: sweeps offered load for one mode: doubles the
-  request rate from a low start until the SLO fails (at least 90% of requests
-  within it), then bisects (geometrically) between the last pass and the
-  first fail; every tested point is kept and the result is
-  ``asap_comm.serving.slo_compliant_throughput`` of them (tokens/s).
+  request rate from a low start until the SLO fails (fewer than ``target``,
+  by default 90%, of requests within it), then bisects (geometrically)
+  between the last pass and the first fail; every tested point is kept and
+  the result is ``asap_comm.serving.slo_compliant_throughput`` of them
+  (tokens/s). When the start already fails it first tries a near-zero load
+  (``start / 4**max_doublings``, requests alone): if that fails the SLO
+  fails at every load (None); else it divides the rate by 4 until a pass.
+
+Every function takes ``par`` (:class:`~asap_comm.sim.simulate.Parallelism`:
+TP groups, context parallelism; default one device per rank) and passes it
+to :func:`~asap_comm.sim.simulate.simulate`.
+
+* :func:`search_best`: the best :class:`Deployment` of a list under one SLO: a coarse load search of
+  every candidate on a short trace, then the few best confirmed on the full trace (the headline's
+  best-vs-best search).
 """
 from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 
 from ..serving.metrics import slo_compliant_throughput, summarize_run
 from ..serving.runtime import RuntimeConfig
 from ..serving.traces import Request, scale_trace
-from .simulate import simulate
+from .simulate import Parallelism, simulate
 
-__all__ = ["at_rate", "mean_len", "unloaded_slo", "run_point", "capacity_rate", "find_slo_throughput", "compare"]
+__all__ = ["percentile_target", "parse_slo", "spread_buckets", "at_rate", "mean_len", "p90_prompt", "unloaded_slo", "run_point",
+           "capacity_rate", "find_slo_throughput", "compare", "Deployment", "sweep_deployment", "search_best"]
+
+
+def percentile_target(p: float) -> float:
+    """An SLO percentile (the share of requests that must meet the SLO, in percent) as an attainment target."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 100:
+        raise ValueError(f"SLO percentile {p!r} must be a number in (0, 100]")
+    return p / 100.0
+
+
+def parse_slo(value: str) -> "float | None":
+    """A TTFT SLO argument: a positive number of seconds, or ``auto`` (None: the rule of the caller)."""
+    if value == "auto":
+        return None
+    try:
+        v = float(value)
+    except ValueError:
+        v = float("nan")
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{value!r} is not a positive number of seconds or 'auto'")
+    return v
+
+
+def spread_buckets(trace: list) -> tuple[list, float]:
+    """Arrivals spread evenly over their timestamp bucket; returns (trace, bucket seconds).
+
+    The published Mooncake conversation trace gives timestamps in 3-s steps (up to 28 requests share one),
+    an artefact of its rounding, not arrivals at one instant: taken as is, every rescaled load has bursts of
+    simultaneous arrivals that no deployment can serve within a few seconds. A bucket of ``k`` requests at
+    ``t`` becomes arrivals ``t + i * g / k`` (``g``: the most common gap between distinct timestamps, the
+    rounding step), in file order. The rate and the burstiness above ``g`` are unchanged.
+    """
+    times = sorted({r.arrival_s for r in trace})
+    gaps = [round(b - a, 6) for a, b in zip(times, times[1:]) if b > a]
+    if not gaps:
+        return list(trace), 0.0
+    g = max(set(gaps), key=lambda x: (gaps.count(x), -x))
+    out, i = [], 0
+    while i < len(trace):
+        j = i
+        while j < len(trace) and trace[j].arrival_s == trace[i].arrival_s:
+            j += 1
+        k = j - i
+        for m, r in enumerate(trace[i:j]):
+            out.append(Request(r.request_id, r.arrival_s + m * g / k, r.prompt_len, r.output_len))
+        i = j
+    return out, g
 
 
 def mean_len(trace) -> float:
@@ -34,12 +93,17 @@ def at_rate(trace, rate: float) -> list:
     return scale_trace(trace, target_rate=rate)
 
 
-def unloaded_slo(trace, cost, shapes, cfg: RuntimeConfig, *, factor: float = 3.0, mode: str = "sync",
-                 sync_ranks: int | None = None) -> float:
-    """``factor`` x the simulated unloaded TTFT of the trace's p90 prompt (see the module docstring)."""
+def p90_prompt(trace, cfg: RuntimeConfig) -> int:
+    """The trace's 90th-percentile prompt length (clipped at ``cfg.max_prompt_len``)."""
     lens = sorted(min(r.prompt_len, cfg.max_prompt_len) for r in trace)
-    p90 = lens[min(len(lens) - 1, int(0.9 * len(lens)))]
-    res = simulate(mode, [Request(0, 0.0, p90)], cost, shapes, cfg, sync_ranks=sync_ranks)
+    return lens[min(len(lens) - 1, int(0.9 * len(lens)))]
+
+
+def unloaded_slo(trace, cost, shapes, cfg: RuntimeConfig, *, factor: float = 3.0, mode: str = "sync",
+                 sync_ranks: int | None = None, par: Parallelism | None = None) -> float:
+    """``factor`` x the simulated unloaded TTFT of the trace's p90 prompt (see the module docstring)."""
+    p90 = p90_prompt(trace, cfg)
+    res = simulate(mode, [Request(0, 0.0, p90)], cost, shapes, cfg, sync_ranks=sync_ranks, par=par)
     t = res.records[0].ttft_s
     if t is None:
         raise ValueError(f"unloaded_slo: the p90 prompt ({p90} tokens) failed: {res.records[0].error}")
@@ -47,9 +111,9 @@ def unloaded_slo(trace, cost, shapes, cfg: RuntimeConfig, *, factor: float = 3.0
 
 
 def run_point(mode: str, trace, rate: float, cost, shapes, cfg, slo: float, *, sync_ranks=None,
-              spans: bool = False):
+              spans: bool = False, par: Parallelism | None = None):
     """One simulated run at ``rate`` requests/s: (summary dict with the runtime's keys + extras, SimResult)."""
-    res = simulate(mode, at_rate(trace, rate), cost, shapes, cfg, sync_ranks=sync_ranks, spans=spans)
+    res = simulate(mode, at_rate(trace, rate), cost, shapes, cfg, sync_ranks=sync_ranks, spans=spans, par=par)
     s = summarize_run(res.records, slo).as_dict()
     util = [r["utilisation"] for r in res.ranks for _ in range(r["stands_for"])]
     s.update(rate_req_s=rate, offered_tokens_per_s=rate * mean_len(trace),
@@ -57,16 +121,18 @@ def run_point(mode: str, trace, rate: float, cost, shapes, cfg, slo: float, *, s
     return s, res
 
 
-def capacity_rate(trace, cost, shapes, cfg: RuntimeConfig, *, sync_ranks: int) -> float:
+def capacity_rate(trace, cost, shapes, cfg: RuntimeConfig, *, sync_ranks: int,
+                  par: Parallelism | None = None) -> float:
     """A rough saturation rate (requests/s): the baseline's ranks over the unloaded time of a mean prompt."""
     n = max(1, min(cfg.max_prompt_len, round(mean_len(trace))))
-    one = simulate("sync", [Request(0, 0.0, n)], cost, shapes, cfg, sync_ranks=sync_ranks).records[0].ttft_s
+    one = simulate("sync", [Request(0, 0.0, n)], cost, shapes, cfg, sync_ranks=sync_ranks,
+                   par=par).records[0].ttft_s
     return sync_ranks / one
 
 
 def find_slo_throughput(mode: str, trace, cost, shapes, cfg: RuntimeConfig, slo: float, *, start_rate: float,
                         sync_ranks=None, bisections: int = 4, max_doublings: int = 10,
-                        progress: str | None = None, target: float = 0.9) -> dict:
+                        progress: str | None = None, target: float = 0.9, par: Parallelism | None = None) -> dict:
     """Sweep one mode's load (see the module docstring). Returns the points and the SLO-compliant throughput.
 
     ``saturated`` is False when even the highest tested rate passed (the result is then a lower bound),
@@ -76,7 +142,7 @@ def find_slo_throughput(mode: str, trace, cost, shapes, cfg: RuntimeConfig, slo:
     points = []
 
     def point(rate: float) -> bool:
-        s, _ = run_point(mode, trace, rate, cost, shapes, cfg, slo, sync_ranks=sync_ranks)
+        s, _ = run_point(mode, trace, rate, cost, shapes, cfg, slo, sync_ranks=sync_ranks, par=par)
         points.append(s)
         if progress:
             p90 = s["ttft_p90_s"] if s["ttft_p90_s"] is not None else float("nan")
@@ -93,13 +159,19 @@ def find_slo_throughput(mode: str, trace, cost, shapes, cfg: RuntimeConfig, slo:
             hi = rate
             break
     if lo is None:  # even the start failed: look lower
-        rate = start_rate
-        for _ in range(max_doublings):
-            rate /= 4
-            if point(rate):
-                lo = rate
-                break
-            hi = rate
+        floor = start_rate / 4 ** max_doublings
+        if not point(floor):  # requests alone: no load can do better, so the SLO fails at every load
+            hi = floor
+        else:
+            rate = start_rate
+            for _ in range(max_doublings - 1):
+                rate /= 4
+                if point(rate):
+                    lo = rate
+                    break
+                hi = rate
+            if lo is None:
+                lo = floor
     if lo is not None and hi is not None:
         for _ in range(bisections):
             mid = math.sqrt(lo * hi)
@@ -117,15 +189,22 @@ def find_slo_throughput(mode: str, trace, cost, shapes, cfg: RuntimeConfig, slo:
 
 
 def compare(trace, cost, shapes, cfg: RuntimeConfig, *, sync_ranks: int, slo: float | None = None,
-            progress: str | None = None, modes=("async", "sync"), bisections: int = 4) -> dict:
-    """Both modes' sweeps on one trace; the SLO defaults to :func:`unloaded_slo` of the baseline."""
+            progress: str | None = None, modes=("async", "sync"), bisections: int = 4, target: float = 0.9,
+            par: Parallelism | None = None, sync_cfg: RuntimeConfig | None = None) -> dict:
+    """Both modes' sweeps on one trace; the SLO defaults to :func:`unloaded_slo` of the baseline.
+
+    ``sync_cfg``: the baseline's runtime settings when they differ from ASAP's (its chunk size), else ``cfg``.
+    """
+    scfg = cfg if sync_cfg is None else sync_cfg
     if slo is None:
-        slo = unloaded_slo(trace, cost, shapes, cfg, sync_ranks=sync_ranks)
-    start = 0.25 * capacity_rate(trace, cost, shapes, cfg, sync_ranks=sync_ranks)
-    out = {"slo_s": slo, "mean_prompt_tokens": mean_len(trace), "num_requests": len(trace), "start_rate": start}
+        slo = unloaded_slo(trace, cost, shapes, scfg, sync_ranks=sync_ranks, par=par)
+    start = 0.25 * capacity_rate(trace, cost, shapes, scfg, sync_ranks=sync_ranks, par=par)
+    out = {"slo_s": slo, "mean_prompt_tokens": mean_len(trace), "num_requests": len(trace), "start_rate": start,
+           "target": target}
     for mode in modes:
-        out[mode] = find_slo_throughput(mode, trace, cost, shapes, cfg, slo, sync_ranks=sync_ranks,
-                                        progress=progress, start_rate=start, bisections=bisections)
+        out[mode] = find_slo_throughput(mode, trace, cost, shapes, cfg if mode == "async" else scfg, slo,
+                                        sync_ranks=sync_ranks, progress=progress, start_rate=start,
+                                        bisections=bisections, target=target, par=par)
         if out[mode]["arrival_span_over_slo"] is not None and out[mode]["arrival_span_over_slo"] < 3:
             print(f"  warning: at {mode}'s SLO-compliant rate the {len(trace)} arrivals span only "
                   f"{out[mode]['arrival_span_over_slo']:.1f} SLOs: use more requests for a sustained load",
@@ -135,3 +214,117 @@ def compare(trace, cost, shapes, cfg: RuntimeConfig, *, sync_ranks: int, slo: fl
     return out
 
 
+
+
+# ----------------------------------------------------------------------------- best configuration
+@dataclass(frozen=True)
+class Deployment:
+    """One configuration of one mode (what the best-configuration search ranges over).
+
+    ``cfg``: the runtime settings (ASAP's attention and expert ranks, chunk size, budgets); ``par``: attention
+    groups' TP degree and the baseline's context parallelism; ``sync_ranks``: the baseline's DP groups.
+    """
+
+    mode: str
+    cfg: RuntimeConfig
+    par: Parallelism = Parallelism()
+    sync_ranks: "int | None" = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("async", "sync"):
+            raise ValueError(f"Deployment: mode must be 'async' or 'sync', got {self.mode!r}")
+        if self.mode == "sync" and self.sync_ranks is None:
+            raise ValueError("Deployment: a 'sync' deployment needs sync_ranks")
+
+    @property
+    def devices(self) -> int:
+        """Devices it occupies: ``A * attention_tp + E`` (ASAP) or ``sync_ranks * sync_tp`` (baseline)."""
+        if self.mode == "async":
+            return self.cfg.num_attention_ranks * self.par.attention_tp + self.cfg.num_expert_ranks
+        return self.sync_ranks * self.par.sync_tp
+
+    @property
+    def label(self) -> str:
+        chunk = "whole prompts" if self.cfg.effective_chunk_len is None else f"chunk {self.cfg.effective_chunk_len}"
+        if self.mode == "sync" and self.cfg.token_budget != self.cfg.effective_chunk_len:
+            chunk += f", budget {self.cfg.token_budget}"
+        if self.mode == "async":
+            tp = "" if self.par.attention_tp == 1 else f" x TP{self.par.attention_tp}"
+            return f"ASAP {self.cfg.num_attention_ranks}{tp} + {self.cfg.num_expert_ranks}, {chunk}"
+        tp = "" if self.par.sync_tp == 1 else f" x TP{self.par.sync_tp}"
+        cp = "no CP" if self.par.cp_threshold is None else f"CP > {self.par.cp_threshold}"
+        overlap = ", overlap" if self.par.sync_overlap else ""
+        return f"DP+EP {self.sync_ranks}{tp}, {cp}, {chunk}{overlap}"
+
+    def describe(self) -> dict:
+        c = self.cfg
+        d = {"mode": self.mode, "label": self.label, "devices": self.devices, "chunk_len": c.effective_chunk_len,
+             "token_budget": c.token_budget}
+        if self.mode == "async":
+            d.update(attention_ranks=c.num_attention_ranks, attention_tp=self.par.attention_tp,
+                     expert_ranks=c.num_expert_ranks)
+        else:
+            d.update(sync_ranks=self.sync_ranks, sync_tp=self.par.sync_tp, cp_threshold=self.par.cp_threshold,
+                     sync_overlap=self.par.sync_overlap)
+        return d
+
+
+def sweep_deployment(d: Deployment, trace, cost, shapes, slo: float, *, start_rate: float, bisections: int = 4,
+                     target: float = 0.9, progress: str | None = None) -> dict:
+    """:func:`find_slo_throughput` of one deployment."""
+    return find_slo_throughput(d.mode, trace, cost, shapes, d.cfg, slo, start_rate=start_rate,
+                               sync_ranks=d.sync_ranks, bisections=bisections, target=target, par=d.par,
+                               progress=progress)
+
+
+def search_best(candidates, trace, cost, shapes, slo: float, *, start_rate: float, bisections: int = 2,
+                target: float = 0.9, confirm_trace=None, confirm_top: int = 2, confirm_bisections: int = 4,
+                progress: str | None = None, sweep=sweep_deployment) -> dict:
+    """The deployment of ``candidates`` with the highest SLO-compliant throughput.
+
+    A coarse pass sweeps every candidate on ``trace`` (``bisections`` steps of the load search); then the
+    ``confirm_top`` best of it are swept again on ``confirm_trace`` (default: ``trace``) with
+    ``confirm_bisections``, and the best of those wins. Equal throughputs rank by the TTFT p90 at that load (lower
+    first), then by candidate order; a candidate that fails the SLO even at the lowest tested load ranks last. ``sweep(d, trace, cost, shapes, slo, ...)`` is
+    :func:`sweep_deployment` (a parameter for tests). Returns ``{"candidates": [{"deployment", "coarse",
+    "confirmed"}...] in candidate order, "best": Deployment, "best_sweep": its confirmed sweep, "ranking":
+    [candidate indices, best first, by coarse throughput]}``.
+    """
+    candidates = list(candidates)
+    if not candidates:
+        raise ValueError("search_best: no candidates")
+    rows = []
+    for i, d in enumerate(candidates):
+        r = sweep(d, trace, cost, shapes, slo, start_rate=start_rate, bisections=bisections, target=target,
+                  progress=None)
+        sct = r["slo_compliant_throughput"]
+        rows.append({"deployment": d, "coarse": r, "confirmed": None})
+        if progress:
+            print(f"  [{progress}] {d.label:45s} coarse SLO-compliant {sct or 0:12.0f} tok/s", file=sys.stderr,
+                  flush=True)
+    def key(i):  # highest throughput; among equals (the coarse grid of loads ties often) the lower TTFT p90 there
+        r = rows[i]["coarse"]
+        sct = r["slo_compliant_throughput"]
+        p90 = [p["ttft_p90_s"] for p in r["points"] if p["offered_tokens_per_s"] == sct and p["ttft_p90_s"] is not None]
+        return (-(sct if sct is not None else -1.0), min(p90) if p90 else math.inf, i)
+    ranking = sorted(range(len(rows)), key=key)
+    top = ranking[:max(1, confirm_top)]
+    if confirm_trace is None and confirm_bisections == bisections:
+        for i in top:
+            rows[i]["confirmed"] = rows[i]["coarse"]
+    else:
+        for i in top:
+            d = rows[i]["deployment"]
+            rows[i]["confirmed"] = sweep(d, trace if confirm_trace is None else confirm_trace, cost, shapes, slo,
+                                         start_rate=start_rate, bisections=confirm_bisections, target=target,
+                                         progress=None)
+            if progress:
+                sct = rows[i]["confirmed"]["slo_compliant_throughput"]
+                print(f"  [{progress}] {d.label:45s} confirmed SLO-compliant {sct or 0:12.0f} tok/s",
+                      file=sys.stderr, flush=True)
+    def ckey(i):  # equal confirmed throughputs: the coarse ranking decides
+        sct = rows[i]["confirmed"]["slo_compliant_throughput"]
+        return (-(sct if sct is not None else -1.0), top.index(i))
+    win = min(top, key=ckey)
+    return {"candidates": rows, "best": rows[win]["deployment"], "best_sweep": rows[win]["confirmed"],
+            "ranking": ranking}
