@@ -33,9 +33,11 @@ deepseek-v3) on the hardware profile, times ``--time-scale``; each real token
 stands for ``--token-scale`` emulated tokens. Unless given, the defaults then
 become: the tiny model, 8 + 8 ranks (16 baseline workers), the Mooncake trace
 of ``shared/traces`` with lengths divided by the token scale, 128-token chunks
-and micro-batches, 240 requests per load, and the baseline's collectives on
-shared memory (``--sync-collectives shm``: gloo's milliseconds would slow the
-baseline below what the modelled collectives take). ``summary.json`` then carries ``overrun_fraction`` per mode.
+and micro-batches, 240 requests per load, the baseline as tensor-parallel
+groups of 4 devices (``--sync-tp 4``: the best of 1, 2 and 4 measured at
+4 req/s on the default load, SLO attainment 0.48 / 0.87 / 0.98), and its
+collectives on shared memory (``--sync-collectives shm``: gloo's milliseconds
+would slow the baseline below what the modelled collectives take). ``summary.json`` then carries ``overrun_fraction`` per mode.
 
     python examples/prefill.py --emulate ascend-910c-cm384 --emulate-model deepseek-v3 --sweep auto --out DIR
 """
@@ -136,7 +138,7 @@ DEFAULT_TOKEN_SCALE = 128  # --emulate: emulated tokens per real token
 # --emulate: defaults of the flags a user did not give
 EMULATE_DEFAULTS = {"model": "tiny", "attention_ranks": 8, "expert_ranks": 8, "trace": "mooncake",
                     "num_requests": 240, "max_prompt_len": 512, "token_budget": 128, "chunk_len": 128,
-                    "sync_collectives": "shm"}
+                    "sync_collectives": "shm", "sync_tp": 4}
 SWEEP_AUTO_BISECTIONS = 3  # --sweep auto: bisection steps after the doubling phase
 SWEEP_PROBE_S = 45.0  # --sweep auto: a probe's arrivals span at most this many seconds ...
 SWEEP_MIN_REQUESTS = 60  # ... but hold at least this many requests
@@ -183,7 +185,7 @@ def unloaded_ttft(mode: str, factory, info, cfg, prompt_len: int, vocab: int, ga
 
 def resolve_slo(args, factory, info, cfg, requests, single_process_s: float, modes: list) -> dict:
     """The TTFT SLO and where it comes from: the ``"slo"`` entry of ``summary.json``."""
-    prompt_len = min(p90_prompt_len(requests), cfg.max_prompt_len)
+    prompt_len = min(p90_prompt_len(requests), (cfg["sync"] if isinstance(cfg, dict) else cfg).max_prompt_len)
     if args.slo != "auto":
         return {"ttft_s": float(args.slo), "source": "flag", "multiplier": None, "p90_prompt_tokens": prompt_len,
                 "unloaded_ttft_s": {}}
@@ -192,7 +194,8 @@ def resolve_slo(args, factory, info, cfg, requests, single_process_s: float, mod
     for mode in sorted(set(modes) | {SLO_BASIS}):
         print(f"{mode}: unloaded TTFT of {prompt_len}-token prompts, one at a time ...", file=sys.stderr, flush=True)
         f = factory[mode] if isinstance(factory, dict) else factory
-        unloaded[mode], used = unloaded_ttft(mode, f, info, cfg, prompt_len, f.config().vocab_size, gap, args.seed)
+        c = cfg[mode] if isinstance(cfg, dict) else cfg
+        unloaded[mode], used = unloaded_ttft(mode, f, info, c, prompt_len, f.config().vocab_size, gap, args.seed)
         print(f"  {mode}: {unloaded[mode] * 1e3:.1f} ms (median of {used})", file=sys.stderr, flush=True)
     return {"ttft_s": SLO_MULTIPLIER * unloaded[SLO_BASIS], "source": "auto", "multiplier": SLO_MULTIPLIER,
             "p90_prompt_tokens": prompt_len, "unloaded_ttft_s": unloaded}
@@ -244,9 +247,35 @@ def emulated(args, base, mode: str, stats_dir=None):
         return base
     from asap_comm.sim.emulate import EmulatedFactory
 
-    ranks = args.expert_ranks if mode == "async" else args.attention_ranks + args.expert_ranks
+    if mode == "async":
+        return EmulatedFactory(base, args.emulate, args.emulate_model, time_scale=args.time_scale,
+                               token_scale=args.token_scale, num_expert_ranks=args.expert_ranks, stats_dir=stats_dir,
+                               attention_tp=args.attention_tp, expert_devices=1)
     return EmulatedFactory(base, args.emulate, args.emulate_model, time_scale=args.time_scale,
-                           token_scale=args.token_scale, num_expert_ranks=ranks, stats_dir=stats_dir)
+                           token_scale=args.token_scale, num_expert_ranks=sync_workers(args), stats_dir=stats_dir,
+                           attention_tp=args.sync_tp, expert_devices=args.sync_tp)
+
+
+def sync_workers(args) -> int:
+    """The baseline's workers (DP groups): --sync-ranks, or as many groups of --sync-tp devices as ASAP has devices
+    (A x attention_tp + E) when emulating, else A + E processes."""
+    if args.sync_ranks is not None:
+        return args.sync_ranks
+    if not args.emulate:
+        return args.attention_ranks + args.expert_ranks
+    return max(1, (args.attention_ranks * args.attention_tp + args.expert_ranks) // args.sync_tp)
+
+
+def mode_config(cfg: RuntimeConfig, mode: str, args) -> RuntimeConfig:
+    """The RuntimeConfig of a mode: the baseline's worker count is sync_workers (run_sync runs A + E workers)."""
+    if mode == "async":
+        return cfg
+    w = sync_workers(args)
+    if w == cfg.num_attention_ranks + cfg.num_expert_ranks:
+        return cfg
+    if w < 2:
+        raise SystemExit(f"prefill.py: the baseline needs at least 2 workers, got {w} (--sync-ranks / --sync-tp)")
+    return dataclasses.replace(cfg, num_attention_ranks=w - 1, num_expert_ranks=1)
 
 
 def emulation_stats(stats_dir) -> dict:
@@ -296,8 +325,12 @@ def run_mode(mode: str, factory, info, requests, cfg):
     runner = run_async if mode == "async" else run_sync
     if runner is None:
         raise SystemExit("prefill.py: the synchronous baseline (asap_comm.serving.sync) is not available")
-    print(f"{mode}: {len(requests)} requests, {cfg.num_attention_ranks} attention + {cfg.num_expert_ranks} expert "
-          f"processes", file=sys.stderr, flush=True)
+    if mode == "async":
+        print(f"{mode}: {len(requests)} requests, {cfg.num_attention_ranks} attention + {cfg.num_expert_ranks} expert "
+              f"processes", file=sys.stderr, flush=True)
+    else:
+        print(f"{mode}: {len(requests)} requests, {cfg.num_attention_ranks + cfg.num_expert_ranks} DP+EP workers",
+              file=sys.stderr, flush=True)
     return runner(factory, info, requests, cfg)
 
 
@@ -391,6 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-scale", type=int, default=DEFAULT_TOKEN_SCALE,
                    help="with --emulate: emulated tokens per real token (prompt lengths of a trace file are divided "
                         "by it unless --length-scale is given)")
+    p.add_argument("--attention-tp", type=int, default=1,
+                   help="with --emulate: devices per ASAP attention rank (a tensor-parallel group)")
+    p.add_argument("--sync-tp", type=int, default=1,
+                   help="with --emulate: devices per baseline worker (a tensor-parallel DP group; its experts spread "
+                        "over them)")
+    p.add_argument("--sync-ranks", type=int, default=None,
+                   help="baseline workers (DP groups) (default: A + E; with --emulate, ASAP's devices / --sync-tp)")
     p.add_argument("--sync-collectives", choices=("gloo", "shm"), default="gloo",
                    help="the baseline's all-to-alls: gloo (torch.distributed), or shm (asap_comm shared memory, "
                         "what NCCL/HCCL are to devices; the default with --emulate)")
@@ -455,7 +495,8 @@ def main(argv=None) -> int:
                         sync_collectives=args.sync_collectives)
     if args.emulate:  # calibration requests take emulated (long) times: space them by the emulated prefill time
         single_process_s = max(single_process_s, _emulated_p90_s(args, factory, requests))
-    slo_info = resolve_slo(args, {m: emulated(args, factory, m) for m in ("async", "sync")}, info, cfg, requests,
+    cfgs = {m: mode_config(cfg, m, args) for m in ("async", "sync")}
+    slo_info = resolve_slo(args, {m: emulated(args, factory, m) for m in ("async", "sync")}, info, cfgs, requests,
                            single_process_s, modes)
     slo = slo_info["ttft_s"]
     print(describe_slo(slo_info), file=sys.stderr, flush=True)
@@ -478,7 +519,7 @@ def main(argv=None) -> int:
         rate = args.rate if rate is None else rate
         mean_len = sum(int(r.token_ids.numel()) for r in load) / len(load)  # of this load's prompts
         with tempfile.TemporaryDirectory(prefix="asap-emu-") as stats_dir:
-            result = run_mode(mode, emulated(args, factory, mode, stats_dir), info, load, cfg)
+            result = run_mode(mode, emulated(args, factory, mode, stats_dir), info, load, cfgs[mode])
             emu = emulation_stats(stats_dir) if args.emulate else None
         s = summarize_run(result.records, slo).as_dict()
         c, b, d = check(result, refs)
@@ -493,14 +534,17 @@ def main(argv=None) -> int:
                       f"time: the dilation is too small for this host (raise --time-scale)", file=sys.stderr,
                       flush=True)
             late = emu["collectives"]
-            if late["collectives"] and late["late_fraction"] > 0.05:
-                print(f"  warning: {mode}: gloo on this host was slower than the modelled collective in "
-                      f"{late['late_fraction']:.1%} of {late['collectives']} collectives (median "
-                      f"{late['median_transport_s']:.2e} s vs {late['median_modelled_s']:.2e} s modelled): the "
-                      "baseline is slowed by the host's transport; raise --time-scale", file=sys.stderr, flush=True)
+            busiest = max((r["held_s"] for r in emu["per_rank"]), default=0.0)
+            late["late_share"] = late["late_s"] / busiest if busiest else 0.0
+            if late["collectives"] and late["late_share"] > 0.05:
+                print(f"  warning: {mode}: the host's transport ({args.sync_collectives}) was slower than the "
+                      f"modelled collective in {late['late_fraction']:.1%} of {late['collectives']} collectives, "
+                      f"{late['late_share']:.1%} of the busiest worker's time (median {late['median_transport_s']:.2e}"
+                      f" s vs {late['median_modelled_s']:.2e} s modelled): the baseline is slowed by this host; "
+                      "raise --time-scale or use --sync-collectives shm", file=sys.stderr, flush=True)
         summary["runs"].append(entry)
         summary.setdefault(mode, {k: v for k, v in s.items()})  # the first load's numbers, per mode
-        write_timeline(out / f"timeline_{mode}.json", result, cfg)
+        write_timeline(out / f"timeline_{mode}.json", result, cfgs[mode])
         fmt = (lambda v: "-" if v is None else f"{v:.3f}")
         rows.append([mode, f"{rate:g}", f"{rate * mean_len:.0f}", fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]),
                      fmt(s["ttft_p99_s"]), f"{s['throughput_tokens_per_s']:.0f}", f"{s['slo_attainment']:.2f}",
@@ -514,7 +558,7 @@ def main(argv=None) -> int:
 
     if auto_sweep:
         for mode in modes:
-            workers = args.attention_ranks if mode == "async" else args.attention_ranks + args.expert_ranks
+            workers = args.attention_ranks if mode == "async" else sync_workers(args)
             # a rough capacity: each worker serves one request of the mean length in (unloaded TTFT of the p90
             # prompt) x (mean length / p90 length); doubling or halving from there finds the bracket
             unloaded = slo_info["unloaded_ttft_s"].get(mode) or slo / SLO_MULTIPLIER

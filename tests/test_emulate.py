@@ -238,3 +238,21 @@ def test_validate_detects_a_profile_fitted_on_another_host(tmp_path):
     with pytest.raises(ValueError, match=r"does not describe this host .*validate --calibrate"):
         validate(tmp_path / "out", profile=str(foreign), recalibrate=False, progress=False)
     assert not (tmp_path / "out" / "validation.json").exists()  # refused before running anything
+
+
+def test_a_rank_may_be_a_tensor_parallel_group(tmp_path):
+    real = ModelShapes.load("tiny")
+    cost = CostModel.load(PROFILE, EMU)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    one = EmulatedModel(_FakeStages(), cost, real, "attention", 1, 1e-3, 64, 8, _Stats(tmp_path / "a-1-1.stat"))
+    grp = EmulatedModel(_FakeStages(), cost, real, "attention", 1, 1e-3, 64, 8, _Stats(tmp_path / "a-2-1.stat"),
+                        attention_tp=4, expert_devices=4)
+    h = torch.zeros(16, 4)
+    one.attention_stage(1, h, _Cache(32))
+    grp.attention_stage(1, h, _Cache(32))
+    s1, s4 = (e["modelled_s"] for e in read_stats(tmp_path))  # pids 1 and 2
+    chunk = (16 * 64, 32 * 64)
+    assert s1 == pytest.approx(1e-3 * 29 * cost.attention_s([chunk]))
+    assert s4 == pytest.approx(1e-3 * 29 * (cost.attention_s([chunk], tp=4) + cost.tp_all_reduce_s(chunk[0], 4)))
+    assert s4 < s1  # four devices per group: faster attention, even with the all-reduces
+    assert grp.expert_work_s(10) == pytest.approx(one.expert_work_s(10) / 4)  # experts spread over the group

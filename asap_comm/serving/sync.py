@@ -209,8 +209,7 @@ class _Worker:
         if self.shm is not None:  # counts travel with the rows: one exchange
             recv, recv_counts = self.shm.all_to_all(send, send_counts)
             if hold is not None:
-                hold("counts", 0, W, t, layer)
-            t_d = time.monotonic()
+                hold("counts+dispatch", max(sum(send_counts), sum(recv_counts)), W, t, layer)
         else:
             recv_counts_t = torch.empty(W, dtype=torch.int64)
             dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64))
@@ -220,9 +219,9 @@ class _Worker:
             t_d = time.monotonic()
             recv = torch.empty(sum(recv_counts), self.width, dtype=torch.uint8)
             dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts)
+            if hold is not None:
+                hold("dispatch", max(sum(send_counts), sum(recv_counts)), W, t_d, layer)
         busiest = max(sum(send_counts), sum(recv_counts))
-        if hold is not None:
-            hold("dispatch", busiest, W, t_d, layer)
         t = self._span(f"{tag}dispatch a2a L{layer}", t)
         m = recv.shape[0]
         if m:

@@ -39,6 +39,14 @@ emulated run gives every rank what a deployment has, a dedicated device:
   modelled dispatch and combine transfer time of each batch after computing it
   and before returning it (one port, latency plus all bytes). A device would
   overlap that DMA with compute, so this is conservative for ASAP.
+* **Groups of devices** (``attention_tp``, ``expert_devices``): a rank may stand
+  for a tensor-parallel group, as production attention DP groups are: its
+  attention-side stages take the cost model's per-device time of a ``tp``-way
+  shard plus the group's all-reduces (``CostModel.attention_s(..., tp=)``,
+  ``tp_all_reduce_s``; MLPs at ``1/tp`` of the work and the profile's TP
+  efficiency), and a baseline worker's routed experts are spread over its
+  ``expert_devices`` devices (EP over every device). Context parallelism is
+  not emulated: the runtime splits long prompts into chunks on one rank.
 * **Overruns are reported.** An overrun is a held call whose real compute took
   longer than its modelled (dilated) time: the dilation is too small for this
   host. Every wrapped model counts calls, overruns, modelled and real seconds
@@ -121,7 +129,8 @@ def collective_summary(stats_dir: "str | Path") -> dict:
     the worker that arrived last (the shortest) is the transport's own time;
     the collective is *late* when that exceeds its modelled time (the largest
     of the workers', whose rows differ). Returns ``{"collectives", "late",
-    "late_fraction", "median_transport_s", "median_modelled_s"}``.
+    "late_fraction", "late_s" (the summed excess), "median_transport_s",
+    "median_modelled_s"}``.
     """
     logs = []
     for f in sorted(Path(stats_dir).glob("*.coll")):
@@ -130,19 +139,21 @@ def collective_summary(stats_dir: "str | Path") -> dict:
         if n:  # a model that joined no collective (an expert-side model) writes nothing
             logs.append([struct.unpack_from("<dd", raw, 16 * i) for i in range(n)])
     if not logs:
-        return {"collectives": 0, "late": 0, "late_fraction": 0.0, "median_transport_s": None,
+        return {"collectives": 0, "late": 0, "late_fraction": 0.0, "late_s": 0.0, "median_transport_s": None,
                 "median_modelled_s": None}
     n = min(len(x) for x in logs)
-    late, transport, modelled = 0, [], []
+    late, late_s, transport, modelled = 0, 0.0, [], []
     for i in range(n):
         m = max(log[i][0] for log in logs)
         r = min(log[i][1] for log in logs)
         transport.append(r)
         modelled.append(m)
-        late += r > m
+        if r > m:
+            late += 1
+            late_s += r - m
     transport.sort()
     modelled.sort()
-    return {"collectives": n, "late": late, "late_fraction": late / n if n else 0.0,
+    return {"collectives": n, "late": late, "late_fraction": late / n if n else 0.0, "late_s": late_s,
             "median_transport_s": transport[n // 2] if n else None,
             "median_modelled_s": modelled[n // 2] if n else None}
 
@@ -206,7 +217,7 @@ class EmulatedFactory:
 
     def __init__(self, inner, profile: str, emulate_model: str, *, time_scale: float = 1.0, token_scale: int = 1,
                  num_expert_ranks: int = 1, stats_dir: "str | Path | None" = None,
-                 real_shapes: "ModelShapes | None" = None) -> None:
+                 real_shapes: "ModelShapes | None" = None, attention_tp: int = 1, expert_devices: int = 1) -> None:
         if not callable(inner):
             raise TypeError(f"EmulatedFactory: inner must be a model factory (callable), got {type(inner).__name__}")
         for nm, v in (("time_scale", time_scale), ("token_scale", token_scale)):
@@ -217,6 +228,10 @@ class EmulatedFactory:
         self.inner, self.profile_name, self.model_name = inner, str(profile), str(emulate_model)
         self.time_scale, self.token_scale = float(time_scale), float(token_scale)
         self.num_expert_ranks = num_expert_ranks
+        for nm, v in (("attention_tp", attention_tp), ("expert_devices", expert_devices)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"EmulatedFactory: {nm}={v!r} must be an int >= 1")
+        self.attention_tp, self.expert_devices = attention_tp, expert_devices
         self.stats_dir = None if stats_dir is None else str(stats_dir)
         self.real_shapes = real_shapes if real_shapes is not None else _real_shapes(inner)
         self.cost()  # fail here, in the caller, on an unknown profile or model
@@ -229,7 +244,8 @@ class EmulatedFactory:
         """The same emulation, recording its counters under ``stats_dir`` (one directory per run)."""
         return EmulatedFactory(self.inner, self.profile_name, self.model_name, time_scale=self.time_scale,
                                token_scale=self.token_scale, num_expert_ranks=self.num_expert_ranks,
-                               stats_dir=stats_dir, real_shapes=self.real_shapes)
+                               stats_dir=stats_dir, real_shapes=self.real_shapes, attention_tp=self.attention_tp,
+                               expert_devices=self.expert_devices)
 
     def __call__(self, role: str, experts: list):
         model = self.inner(role, experts)
@@ -239,7 +255,8 @@ class EmulatedFactory:
             self._made += 1
             path = Path(self.stats_dir) / f"{role}-{os.getpid()}-{self._made}.stat"
         emu = EmulatedModel(model, self.cost(), self.real_shapes, role, len(experts), self.time_scale,
-                            self.token_scale, self.num_expert_ranks, _Stats(path))
+                            self.token_scale, self.num_expert_ranks, _Stats(path), attention_tp=self.attention_tp,
+                            expert_devices=self.expert_devices)
         if path is not None:
             emu.collectives = _CollectiveLog(path.with_suffix(".coll"))
         return emu
@@ -252,6 +269,7 @@ class EmulatedFactory:
     def describe_emulation(self) -> dict:
         return {"profile": self.profile_name, "model": self.model_name, "time_scale": self.time_scale,
                 "token_scale": self.token_scale, "num_expert_ranks": self.num_expert_ranks,
+                "attention_tp": self.attention_tp, "expert_devices": self.expert_devices,
                 "served_model": self.real_shapes.name}
 
     def __repr__(self) -> str:
@@ -263,8 +281,14 @@ class EmulatedModel:
     """A stage model whose calls are held for the modelled time (see the module docstring)."""
 
     def __init__(self, inner, cost: CostModel, real: ModelShapes, role: str, num_local_experts: int,
-                 time_scale: float, token_scale: float, num_expert_ranks: int, stats: _Stats) -> None:
+                 time_scale: float, token_scale: float, num_expert_ranks: int, stats: _Stats, *,
+                 attention_tp: int = 1, expert_devices: int = 1) -> None:
         self.inner, self.cost, self.role, self.stats = inner, cost, role, stats
+        # A rank may be a group of devices: attention-side work runs tensor-parallel on attention_tp devices
+        # (per-device time from the cost model, plus the group's all-reduces); a rank's routed experts are
+        # spread over expert_devices devices (EP over every device of a baseline group).
+        self.tp, self.expert_devices = attention_tp, expert_devices
+        self._tp_eff = cost.tp_eff(attention_tp) if attention_tp > 1 else 1.0
         self.collectives = _CollectiveLog(None)
         self.time_scale, self.S = time_scale, token_scale
         emu = cost.shapes
@@ -310,7 +334,11 @@ class EmulatedModel:
         cached = 0 if cache is None else int(cache.length(layer))
         out = self.inner.attention_stage(layer, hidden, cache)
         chunk = (self._tokens(int(hidden.shape[0])), self._tokens(cached))
-        self._hold(t0, self._layer_weight(layer) * self.cost.attention_s([chunk]))
+        if self.tp > 1:
+            s = self.cost.attention_s([chunk], tp=self.tp) + self.cost.tp_all_reduce_s(chunk[0], self.tp)
+        else:
+            s = self.cost.attention_s([chunk])
+        self._hold(t0, self._layer_weight(layer) * s)
         return out
 
     def route(self, layer: int, mlp_input):
@@ -319,16 +347,24 @@ class EmulatedModel:
         self._hold(t0, self._layer_weight(layer) * self.cost.router_s(self._tokens(int(mlp_input.shape[0]))))
         return out
 
+    def _tp_mlp(self, single_device_s: float, tokens: int) -> float:
+        """An MLP split tensor-parallel over the group: 1/tp of the work at the TP efficiency, plus its all-reduce."""
+        if self.tp == 1:
+            return single_device_s
+        return single_device_s / (self.tp * self._tp_eff) + self.cost.tp_all_reduce_s(tokens, self.tp)
+
     def shared_experts(self, layer: int, mlp_input):
         t0 = time.monotonic()
         out = self.inner.shared_experts(layer, mlp_input)
-        self._hold(t0, self._layer_weight(layer) * self.cost.shared_experts_s(self._tokens(int(mlp_input.shape[0]))))
+        n = self._tokens(int(mlp_input.shape[0]))
+        self._hold(t0, self._layer_weight(layer) * self._tp_mlp(self.cost.shared_experts_s(n), n))
         return out
 
     def dense_mlp(self, layer: int, mlp_input):
         t0 = time.monotonic()
         out = self.inner.dense_mlp(layer, mlp_input)
-        self._hold(t0, self._layer_weight(layer) * self.cost.dense_mlp_s(self._tokens(int(mlp_input.shape[0]))))
+        n = self._tokens(int(mlp_input.shape[0]))
+        self._hold(t0, self._layer_weight(layer) * self._tp_mlp(self.cost.dense_mlp_s(n), n))
         return out
 
     def expert(self, layer: int, expert: int, x, weights=None):
@@ -343,7 +379,7 @@ class EmulatedModel:
             return 0.0
         n = self._experts_per_real
         per = max(1, int(round(rows * self._pairs_per_real_row / n)))
-        return n * self.cost.expert_s(per)
+        return n * self.cost.expert_s(per) / self.expert_devices  # the rank's devices compute its experts at once
 
     def lm_head_logits(self, normed):
         t0 = time.monotonic()
@@ -359,14 +395,21 @@ class EmulatedModel:
     def hold_collective(self, kind: str, rows: int, ranks: int, started: float, layer: "int | None" = None) -> None:
         """After a baseline collective that started at ``started`` (``time.monotonic()``): hold until its modelled
         time. ``kind``: ``"dispatch"``/``"combine"`` (all_to_all, the busiest of this rank's sent/received
-        ``rows``), ``"counts"`` (the row counts' all_to_all, no payload) or ``"all_reduce"``."""
-        if kind in ("dispatch", "combine", "counts"):
+        ``rows``), ``"counts"`` (the row counts' all_to_all, no payload), ``"counts+dispatch"`` (both in one
+        exchange) or ``"all_reduce"``."""
+        devices = ranks * self.expert_devices  # EP over every device of the groups
+        if kind in ("dispatch", "combine", "counts", "counts+dispatch"):
             emu_rows = 0 if kind == "counts" else self.emulated_rows(rows)
-            s = self.cost.all_to_all_s(emu_rows, ranks, combine=kind == "combine")
+            # the group's rows leave through its devices' links in parallel
+            per_device = -(-emu_rows // self.expert_devices)
+            s = self.cost.all_to_all_s(per_device, devices, combine=kind == "combine")
+            if kind == "counts+dispatch":  # one exchange carrying the counts with the rows
+                s += self.cost.all_to_all_s(0, devices)
         elif kind == "all_reduce":
-            s = self.cost.all_reduce_s(ranks)
+            s = self.cost.all_reduce_s(devices)
         else:
-            raise ValueError(f"hold_collective: kind={kind!r} must be dispatch, combine, counts or all_reduce")
+            raise ValueError(f"hold_collective: kind={kind!r} must be dispatch, combine, counts, counts+dispatch or "
+                             "all_reduce")
         if layer is not None and kind != "all_reduce":
             s *= self._layer_weight(layer)
         # Not a stage: its real time includes waiting for the other workers, which is no overrun. The
@@ -375,7 +418,8 @@ class EmulatedModel:
         real = time.monotonic() - started
         if real < target:
             time.sleep(target - real)
-        self.collectives.add(target, real)
+        if kind != "all_reduce":  # the per-step heartbeat also runs while idle: not judged (see the README)
+            self.collectives.add(target, real)
 
     def hold_transfer(self, rows: int, started: float, layer: "int | None" = None) -> None:
         """On an expert rank, after computing a batch of ``rows`` rows: hold for the batch's modelled dispatch and
