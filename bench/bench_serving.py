@@ -3,6 +3,8 @@
 Usage::
 
     python bench/bench_serving.py [--rates 6,8,10,12,14,16,18] [--num-requests 40] [--out bench/results]
+    python bench/bench_serving.py --emulate ascend-910c-cm384 --attention-ranks 4 --attention-tp 2 --rates auto \
+        --num-requests 240   # the ablation on emulated accelerators (about 40 minutes)
 
 The default workload of ``examples/prefill.py`` (``small`` model, random
 weights, a Gamma-bursty trace with log-normal prompt lengths, A = 2 attention +
@@ -27,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,21 +54,52 @@ def main(argv=None) -> int:
     p.add_argument("--slo", default="auto", help="TTFT SLO in seconds, or auto (3x the baseline's unloaded TTFT of "
                                                  "the p90 prompt, measured at the start: fix it to compare runs)")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--emulate", default=None, metavar="PROFILE",
+                   help="emulated accelerators (as examples/prefill.py --emulate, with its defaults: tiny model, "
+                        "Mooncake trace, 8 + 8 ranks, baseline TP 4, shm collectives); --rates auto searches each "
+                        "variant's SLO-compliant rate")
+    p.add_argument("--emulate-model", default="deepseek-v3")
+    p.add_argument("--time-scale", type=float, default=prefill.DEFAULT_TIME_SCALE)
+    p.add_argument("--token-scale", type=int, default=prefill.DEFAULT_TOKEN_SCALE)
+    p.add_argument("--attention-ranks", type=int, default=None, help="default 2 (8 with --emulate)")
+    p.add_argument("--expert-ranks", type=int, default=None, help="default 2 (8 with --emulate)")
+    p.add_argument("--attention-tp", type=int, default=1, help="with --emulate: devices per ASAP attention rank")
+    p.add_argument("--sync-tp", type=int, default=None, help="with --emulate: devices per baseline worker (default 4)")
     args = p.parse_args(argv)
-    eargs = argparse.Namespace(trace="synthetic", rate=3.0, num_requests=args.num_requests, burstiness=2.0,
-                               median_len=48, max_prompt_len=512, seed=0)
     torch.set_num_threads(1)
-    factory = prefill.StageFactory(args.model, 0)
+    if args.emulate:
+        eargs = argparse.Namespace(model="tiny", seed=0, attention_ranks=args.attention_ranks or 8,
+                                   expert_ranks=args.expert_ranks or 8, trace="mooncake", rate=3.0,
+                                   num_requests=args.num_requests, burstiness=2.0, median_len=48, max_prompt_len=512,
+                                   length_scale=1.0, token_budget=128, chunk_len=128, emulate=args.emulate,
+                                   emulate_model=args.emulate_model, time_scale=args.time_scale,
+                                   token_scale=args.token_scale, attention_tp=args.attention_tp,
+                                   sync_tp=args.sync_tp or 4, sync_ranks=None, sync_collectives="shm", slo=args.slo)
+        prefill.apply_emulate_defaults(eargs, set(vars(eargs)) - {"trace", "length_scale"})
+        if args.model != "small":
+            eargs.model = args.model
+    else:
+        eargs = argparse.Namespace(model=args.model, seed=0, attention_ranks=args.attention_ranks or 2,
+                                   expert_ranks=args.expert_ranks or 2, trace="synthetic", rate=3.0,
+                                   num_requests=args.num_requests, burstiness=2.0, median_len=48, max_prompt_len=512,
+                                   token_budget=256, chunk_len=256, emulate=None, sync_ranks=None, sync_tp=1,
+                                   attention_tp=1, sync_collectives="gloo", slo=args.slo)
+    factory = prefill.StageFactory(eargs.model, 0)
     mcfg = factory.config()
     info = prefill.model_info(mcfg)
     requests = prefill.make_requests(eargs, mcfg.vocab_size)
     refs, single_process_s = prefill.references(factory, requests)
     mean_len = sum(int(r.token_ids.numel()) for r in requests) / len(requests)
-    rates = [float(x) for x in args.rates.split(",") if x]
-    base = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=2, token_budget=256, chunk_len=256,
-                         max_prompt_len=512)
-    slo_info = prefill.resolve_slo(argparse.Namespace(slo=args.slo, seed=0), factory, info, base, requests,
-                                   single_process_s, ["sync"])
+    auto_rates = args.rates.strip() == "auto"
+    rates = [] if auto_rates else [float(x) for x in args.rates.split(",") if x]
+    base = RuntimeConfig(num_attention_ranks=eargs.attention_ranks, num_expert_ranks=eargs.expert_ranks,
+                         token_budget=eargs.token_budget, chunk_len=eargs.chunk_len,
+                         max_prompt_len=eargs.max_prompt_len, sync_collectives=eargs.sync_collectives)
+    cfgs = {m: prefill.mode_config(base, m, eargs) for m in ("async", "sync")}
+    if args.emulate:
+        single_process_s = max(single_process_s, prefill._emulated_p90_s(eargs, factory, requests))
+    slo_info = prefill.resolve_slo(eargs, {m: prefill.emulated(eargs, factory, m) for m in ("async", "sync")}, info,
+                                   cfgs, requests, single_process_s, ["sync"])
     slo = slo_info["ttft_s"]
     print(prefill.describe_slo(slo_info), file=sys.stderr, flush=True)
     chosen = [v for v in VARIANTS if not args.variants or v[0] in args.variants.split(",")]
@@ -74,33 +108,58 @@ def main(argv=None) -> int:
     results, checked, mismatches = {}, 0, 0
     t_start = time.time()
     for name, mode, change in chosen:
-        cfg = dataclasses.replace(base, **change)
+        cfg = dataclasses.replace(cfgs[mode], **change)
         runs = []
-        for rate in rates:
-            result = prefill.run_mode(mode, factory, info, prefill.at_rate(requests, rate), cfg)
+
+        def run_at(rate: float) -> float:
+            nonlocal checked, mismatches
+            n = len(requests) if not auto_rates else max(min(len(requests), prefill.SWEEP_MIN_REQUESTS),
+                                                         min(len(requests), int(rate * prefill.SWEEP_PROBE_S)))
+            load = prefill.at_rate(requests[:n], rate)
+            with tempfile.TemporaryDirectory(prefix="asap-emu-") as stats_dir:
+                result = prefill.run_mode(mode, prefill.emulated(eargs, factory, mode, stats_dir), info, load, cfg)
+                emu = prefill.emulation_stats(stats_dir) if args.emulate else None
             s = summarize_run(result.records, slo).as_dict()
             c, b, _ = prefill.check(result, refs)
             checked, mismatches = checked + c, mismatches + b
-            runs.append({"rate_req_s": rate, "offered_tokens_per_s": rate * mean_len, **s})
-            print(f"[{time.time() - t_start:6.0f} s] {name:24s} rate {rate:5.1f}: TTFT p90 {s['ttft_p90_s']:.3f} s, "
-                  f"SLO attainment {s['slo_attainment']:.2f}", file=sys.stderr, flush=True)
+            load_mean = sum(int(r.token_ids.numel()) for r in load) / len(load)
+            runs.append({"rate_req_s": rate, "offered_tokens_per_s": rate * load_mean, "requests": n, **s,
+                         **({"overrun_fraction": emu["overrun_fraction"]} if emu else {})})
+            p90 = "-" if s["ttft_p90_s"] is None else f"{s['ttft_p90_s']:.3f}"
+            print(f"[{time.time() - t_start:6.0f} s] {name:24s} rate {rate:5.2f}: TTFT p90 {p90} s, "
+                  f"SLO attainment {s['slo_attainment']:.2f}" + (f", overruns {emu['overrun_fraction']:.1%}" if emu
+                                                                  else ""), file=sys.stderr, flush=True)
+            return s["slo_attainment"]
+
+        if auto_rates:
+            workers = cfg.num_attention_ranks + (0 if mode == "async" else cfg.num_expert_ranks)
+            unloaded = slo_info["unloaded_ttft_s"].get("sync") or slo / prefill.SLO_MULTIPLIER
+            per_request = max(unloaded * mean_len / max(1, slo_info["p90_prompt_tokens"]), 1e-3)
+            prefill.sweep_auto(run_at, max(0.05, 0.8 * workers / per_request))
+        else:
+            for rate in rates:
+                run_at(rate)
+        runs.sort(key=lambda r: r["rate_req_s"])
         sct = slo_compliant_throughput([(r["offered_tokens_per_s"], r["slo_attainment"]) for r in runs])
         results[name] = {"config": {k: v for k, v in dataclasses.asdict(cfg).items()}, "runs": runs,
                          "slo_compliant_throughput": sct}
     sync_sct = results.get("sync", {}).get("slo_compliant_throughput")
-    lines = ["| variant | SLO-compliant throughput (tok/s) | ratio over sync | TTFT p50 / p90 at "
-             f"{rates[0]:g} req/s (s) |", "| --- | --- | --- | --- |"]
+    lines = ["| variant | SLO-compliant throughput (tok/s) | ratio over sync | TTFT p50 / p90 at the lowest "
+             "rate (s) |", "| --- | --- | --- | --- |"]
+    fmt = (lambda v: "-" if v is None else f"{v:.3f}")
     for name, r in results.items():
         sct = r["slo_compliant_throughput"]
         ratio = f"{sct / sync_sct:.2f}x" if sct and sync_sct else "-"
         low = r["runs"][0]
         lines.append(f"| {name} | {sct if sct is None else round(sct)} | {ratio} | "
-                     f"{low['ttft_p50_s']:.3f} / {low['ttft_p90_s']:.3f} |")
+                     f"{fmt(low['ttft_p50_s'])} / {fmt(low['ttft_p90_s'])} ({low['rate_req_s']:.2f} req/s) |")
     md = "\n".join(lines) + (f"\n\n{prefill.describe_slo(slo_info)}; {len(requests)} requests, mean prompt "
                              f"{mean_len:.0f} tokens; correctness: {checked} outputs checked, {mismatches} mismatches\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps({"slo": slo_info, "rates": rates, "mean_prompt_tokens": mean_len,
+    (out / "serving.json").write_text(json.dumps({"slo": slo_info, "rates": rates or "auto",
+                                                  "emulation": prefill.emulated(eargs, factory, "async")
+                                                  .describe_emulation() if args.emulate else None, "mean_prompt_tokens": mean_len,
                                                   "correctness": {"checked": checked, "mismatches": mismatches},
                                                   "variants": results}, indent=2, default=str))
     (out / "serving.md").write_text(md)
