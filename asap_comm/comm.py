@@ -392,6 +392,11 @@ class Communicator:
         a, b = self._coll_read(pe, 0), self._coll_read(pe, 1)
         return max(a, b)
 
+    def _coll_progress(self, pe: int, verb: str) -> str:
+        """'PE p <verb> n collective calls (its last: ...)', for error messages."""
+        n, d = self._coll_last(pe)
+        return f"PE {pe} {verb} {n} collective calls" + (f" (its last: {d})" if d else "")
+
     def _coll_publish(self, desc: str) -> int:
         k = self.__dict__.get("_coll_n", 0) + 1
         self._coll_n = k
@@ -410,9 +415,7 @@ class Communicator:
                 continue
             n, d = self._coll_read(pe, k)
             if n != k:
-                last_n, last_d = self._coll_last(pe)
-                bad.append(f"PE {pe} had made {last_n} collective calls"
-                           + (f" (its last: {last_d})" if last_d else ""))
+                bad.append(self._coll_progress(pe, "had made"))
             elif d != desc:
                 bad.append(f"PE {pe}'s call #{k} is {d}")
         return "; ".join(bad) or None
@@ -425,11 +428,8 @@ class Communicator:
             result = body()
             self.barrier()
         except (TimeoutError, PeerFailure) as e:
-            late = []
-            for pe in range(self.world_size):
-                if pe != self.rank and self._coll_last(pe)[0] < k and self.peer_alive(pe):
-                    n, d = self._coll_last(pe)
-                    late.append(f"PE {pe} has made {n} collective calls" + (f" (its last: {d})" if d else ""))
+            late = [self._coll_progress(pe, "has made") for pe in range(self.world_size)
+                    if pe != self.rank and self._coll_last(pe)[0] < k and self.peer_alive(pe)]
             hint = ("; ".join(late) + "; " if late else "") + \
                 "every PE must make the same collective calls (empty, zeros, signals, mailbox) in the same order"
             msg = f"{fn}: collective call #{k}, {desc}, did not complete: {hint} ({e})"

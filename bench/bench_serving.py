@@ -113,9 +113,8 @@ def main(argv=None) -> int:
 
         def run_at(rate: float) -> float:
             nonlocal checked, mismatches
-            n = len(requests) if not auto_rates else max(min(len(requests), prefill.SWEEP_MIN_REQUESTS),
-                                                         min(len(requests), int(rate * prefill.SWEEP_PROBE_S)))
-            load = prefill.at_rate(requests[:n], rate)
+            load = prefill.at_rate(prefill.probe_requests(requests, rate) if auto_rates else requests, rate)
+            n = len(load)
             with tempfile.TemporaryDirectory(prefix="asap-emu-") as stats_dir:
                 result = prefill.run_mode(mode, prefill.emulated(eargs, factory, mode, stats_dir), info, load, cfg)
                 emu = prefill.emulation_stats(stats_dir) if args.emulate else None
@@ -134,8 +133,7 @@ def main(argv=None) -> int:
         if auto_rates:
             workers = cfg.num_attention_ranks + (0 if mode == "async" else cfg.num_expert_ranks)
             unloaded = slo_info["unloaded_ttft_s"].get("sync") or slo / prefill.SLO_MULTIPLIER
-            per_request = max(unloaded * mean_len / max(1, slo_info["p90_prompt_tokens"]), 1e-3)
-            prefill.sweep_auto(run_at, max(0.05, 0.8 * workers / per_request))
+            prefill.sweep_auto(run_at, prefill.sweep_start(workers, unloaded, mean_len, slo_info["p90_prompt_tokens"]))
         else:
             for rate in rates:
                 run_at(rate)

@@ -321,6 +321,20 @@ def sweep_auto(run_at, start_rate: float, bisections: int = SWEEP_AUTO_BISECTION
             hi = mid
 
 
+def probe_requests(requests: list, rate: float) -> list:
+    """--sweep auto: the first requests of the load, whose arrivals at ``rate`` span at most SWEEP_PROBE_S
+    (at least SWEEP_MIN_REQUESTS, at most all)."""
+    n = max(min(len(requests), SWEEP_MIN_REQUESTS), min(len(requests), int(rate * SWEEP_PROBE_S)))
+    return requests[:n]
+
+
+def sweep_start(workers: int, unloaded_s: float, mean_len: float, p90_len: int) -> float:
+    """--sweep auto's first rate: a rough capacity, each worker serving one mean-length request in (unloaded TTFT
+    of the p90 prompt) x (mean length / p90 length); doubling or halving from there finds the bracket."""
+    per_request = max(unloaded_s * mean_len / max(1, p90_len), 1e-3)
+    return max(0.05, 0.8 * workers / per_request)
+
+
 def run_mode(mode: str, factory, info, requests, cfg):
     runner = run_async if mode == "async" else run_sync
     if runner is None:
@@ -512,10 +526,8 @@ def main(argv=None) -> int:
         nonlocal checked, mismatches, details
         if rate is None:
             load = requests
-        else:  # --sweep auto: a low-rate probe takes at most SWEEP_PROBE_S of arrivals (>= SWEEP_MIN_REQUESTS)
-            n = len(requests) if not auto_sweep else \
-                max(min(len(requests), SWEEP_MIN_REQUESTS), min(len(requests), int(rate * SWEEP_PROBE_S)))
-            load = at_rate(requests[:n], rate)
+        else:
+            load = at_rate(probe_requests(requests, rate) if auto_sweep else requests, rate)
         rate = args.rate if rate is None else rate
         mean_len = sum(int(r.token_ids.numel()) for r in load) / len(load)  # of this load's prompts
         with tempfile.TemporaryDirectory(prefix="asap-emu-") as stats_dir:
@@ -559,11 +571,8 @@ def main(argv=None) -> int:
     if auto_sweep:
         for mode in modes:
             workers = args.attention_ranks if mode == "async" else sync_workers(args)
-            # a rough capacity: each worker serves one request of the mean length in (unloaded TTFT of the p90
-            # prompt) x (mean length / p90 length); doubling or halving from there finds the bracket
             unloaded = slo_info["unloaded_ttft_s"].get(mode) or slo / SLO_MULTIPLIER
-            per_request = max(unloaded * mean_len / max(1, slo_info["p90_prompt_tokens"]), 1e-3)
-            start = max(0.05, 0.8 * workers / per_request)
+            start = sweep_start(workers, unloaded, mean_len, slo_info["p90_prompt_tokens"])
             print(f"{mode}: searching the SLO-compliant rate from {start:.3g} req/s ...", file=sys.stderr, flush=True)
             sweep_auto(lambda r, m=mode: run_at(m, r), start)
     else:
@@ -602,12 +611,11 @@ def _emulated_p90_s(args, factory, requests) -> float:
     """Modelled (dilated) single-device prefill time of the p90 prompt: spaces the SLO calibration requests."""
     from asap_comm.sim.costs import CostModel
 
-    emu = emulated(args, factory, "async")
     cost = CostModel.load(args.emulate, args.emulate_model)
     n = int(p90_prompt_len(requests) * args.token_scale)
     shapes = cost.shapes
     per_layer = cost.attention_s([(n, 0)]) + cost.router_s(n) + cost.shared_experts_s(n)
-    return (shapes.num_layers * per_layer + cost.head_s(1)) * emu.time_scale
+    return (shapes.num_layers * per_layer + cost.head_s(1)) * args.time_scale
 
 
 if __name__ == "__main__":

@@ -353,19 +353,19 @@ class EmulatedModel:
             return single_device_s
         return single_device_s / (self.tp * self._tp_eff) + self.cost.tp_all_reduce_s(tokens, self.tp)
 
-    def shared_experts(self, layer: int, mlp_input):
+    def _mlp_stage(self, name: str, layer: int, mlp_input, single_device_s):
+        """Runs the real MLP stage ``name``, then holds it for ``single_device_s(tokens)`` split over the group."""
         t0 = time.monotonic()
-        out = self.inner.shared_experts(layer, mlp_input)
+        out = getattr(self.inner, name)(layer, mlp_input)
         n = self._tokens(int(mlp_input.shape[0]))
-        self._hold(t0, self._layer_weight(layer) * self._tp_mlp(self.cost.shared_experts_s(n), n))
+        self._hold(t0, self._layer_weight(layer) * self._tp_mlp(single_device_s(n), n))
         return out
 
+    def shared_experts(self, layer: int, mlp_input):
+        return self._mlp_stage("shared_experts", layer, mlp_input, self.cost.shared_experts_s)
+
     def dense_mlp(self, layer: int, mlp_input):
-        t0 = time.monotonic()
-        out = self.inner.dense_mlp(layer, mlp_input)
-        n = self._tokens(int(mlp_input.shape[0]))
-        self._hold(t0, self._layer_weight(layer) * self._tp_mlp(self.cost.dense_mlp_s(n), n))
-        return out
+        return self._mlp_stage("dense_mlp", layer, mlp_input, self.cost.dense_mlp_s)
 
     def expert(self, layer: int, expert: int, x, weights=None):
         t0 = time.monotonic()
