@@ -256,3 +256,158 @@ def test_a_rank_may_be_a_tensor_parallel_group(tmp_path):
     assert s4 == pytest.approx(1e-3 * 29 * (cost.attention_s([chunk], tp=4) + cost.tp_all_reduce_s(chunk[0], 4)))
     assert s4 < s1  # four devices per group: faster attention, even with the all-reduces
     assert grp.expert_work_s(10) == pytest.approx(one.expert_work_s(10) / 4)  # experts spread over the group
+
+
+# ------------------------------------------------------------------------- the simulator of an emulated run
+def test_a_simulated_layer_may_stand_for_several():
+    """simulate(..., layers=): a layer of weight w costs what w layers cost; the served model's 3 layers standing
+    for DeepSeek-V3's 61 give the same unloaded TTFT as the 61 layers, in both modes."""
+    from asap_comm.serving.runtime import RuntimeConfig
+    from asap_comm.serving.traces import Request
+    from asap_comm.sim.simulate import Parallelism, simulate
+
+    cost, shapes = CostModel.load(PROFILE, EMU), ModelShapes.load(EMU)
+    cfg = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=2, token_budget=16384, chunk_len=16384,
+                        max_prompt_len=65536, expert_deadline_s=0.0)
+    collapsed = [(False, 3.0), (True, 29.0), (True, 29.0)]
+    for mode, par in (("sync", Parallelism(sync_tp=2)), ("async", Parallelism(attention_tp=2))):
+        ttft = {}
+        for n in (700, 20000):
+            full = simulate(mode, [Request(0, 0.0, n)], cost, shapes, cfg, par=par, sync_ranks=4).records[0]
+            coll = simulate(mode, [Request(0, 0.0, n)], cost, shapes, cfg, par=par, sync_ranks=4,
+                            layers=collapsed).records[0]
+            assert full.ok and coll.ok
+            assert coll.ttft_s == pytest.approx(full.ttft_s, rel=1e-6), (mode, n)
+            ttft[n] = full.ttft_s
+        # a heavier layer costs more
+        heavier = simulate(mode, [Request(0, 0.0, 700)], cost, shapes, cfg, par=par, sync_ranks=4,
+                           layers=[(False, 3.0), (True, 40.0), (True, 29.0)]).records[0]
+        assert heavier.ttft_s > ttft[700]
+    for bad in ([], [(True, 0.0)], [(1, 2.0)], [(True,)]):
+        with pytest.raises(ValueError, match="layers="):
+            simulate("sync", [Request(0, 0.0, 10)], cost, shapes, cfg, layers=bad)
+
+
+def test_simulate_emulated_is_a_lower_bound_of_the_emulated_run_in_its_units(tmp_path):
+    """Every emulated stage is held at least its modelled time, so the simulator's prediction of an unloaded
+    emulated run (in wall seconds and real tokens) cannot exceed the run's TTFT (beyond rounding); and it is not
+    far below it (generous bound: only the runtime's own overheads and the small model's routing imbalance
+    separate them)."""
+    from asap_models import StageFactory
+
+    from asap_comm.serving.plugins import model_info_of
+    from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async
+    from asap_comm.serving.sync import run_sync
+    from asap_comm.serving.traces import Request
+    from asap_comm.sim.emulate import simulate_emulated
+
+    base = StageFactory("tiny", 0)
+    info = model_info_of(base)
+    g = torch.Generator().manual_seed(1)
+    lens = [40, 100]
+    reqs = [PromptRequest(i, 2.0 * i, torch.randint(0, info.vocab_size, (n,), generator=g))
+            for i, n in enumerate(lens)]
+    trace = [Request(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in reqs]
+    cfg = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=2, token_budget=128, chunk_len=128,
+                        max_prompt_len=512, sync_collectives="shm", timeout_s=300)
+    for mode, runner, ranks, tp in (("async", run_async, 2, 2), ("sync", run_sync, 4, 2)):
+        emu = EmulatedFactory(base, PROFILE, EMU, time_scale=0.5, token_scale=128, num_expert_ranks=ranks,
+                              attention_tp=tp, expert_devices=1 if mode == "async" else tp)
+        sim = simulate_emulated(emu, mode, trace, cfg)
+        assert [r.prompt_len for r in sim.records] == lens  # real tokens
+        assert [r.arrival_s for r in sim.records] == pytest.approx([0.0, 2.0])  # wall seconds
+        res = runner(emu, info, reqs, cfg)
+        assert all(r.ok for r in res.records), [r.error for r in res.records]
+        for real, pred in zip(res.records, sim.records):
+            assert pred.ttft_s > 0
+            assert real.ttft_s >= 0.95 * pred.ttft_s, (mode, real.ttft_s, pred.ttft_s)
+            assert real.ttft_s <= 3.0 * pred.ttft_s + 1.0, (mode, real.ttft_s, pred.ttft_s)
+    with pytest.raises(ValueError, match="expert_devices"):
+        simulate_emulated(EmulatedFactory(base, PROFILE, EMU, num_expert_ranks=4, attention_tp=2), "sync", trace, cfg)
+
+
+def test_crossing_rate_interpolates_on_the_grid():
+    from asap_comm.sim.validate_emulated import crossing_rate
+
+    assert crossing_rate([(3.0, 0.7), (1.0, 1.0), (2.0, 0.95)], 0.9) == pytest.approx(2.2)
+    assert crossing_rate([(1.0, 1.0), (2.0, 0.95)], 0.9) == 2.0  # all meet it: the highest load
+    assert crossing_rate([(1.0, 0.5), (2.0, 0.95)], 0.9) is None  # the lowest fails
+    with pytest.raises(ValueError, match="no points"):
+        crossing_rate([], 0.9)
+
+
+def test_validate_in_the_emulated_regime(tmp_path):
+    """The second validation regime end to end, on its quick configuration: real emulated runs of both modes
+    against simulate_emulated, every metric compared, overruns kept, SLO-compliant throughputs and ratio."""
+    import json
+
+    from asap_comm.sim.validate import main
+
+    assert main(["--regime", "emulated", "--configs", "quick", "--repeats", "1", "--num-requests", "8",
+                 "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "validation_emulated.json").read_text())
+    assert res["regime"] == "emulated" and res["profile"] == PROFILE and res["emulate_model"] == EMU
+    (c,) = res["configs"]
+    assert [(r["rate_req_s"], r["mode"]) for r in c["runs"]] == [(2.0, "async"), (2.0, "sync"),
+                                                                  (4.0, "async"), (4.0, "sync")]
+    for r in c["runs"]:
+        assert r["real"]["num_failed"] == 0 and r["sim"]["num_failed"] == 0
+        assert 0.0 <= r["real"]["overrun_fraction"] <= 1.0 and len(r["real_runs"]) == 1
+        for m in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s"):
+            assert r["real"][m] > 0 and r["sim"][m] > 0
+            assert r["relative_error"][m] == pytest.approx((r["sim"][m] - r["real"][m]) / r["real"][m])
+    assert set(c["slo_compliant_throughput"]) == {"async", "sync"} and set(c["ratio"]) == {"real", "sim",
+                                                                                           "relative_error"}
+    assert c["slo_s"] > 0 and res["compared"] >= 16
+    with pytest.raises(SystemExit):
+        main(["--regime", "emulated", "--configs", "nope", "--out", str(tmp_path)])
+
+
+def test_emulated_context_parallelism_in_the_baseline(tmp_path):
+    """run_sync with cp_threshold on emulated devices: long prompts are shared by several DP groups (their workers
+    hold CP shares), outputs still equal the reference forward, the shared prompt's TTFT drops, and the run is
+    never faster than the simulator's CP model of it (every hold lasts at least its modelled time)."""
+    from asap_models import StageFactory
+
+    from asap_comm.serving.plugins import model_info_of
+    from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async
+    from asap_comm.serving.sync import run_sync
+    from asap_comm.serving.traces import Request
+    from asap_comm.sim.emulate import simulate_emulated
+
+    base = StageFactory("tiny", 0)
+    info = model_info_of(base)
+    g = torch.Generator().manual_seed(1)
+    lens = [300, 30]
+    reqs = [PromptRequest(i, 3.0 * i, torch.randint(0, info.vocab_size, (n,), generator=g))
+            for i, n in enumerate(lens)]
+    trace = [Request(r.request_id, r.arrival_s, n) for r, n in zip(reqs, lens)]
+    full = base.full()
+    with torch.no_grad():
+        ref = {r.request_id: full.prefill(r.token_ids) for r in reqs}
+    ttft = {}
+    for cp in (None, 128):
+        cfg = RuntimeConfig(num_attention_ranks=3, num_expert_ranks=1, token_budget=128, chunk_len=128,
+                            max_prompt_len=512, sync_collectives="shm", cp_threshold=cp, timeout_s=300)
+        emu = EmulatedFactory(base, PROFILE, EMU, time_scale=0.25, token_scale=128, num_expert_ranks=4)
+        sim = simulate_emulated(emu, "sync", trace, cfg)
+        res = run_sync(emu, info, reqs, cfg)
+        assert all(r.ok for r in res.records), [r.error for r in res.records]
+        for r in reqs:
+            token, hidden = res.outputs[r.request_id]
+            o = ref[r.request_id]
+            assert token == int(o.logits[-1].argmax())
+            assert torch.allclose(hidden, o.final_hidden[-1], rtol=1e-4, atol=1e-5)
+        helpers = {s[0] for s in res.spans if s[2].startswith("CP share")}
+        # 300 tokens over a 128-token threshold: 3 groups, the owner and two helpers
+        assert len(helpers) == (2 if cp else 0), helpers
+        for real, pred in zip(res.records, sim.records):
+            assert real.ttft_s >= 0.95 * pred.ttft_s, (cp, real.ttft_s, pred.ttft_s)
+        ttft[cp] = res.records[0].ttft_s
+    assert ttft[128] < 0.75 * ttft[None], ttft  # the simulator predicts about 0.37x for this prompt
+    with pytest.raises(ValueError, match="cp_threshold=128 needs emulated devices"):
+        run_sync(base, info, reqs, RuntimeConfig(num_attention_ranks=3, num_expert_ranks=1, cp_threshold=128))
+    with pytest.raises(ValueError, match="run_async: cp_threshold"):
+        run_async(base, info, reqs, RuntimeConfig(cp_threshold=128))
+    with pytest.raises(ValueError, match="cp_threshold=0"):
+        RuntimeConfig(cp_threshold=0)

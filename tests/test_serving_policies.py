@@ -113,3 +113,22 @@ def test_micro_batcher_never_runs_a_later_chunk_before_an_earlier_one():
     first = mb.next_batch()
     assert [(c.request_id, c.index) for c in first] == [(1, 0)]
     assert mb.next_batch() == [Chunk(2, 0, 0, 9, 2)]
+
+
+def test_placer_place_group_shares_a_request_among_the_least_loaded():
+    from asap_comm.serving.policies import Chunk, Placer
+
+    p = Placer(4)
+    a = [Chunk(0, 0, 0, 100, 1)]
+    assert p.place(0, a) == 0
+    big = [Chunk(1, 0, 0, 300, 2), Chunk(1, 1, 300, 300, 2)]
+    groups = p.place_group(1, big, 3)
+    assert groups == [1, 2, 3]  # rank 0 holds work: the three idle ranks, lowest first
+    each = sum(c.cost for c in big) / 3
+    assert p.outstanding == pytest.approx([a[0].cost, each, each, each])
+    assert p.complete(1) == 1 and p.outstanding == pytest.approx([a[0].cost, 0, 0, 0])
+    with pytest.raises(ValueError, match="groups=5 is more than the 4 ranks"):
+        p.place_group(2, big, 5)
+    with pytest.raises(ValueError, match="already placed"):
+        p.place_group(0, big, 2)
+    assert p.outstanding == pytest.approx([a[0].cost, 0, 0, 0])  # refused calls changed nothing

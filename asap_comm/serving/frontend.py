@@ -24,7 +24,9 @@ from .policies import Placer, split_prompt
 __all__ = ["STOP", "HDR", "request_mailbox", "run_front_end", "replay_report", "run_group", "validate"]
 
 STOP = -1  # tag of the front end's "no more requests" message
-HDR = 4  # chunk message header words: request id, chunk index, number of chunks, start
+# chunk message header words: request id, chunk index, number of chunks, start, context-parallel groups (a bit
+# mask of the workers sharing the request; 0: none)
+HDR = 5
 
 
 def validate(req, info, cfg) -> "str | None":
@@ -157,10 +159,16 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
                     rec.start_s, rec.done_s, rec.error = now, now, f"rejected: {error}"
                     log(("rejected", r.request_id, now, rec.error))
                     continue
-                chunks = split_prompt(r.request_id, int(r.token_ids.numel()), cfg.effective_chunk_len)
-                rank = placer.place(r.request_id, chunks)
+                n = int(r.token_ids.numel())
+                chunks = split_prompt(r.request_id, n, cfg.effective_chunk_len)
+                cp = cfg.cp_threshold if label == "sync" else None
+                if cp is not None and n > cp and W > 1:  # context parallelism: the least-loaded groups share it
+                    groups = placer.place_group(r.request_id, chunks, min(W, -(-n // cp)))
+                    rank, mask = groups[0], sum(1 << j for j in groups)
+                else:
+                    rank, mask = placer.place(r.request_id, chunks), 0
                 for c in chunks:
-                    hdr = torch.tensor([c.request_id, c.index, c.num_chunks, c.start], dtype=torch.int64)
+                    hdr = torch.tensor([c.request_id, c.index, c.num_chunks, c.start, mask], dtype=torch.int64)
                     send(rank, torch.cat([hdr, r.token_ids[c.start:c.start + c.length].to(torch.int64)]),
                          r.request_id)
                 rec.start_s = now

@@ -105,7 +105,7 @@ class Placer:
         self.num_ranks = _int("Placer", "num_ranks", num_ranks, 1)
         self.load_aware = load_aware
         self._work = [0.0] * num_ranks
-        self._held: dict[int, tuple[int, float]] = {}  # request -> (rank, work)
+        self._held: dict[int, tuple[list, float]] = {}  # request -> (its ranks, work on each)
         self._next = 0
 
     @property
@@ -115,9 +115,7 @@ class Placer:
 
     def place(self, request_id: int, chunks: Iterable[Chunk]) -> int:
         """Choose the rank for a request (all its chunks go there: they share its KV cache)."""
-        if request_id in self._held:
-            raise ValueError(f"Placer.place: request {request_id} is already placed on rank "
-                             f"{self._held[request_id][0]}")
+        self._check_new("place", request_id)
         work = sum(c.cost for c in chunks)
         if self.load_aware:
             rank = min(range(self.num_ranks), key=lambda r: (self._work[r], r))
@@ -125,17 +123,38 @@ class Placer:
             rank = self._next
             self._next = (self._next + 1) % self.num_ranks
         self._work[rank] += work
-        self._held[request_id] = (rank, work)
+        self._held[request_id] = ([rank], work)
         return rank
 
+    def place_group(self, request_id: int, chunks: Iterable[Chunk], groups: int) -> list[int]:
+        """Context parallelism: the ``groups`` least-loaded ranks share a request (ties to the lowest rank,
+        whatever ``load_aware`` says); its work counts ``1/groups`` on each. Returns the ranks, least loaded
+        first (the first owns the request's cache and result)."""
+        self._check_new("place_group", request_id)
+        g = _int("Placer.place_group", "groups", groups, 1)
+        if g > self.num_ranks:
+            raise ValueError(f"Placer.place_group: groups={g} is more than the {self.num_ranks} ranks")
+        ranks = sorted(range(self.num_ranks), key=lambda r: (self._work[r], r))[:g]
+        work = sum(c.cost for c in chunks) / g
+        for r in ranks:
+            self._work[r] += work
+        self._held[request_id] = (ranks, work)
+        return ranks
+
+    def _check_new(self, fn: str, request_id: int) -> None:
+        if request_id in self._held:
+            raise ValueError(f"Placer.{fn}: request {request_id} is already placed on rank(s) "
+                             f"{self._held[request_id][0]}")
+
     def complete(self, request_id: int) -> int:
-        """The request finished (or failed): its work leaves its rank. Returns the rank."""
+        """The request finished (or failed): its work leaves its rank(s). Returns the (first) rank."""
         held = self._held.pop(request_id, None)
         if held is None:
             raise ValueError(f"Placer.complete: request {request_id} is not placed")
-        rank, work = held
-        self._work[rank] = max(0.0, self._work[rank] - work)
-        return rank
+        ranks, work = held
+        for r in ranks:
+            self._work[r] = max(0.0, self._work[r] - work)
+        return ranks[0]
 
 
 class MicroBatcher:

@@ -76,6 +76,9 @@ class RuntimeConfig:
     # run_sync only: the baseline's all-to-alls and all-reduces over "gloo" (torch.distributed) or "shm"
     # (asap_comm shared memory, what NCCL/HCCL are to devices: microseconds instead of gloo's milliseconds)
     sync_collectives: str = "gloo"
+    # run_sync only, on emulated devices (asap_comm.sim.emulate): prompts longer than this many tokens run with
+    # context parallelism over ceil(prompt / cp_threshold) DP groups (None: never; see sync.py)
+    cp_threshold: "int | None" = None
 
     def __post_init__(self) -> None:
         for name in ("num_attention_ranks", "num_expert_ranks", "token_budget", "max_prompt_len",
@@ -85,6 +88,9 @@ class RuntimeConfig:
                 raise ValueError(f"RuntimeConfig: {name}={v!r} must be an int >= 1")
         if self.chunk_len is not None and (not isinstance(self.chunk_len, int) or self.chunk_len < 1):
             raise ValueError(f"RuntimeConfig: chunk_len={self.chunk_len!r} must be None or an int >= 1")
+        c = self.cp_threshold
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"RuntimeConfig: cp_threshold={c!r} must be None or an int >= 1")
         if self.sync_collectives not in ("gloo", "shm"):
             raise ValueError(f"RuntimeConfig: sync_collectives={self.sync_collectives!r} must be 'gloo' or 'shm'")
 
@@ -193,8 +199,7 @@ class _AttentionRank:
         with m:
             if m.tag == STOP:
                 return False
-            hdr = m.tensor[:HDR].tolist()
-            rid, index, n, start = hdr
+            rid, index, n, start, _groups = m.tensor[:HDR].tolist()
             toks = m.tensor[HDR:].clone()
         self.tokens[(rid, index)] = toks
         self.batcher.add(Chunk(rid, index, start, toks.numel(), n))
@@ -345,6 +350,9 @@ def run_async(model_factory: Callable[[str, list], Any], info: ModelInfo, reques
     processes on this host. If a worker dies, the requests it held fail with
     an error and the run still returns (nothing hangs; ``timeout_s`` bounds it).
     """
+    if cfg.cp_threshold is not None:
+        raise ValueError(f"run_async: cp_threshold={cfg.cp_threshold} is the baseline's context parallelism "
+                         "(run_sync); ASAP's attention ranks chunk long prompts (chunk_len)")
     world = cfg.num_attention_ranks + cfg.num_expert_ranks + 1
     fd, report = tempfile.mkstemp(prefix="asap-run-", suffix=".pkl")
     os.close(fd)

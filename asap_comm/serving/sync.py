@@ -24,6 +24,25 @@ the way SGLang and vLLM run DP attention with expert parallelism:
   instead of stepping.
 * PE ``W``, the front end: identical to the asynchronous runtime's (replays
   arrivals in real time, validates, ``Placer`` placement, mailboxes).
+* **Context parallelism** (``cfg.cp_threshold``; emulated devices only, see
+  below): a prompt longer than the threshold is shared by the
+  ``g = min(W, ceil(prompt / cp_threshold))`` least-loaded workers
+  (``Placer.place_group``; the front end marks its chunks with the group). Its
+  chunks still run in order, each shared by the ``g`` groups in ONE step: at
+  the start of a step every owner proposes its next shared chunk in the step's
+  ``all_reduce`` (request, length, start, group), and every worker accepts the
+  same proposals by the same rule, in request order: a chunk joins if each of
+  its groups has no share yet or room under the token budget (the
+  simulator's rule). A worker then takes its own micro-batch under the budget
+  its shares leave, if a whole chunk still fits. *Emulated, not real*: the
+  served model is small, so the owner computes the shared chunk for real (its
+  KV cache stays whole, outputs stay checked), and the emulated devices hold
+  what a real CP group would: the owner its share of the chunk's attention
+  (``attention_stage(..., cp_groups=g)``) and the other groups theirs
+  (``hold_cp_share``), each with the KV exchange of the cost model; the
+  owner's MLP stages and dispatched rows count only its share
+  (``cp_step``). A model factory without these hooks (a real model) is
+  refused: on real devices the workers would have to split the chunk.
 
 Same interface and result format as ``run_async``; ``RunResult.mode`` is
 ``"sync"``. ``cfg.ping_pong`` and ``cfg.expert_batching`` have no meaning
@@ -33,6 +52,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import deque
 import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -47,6 +67,8 @@ from .policies import Chunk, MicroBatcher
 from .runtime import ModelInfo, PromptRequest, RunResult, RuntimeConfig
 
 __all__ = ["run_sync"]
+
+_CP_WORDS = 4  # a CP proposal in the step's all_reduce: request id + 1, chunk length, chunk start, group mask
 
 _IDLE_S = 0.001  # how long workers wait for arrivals when no worker has work
 
@@ -141,6 +163,8 @@ def _shm_collectives(comm, cfg, info, workers: int) -> ShmCollectives:
     max_rows = max(cfg.token_budget, cfg.max_chunk_tokens)
     esize = torch.empty(0, dtype=info.dtype).element_size()
     row_bytes = max(info.hidden * esize + 8 * info.top_k, info.hidden * esize, 16)
+    if cfg.cp_threshold is not None:  # the step's all_reduce carries every worker's CP proposal
+        row_bytes = max(row_bytes, 8 * (2 + _CP_WORDS * workers))
     return ShmCollectives(comm, workers, max_rows, row_bytes)
 
 
@@ -165,6 +189,10 @@ class _Worker:
         self.hbytes = info.hidden * torch.empty(0, dtype=info.dtype).element_size()
         self.width = self.hbytes + 8 * k  # packed row: hidden bytes, k int32 ids, k float32 weights
         self.shm: "ShmCollectives | None" = None  # set by _worker_main when cfg.sync_collectives == "shm"
+        # context parallelism (cfg.cp_threshold): the shared requests this worker owns, in arrival order
+        self.cp_on = cfg.cp_threshold is not None
+        self.cp_owned: dict = {}  # request -> deque of its chunks not yet run
+        self.cp_done = _Done()
 
     def _span(self, name: str, start: float) -> float:
         now = time.monotonic()
@@ -176,11 +204,62 @@ class _Worker:
         with m:
             if m.tag == STOP:
                 return False
-            rid, index, n, start = m.tensor[:HDR].tolist()
+            rid, index, n, start, groups = m.tensor[:HDR].tolist()
             toks = m.tensor[HDR:].clone()
         self.tokens[(rid, index)] = toks
-        self.batcher.add(Chunk(rid, index, start, toks.numel(), n))
+        c = Chunk(rid, index, start, toks.numel(), n)
+        if groups:  # a context-parallel request this worker owns: its chunks run in order, shared
+            self.cp_owned.setdefault(rid, (groups, deque()))[1].append(c)
+        else:
+            self.batcher.add(c)
         return True
+
+    # ------------------------------------------------------------------ context parallelism
+    def _cp_propose(self, vec: torch.Tensor) -> None:
+        """Write this worker's proposal (its oldest shared request's next chunk) into its slot of ``vec``."""
+        for rid, (groups, chunks) in self.cp_owned.items():
+            if chunks:
+                c = chunks[0]
+                base = 2 + _CP_WORDS * self.rank
+                vec[base:base + _CP_WORDS] = torch.tensor([rid + 1, c.length, c.start, groups])
+                return
+
+    def _cp_accept(self, vec: list) -> tuple:
+        """The step's accepted shared chunks, the same on every worker: (tokens each worker's shares take,
+        {worker: [(request, length, start, groups, part tokens)]}, the workers whose proposal was accepted)."""
+        W, budget = self.W, self.cfg.token_budget
+        props = []
+        for w in range(W):
+            rid1, length, start, mask = vec[2 + _CP_WORDS * w: 2 + _CP_WORDS * (w + 1)]
+            if rid1:
+                props.append((rid1 - 1, w, length, start, mask))
+        cp_tokens = [0] * W
+        shares: dict = {}
+        accepted = set()
+        for rid, owner, length, start, mask in sorted(props):  # request order: arrival order of the trace
+            groups = [j for j in range(W) if mask >> j & 1]
+            g = len(groups)
+            parts = [length // g + (1 if i < length % g else 0) for i in range(g)]
+            if all(cp_tokens[j] == 0 or cp_tokens[j] + n <= budget for j, n in zip(groups, parts)):
+                accepted.add(owner)
+                for j, n in zip(groups, parts):
+                    cp_tokens[j] += n
+                    shares.setdefault(j, []).append((rid, length, start, g, n))
+        return cp_tokens, shares, accepted
+
+    def _cp_batch(self, cp_tokens: list) -> list:
+        """This worker's own micro-batch under the budget its shares leave (none unless a whole chunk fits)."""
+        mine = cp_tokens[self.rank]
+        if mine == 0:
+            return self.batcher.next_batch()
+        left = self.cfg.token_budget - mine
+        if left < self.cfg.max_chunk_tokens:
+            return []
+        self.batcher.token_budget = left
+        try:
+            return self.batcher.next_batch()
+        finally:
+            self.batcher.token_budget = self.cfg.token_budget
 
     # ------------------------------------------------------------------ one MoE layer's exchange
     def _moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, tag: str) -> torch.Tensor:
@@ -250,22 +329,38 @@ class _Worker:
         return y.to(dtype)
 
     # ------------------------------------------------------------------ one step
-    def _step(self, chunks: list) -> None:
-        """One micro-batch (``chunks``; empty = dummy batch) through every layer, in lock-step with the others."""
+    def _step(self, chunks: list, cp_chunk=None, cp_share: tuple = (1, 0), helping: tuple = ()) -> None:
+        """One micro-batch (``chunks``; empty = dummy batch) through every layer, in lock-step with the others.
+        Context parallelism: ``cp_chunk`` (a shared chunk this worker owns, computed here and held as its share:
+        ``cp_share = (groups, tokens)``) and ``helping`` (the shares of other workers' chunks this worker
+        holds)."""
+        cp_groups = cp_share[0]
         model, info = self.model, self.info
+        own = chunks
+        if cp_chunk is not None:
+            chunks = chunks + [cp_chunk]
         tag = "" if chunks else "dummy "
         caches = [self.caches.setdefault(c.request_id, model.new_cache()) for c in chunks]
         lens = [c.length for c in chunks]
         hs = [model.embed(self.tokens.pop((c.request_id, c.index))) for c in chunks]
         empty = torch.empty(0, info.hidden, dtype=info.dtype)
+        if self.cp_on:  # the tokens this worker's MLP stages and dispatches stand for in the emulated CP step
+            excess = 0 if cp_chunk is None else cp_chunk.length - cp_share[1]
+            model.cp_step(-excess, sum(share[-1] for share in helping) - excess)
         t = time.monotonic()
         for layer in range(info.num_layers):
             if chunks:
-                outs = [model.attention_stage(layer, h, cache) for h, cache in zip(hs, caches)]
+                outs = [model.attention_stage(layer, h, cache) for h, cache in zip(hs[:len(own)], caches)]
+                if cp_chunk is not None:
+                    outs.append(model.attention_stage(layer, hs[-1], caches[-1], cp_groups=cp_groups))
                 mlp = torch.cat([o.mlp_input for o in outs]) if len(outs) > 1 else outs[0].mlp_input
                 t = self._span(f"attn L{layer}", t)
             else:
                 mlp = empty
+            for _rid, length, start, g, n in helping:  # the shares of others' chunks: held, not computed here
+                model.hold_cp_share(layer, length, start, g, n)
+            if helping:
+                t = self._span(f"CP share L{layer}", t)
             if info.moe_layers[layer]:
                 if chunks:
                     routing = model.route(layer, mlp)
@@ -284,7 +379,12 @@ class _Worker:
                 continue
             ys = y.split(lens) if len(lens) > 1 else (y,)
             hs = [o.hidden + yi for o, yi in zip(outs, ys)]
-        finish_chunks(model, self.box, self.front, chunks, hs, self.caches, self.batcher)
+        finish_chunks(model, self.box, self.front, own, hs[:len(own)], self.caches, self.batcher)
+        if cp_chunk is not None:
+            finish_chunks(model, self.box, self.front, [cp_chunk], hs[-1:], self.caches, self.cp_done)
+            self.cp_owned[cp_chunk.request_id][1].popleft()
+            if cp_chunk.last:
+                del self.cp_owned[cp_chunk.request_id]
         if chunks:
             self._span("tail", t)
 
@@ -292,13 +392,20 @@ class _Worker:
         self.box = box
         watch = DeathWatch(self.comm, range(self.comm.world_size))
         stopped = False
-        flags = torch.zeros(2, dtype=torch.int64)
+        words = 2 + (_CP_WORDS * self.W if self.cp_on else 0)
         while True:
             while (m := box.poll()) is not None:
                 stopped |= not self._take(m)
-            batch = self.batcher.next_batch()
-            active = not (stopped and not batch and len(self.batcher) == 0)
-            flags[0], flags[1] = int(bool(batch)), int(active)
+            flags = torch.zeros(words, dtype=torch.int64)
+            if self.cp_on:
+                self._cp_propose(flags)
+                has_work = len(self.batcher) > 0 or any(q for _g, q in self.cp_owned.values())
+                batch = None  # taken after the all_reduce, under the budget the accepted shares leave
+            else:
+                batch = self.batcher.next_batch()
+                has_work = bool(batch)
+            flags[0] = int(has_work)
+            flags[1] = int(not (stopped and not has_work and len(self.batcher) == 0))
             t = time.monotonic()
             if self.shm is not None:
                 flags = self.shm.all_reduce_sum(flags)
@@ -310,9 +417,20 @@ class _Worker:
             if not anyone_active:
                 break
             if anyone_working:
-                if not batch:
+                cp_chunk, share, helping = None, (1, 0), ()
+                if self.cp_on:
+                    cp_tokens, shares, accepted = self._cp_accept(flags.tolist())
+                    batch = self._cp_batch(cp_tokens)
+                    mine = shares.get(self.rank, [])
+                    if self.rank in accepted:
+                        rid = int(flags[2 + _CP_WORDS * self.rank]) - 1
+                        cp_chunk = self.cp_owned[rid][1][0]
+                        share = next((g, n) for r, _l, _s, g, n in mine if r == rid)
+                        mine = [x for x in mine if x[0] != rid]
+                    helping = tuple(mine)
+                if not batch and cp_chunk is None and not helping:
                     self._span("step sync (idle)", t)
-                self._step(batch)
+                self._step(batch, cp_chunk, share, helping)
                 continue
             if stopped:  # nobody has work: do not spin
                 time.sleep(_IDLE_S)
@@ -322,6 +440,13 @@ class _Worker:
                 except CommTimeoutError:
                     watch.check()
         return self.spans
+
+
+class _Done:
+    """``finish_chunks``' batcher for shared chunks (they are not in the MicroBatcher)."""
+
+    def done(self, chunk) -> None:
+        pass
 
 
 def _worker_main(comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, store_port: int):
@@ -363,6 +488,13 @@ def run_sync(model_factory: Callable[[str, list], Any], info: ModelInfo, request
     (``timeout_s`` bounds the run and every collective).
     """
     W = cfg.num_attention_ranks + cfg.num_expert_ranks
+    if cfg.cp_threshold is not None and not getattr(model_factory, "emulates_context_parallelism", False):
+        raise ValueError(f"run_sync: cp_threshold={cfg.cp_threshold} needs emulated devices (a model factory with "
+                         "emulates_context_parallelism, such as asap_comm.sim.emulate.EmulatedFactory): context "
+                         "parallelism is emulated (the owner computes a shared chunk; the devices hold their "
+                         "shares), and on this model factory the workers would have to split the chunk for real")
+    if cfg.cp_threshold is not None and W > 62:
+        raise ValueError(f"run_sync: cp_threshold needs at most 62 workers (a group is a 64-bit mask), got {W}")
     fd, report = tempfile.mkstemp(prefix="asap-sync-", suffix=".pkl")
     os.close(fd)
     # The workers' gloo group rendezvous through a store this process hosts on a free port.

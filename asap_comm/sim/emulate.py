@@ -45,8 +45,16 @@ emulated run gives every rank what a deployment has, a dedicated device:
   shard plus the group's all-reduces (``CostModel.attention_s(..., tp=)``,
   ``tp_all_reduce_s``; MLPs at ``1/tp`` of the work and the profile's TP
   efficiency), and a baseline worker's routed experts are spread over its
-  ``expert_devices`` devices (EP over every device). Context parallelism is
-  not emulated: the runtime splits long prompts into chunks on one rank.
+  ``expert_devices`` devices (EP over every device).
+* **Context parallelism** (the baseline's, ``RuntimeConfig.cp_threshold``):
+  ``run_sync`` shares a long prompt's chunks among several DP groups in one
+  step (its scheduling is real, see ``asap_comm.serving.sync``); the owner
+  computes each shared chunk (the served model is small and its KV cache
+  stays whole), and every group's device holds its share: the owner through
+  ``attention_stage(..., cp_groups=g)``, the others through
+  ``hold_cp_share``, each with the cost model's KV exchange
+  (``CostModel.cp_exchange_s``); ``cp_step`` makes the owner's MLP stages and
+  dispatched rows count only its share, the others' dispatches their shares.
 * **Overruns are reported.** An overrun is a held call whose real compute took
   longer than its modelled (dilated) time: the dilation is too small for this
   host. Every wrapped model counts calls, overruns, modelled and real seconds
@@ -76,7 +84,8 @@ from .costs import CostModel, Profile
 from .shapes import ModelShapes
 from .simulate import rows_per_rank_fraction
 
-__all__ = ["EmulatedFactory", "EmulatedModel", "read_stats", "overrun_summary", "collective_summary", "STAT_FIELDS"]
+__all__ = ["EmulatedFactory", "EmulatedModel", "read_stats", "overrun_summary", "collective_summary", "STAT_FIELDS",
+           "simulate_emulated", "layer_weights", "rows_per_real_row"]
 
 STAT_FIELDS = ("calls", "overruns", "modelled_s", "real_s", "overrun_s", "held_s")
 _FMT = "<" + "d" * len(STAT_FIELDS)
@@ -190,6 +199,83 @@ def overrun_summary(stats: list[dict]) -> dict:
             "calls": calls, "overruns": over, "per_rank": stats}
 
 
+def layer_weights(real: ModelShapes, emu: ModelShapes) -> tuple[float, float]:
+    """How many emulated layers one real (dense, MoE) layer stands for."""
+    real_dense = sum(1 for m in real.moe_layers if not m)
+    emu_dense = sum(1 for m in emu.moe_layers if not m)
+    return (emu_dense / real_dense if real_dense else 0.0), emu.num_moe_layers / max(1, real.num_moe_layers)
+
+
+def rows_per_real_row(real: ModelShapes, emu: ModelShapes, token_scale: float, num_expert_ranks: int) -> float:
+    """Emulated rows dispatched to one expert rank per real row: the token scale times the ratio of the chance
+    that a token reaches a given rank in the emulated model and in the real one."""
+    r_real = rows_per_rank_fraction(real.num_experts, real.top_k, max(1, real.num_experts // num_expert_ranks))
+    r_emu = rows_per_rank_fraction(emu.num_experts, emu.top_k, max(1, emu.num_experts // num_expert_ranks))
+    return token_scale * r_emu / r_real
+
+
+def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, spans: bool = False):
+    """The simulator's prediction of an emulated run, in the run's own units.
+
+    ``factory``: the :class:`EmulatedFactory` the run uses (its profile, emulated model, dilation, token scale
+    and device groups); ``mode``: ``"async"`` or ``"sync"``; ``trace``: the run's requests
+    (``asap_comm.serving.Request``: real prompt tokens, wall-clock arrivals); ``cfg``: the run's
+    ``RuntimeConfig`` (real tokens; for ``"sync"`` its ``A + E`` workers are the DP groups, as ``run_sync``
+    runs them). The simulator then runs what the emulated run holds: the served model's layer structure, each
+    layer standing for its share of the emulated model's layers (``simulate(..., layers=)``); prompts, chunks
+    and budgets times the token scale; the expert rank's row budget times the emulated rows per real row; the
+    profile's device time, dilated. Returns a ``SimResult`` whose records are in wall-clock seconds and real
+    tokens, so ``summarize_run`` compares them with the run's. What the simulator does not model here: the
+    emulated expert rank holds its transfers after computing (``hold_transfer``), where the simulator's links
+    overlap them with compute; the runtime's own overheads between stages.
+    """
+    import dataclasses
+
+    from ..serving.traces import Request
+    from .simulate import Parallelism, simulate
+
+    if not isinstance(factory, EmulatedFactory):
+        raise TypeError(f"simulate_emulated: factory must be an EmulatedFactory, got {type(factory).__name__}")
+    if mode not in ("async", "sync"):
+        raise ValueError(f"simulate_emulated: mode must be 'async' or 'sync', got {mode!r}")
+    S, K = factory.token_scale, factory.time_scale
+    cost = factory.cost()
+    real, emu = factory.real_shapes, cost.shapes
+    dense_w, moe_w = layer_weights(real, emu)
+    layers = [(bool(m), moe_w if m else dense_w) for m in real.moe_layers]
+    layers = [(m, w) for m, w in layers if w > 0] or [(False, 1.0)]
+    tokens = {r.request_id: r.prompt_len for r in trace}
+    reqs = [Request(r.request_id, r.arrival_s / K, int(round(r.prompt_len * S))) for r in trace]
+    if mode == "async":
+        par, ranks = Parallelism(attention_tp=factory.attention_tp), None
+        row_scale = rows_per_real_row(real, emu, S, cfg.num_expert_ranks)
+    else:
+        if factory.expert_devices != factory.attention_tp:
+            raise ValueError(f"simulate_emulated: the simulated baseline spreads EP over every device of its "
+                             f"groups (expert_devices == attention_tp); this factory has expert_devices="
+                             f"{factory.expert_devices}, attention_tp={factory.attention_tp}")
+        ranks = cfg.num_attention_ranks + cfg.num_expert_ranks
+        cp = None if cfg.cp_threshold is None else int(round(cfg.cp_threshold * S))
+        par = Parallelism(sync_tp=factory.attention_tp, cp_threshold=cp)
+        row_scale = rows_per_real_row(real, emu, S, ranks)
+    scaled = dataclasses.replace(
+        cfg, token_budget=int(round(cfg.token_budget * S)), max_prompt_len=int(round(cfg.max_prompt_len * S)),
+        chunk_len=None if cfg.chunk_len is None else int(round(cfg.chunk_len * S)),
+        expert_token_budget=max(1, int(round(cfg.expert_token_budget * row_scale))),
+        expert_deadline_s=cfg.expert_deadline_s / K,
+        cp_threshold=None if cfg.cp_threshold is None else int(round(cfg.cp_threshold * S)))
+    res = simulate(mode, reqs, cost, emu, scaled, sync_ranks=ranks, spans=spans, par=par, layers=layers)
+
+    def wall(t):
+        return None if t is None else t * K
+
+    records = [dataclasses.replace(r, arrival_s=r.arrival_s * K, start_s=wall(r.start_s), done_s=wall(r.done_s),
+                                   prompt_len=tokens[r.request_id]) for r in res.records]
+    ranks_out = [dict(x, busy_s=x["busy_s"] * K, idle_s=x["idle_s"] * K) for x in res.ranks]
+    return dataclasses.replace(res, records=records, ranks=ranks_out, makespan_s=res.makespan_s * K,
+                               spans=[(n, lb, st * K, d * K) for n, lb, st, d in res.spans])
+
+
 def _real_shapes(inner) -> ModelShapes:
     describe = getattr(inner, "describe", None)
     if describe is None:
@@ -214,6 +300,9 @@ class EmulatedFactory:
     ``stats_dir``: where the overrun counters go (None: not recorded).
     Picklable: the cost model is built in each worker.
     """
+
+    # run_sync's context parallelism is emulated: its models have cp_step / hold_cp_share / attention_stage(cp_groups=)
+    emulates_context_parallelism = True
 
     def __init__(self, inner, profile: str, emulate_model: str, *, time_scale: float = 1.0, token_scale: int = 1,
                  num_expert_ranks: int = 1, stats_dir: "str | Path | None" = None,
@@ -293,20 +382,18 @@ class EmulatedModel:
         self.time_scale, self.S = time_scale, token_scale
         emu = cost.shapes
         # layer weights: how many emulated layers one real dense / MoE layer stands for
-        real_dense = sum(1 for m in real.moe_layers if not m)
-        emu_dense = sum(1 for m in emu.moe_layers if not m)
-        self._moe_weight = emu.num_moe_layers / max(1, real.num_moe_layers)
-        self._dense_weight = emu_dense / real_dense if real_dense else 0.0
+        self._dense_weight, self._moe_weight = layer_weights(real, emu)
         self._moe = real.moe_layers
         # experts: this rank's share of the emulated model's experts, and rows per real row
         share = num_local_experts / real.num_experts if real.num_experts else 0.0
         self._emu_local = max(1.0, share * emu.num_experts) if num_local_experts else 0.0
         self._experts_per_real = self._emu_local / num_local_experts if num_local_experts else 0.0
         self._pairs_per_real_row = token_scale * emu.top_k / real.top_k
-        # dispatched rows: chance a token reaches one expert rank, emulated over real
-        r_real = rows_per_rank_fraction(real.num_experts, real.top_k, max(1, real.num_experts // num_expert_ranks))
-        r_emu = rows_per_rank_fraction(emu.num_experts, emu.top_k, max(1, emu.num_experts // num_expert_ranks))
-        self._rows_per_real_row = token_scale * r_emu / r_real
+        self._rows_per_real_row = rows_per_real_row(real, emu, token_scale, num_expert_ranks)
+        # context parallelism (run_sync, cfg.cp_threshold): this step's token adjustments (see cp_step)
+        self._cp_mlp = self._cp_rows = 0
+        local = max(1, real.num_experts // num_expert_ranks)
+        self._real_rows_per_token = num_expert_ranks * rows_per_rank_fraction(real.num_experts, real.top_k, local)
 
     # ------------------------------------------------------------------ holding
     def _hold(self, t0: float, modelled_s: float) -> None:
@@ -329,22 +416,52 @@ class EmulatedModel:
         self._hold(t0, self.cost.embed_s(self._tokens(int(token_ids.shape[0]))))
         return out
 
-    def attention_stage(self, layer: int, hidden, cache=None):
+    def attention_stage(self, layer: int, hidden, cache=None, cp_groups: int = 1):
+        """The real attention stage, held for its modelled time; ``cp_groups > 1``: the chunk is shared by that
+        many groups (run_sync's emulated context parallelism) and this group holds its share."""
         t0 = time.monotonic()
         cached = 0 if cache is None else int(cache.length(layer))
         out = self.inner.attention_stage(layer, hidden, cache)
-        chunk = (self._tokens(int(hidden.shape[0])), self._tokens(cached))
-        if self.tp > 1:
-            s = self.cost.attention_s([chunk], tp=self.tp) + self.cost.tp_all_reduce_s(chunk[0], self.tp)
-        else:
-            s = self.cost.attention_s([chunk])
-        self._hold(t0, self._layer_weight(layer) * s)
+        n = int(hidden.shape[0])
+        self._hold(t0, self._layer_weight(layer) * self._attention_s(n, cached, cp_groups, -(-n // cp_groups)))
         return out
+
+    def _attention_s(self, new: int, cached: int, groups: int, share: int) -> float:
+        """Modelled seconds of one (real) layer's attention of ``new`` tokens after ``cached`` (real tokens), or of
+        one group's ``share`` tokens of it when ``groups`` share it: attention, TP all-reduce, CP exchange."""
+        T, C = self._tokens(new), self._tokens(cached)
+        if groups > 1:
+            s = self.cost.attention_s([(T, C, groups)], tp=self.tp) + self.cost.cp_exchange_s(T, C, groups, self.tp)
+        else:
+            s = self.cost.attention_s([(T, C)], tp=self.tp) if self.tp > 1 else self.cost.attention_s([(T, C)])
+        return s + self.cost.tp_all_reduce_s(self._tokens(share), self.tp)
+
+    # ------------------------------------------------------------------ context parallelism (run_sync's hooks)
+    def cp_step(self, mlp_tokens: int, dispatch_tokens: int) -> None:
+        """At the start of each step of a run with context parallelism: this step's MLP stages stand for
+        ``mlp_tokens`` more (or, negative, fewer) real tokens than they compute (the owner of a shared chunk
+        computes all of it but holds only its share), and its dispatched rows for ``dispatch_tokens`` more
+        tokens' rows (its shares of others' chunks, less the owner's excess)."""
+        self._cp_mlp, self._cp_rows = int(mlp_tokens), int(dispatch_tokens)
+
+    def hold_cp_share(self, layer: int, length: int, start: int, groups: int, tokens: int) -> None:
+        """Hold this group's share (``tokens`` of the ``length``-token chunk at ``start``, shared by ``groups``)
+        of another group's chunk for one layer: attention share with its KV exchange and TP all-reduce, then the
+        share's MLP stages (router + shared experts, or the dense MLP). Nothing is computed here."""
+        t0 = time.monotonic()
+        s = self._attention_s(length, start, groups, tokens)
+        n = self._tokens(tokens)
+        if self._moe[layer]:
+            s += self.cost.router_s(n) + self._tp_mlp(self.cost.shared_experts_s(n), n)
+        else:
+            s += self._tp_mlp(self.cost.dense_mlp_s(n), n)
+        self._hold(t0, self._layer_weight(layer) * s)
 
     def route(self, layer: int, mlp_input):
         t0 = time.monotonic()
         out = self.inner.route(layer, mlp_input)
-        self._hold(t0, self._layer_weight(layer) * self.cost.router_s(self._tokens(int(mlp_input.shape[0]))))
+        n = self._tokens(max(0, int(mlp_input.shape[0]) + self._cp_mlp))
+        self._hold(t0, self._layer_weight(layer) * self.cost.router_s(n))
         return out
 
     def _tp_mlp(self, single_device_s: float, tokens: int) -> float:
@@ -357,7 +474,7 @@ class EmulatedModel:
         """Runs the real MLP stage ``name``, then holds it for ``single_device_s(tokens)`` split over the group."""
         t0 = time.monotonic()
         out = getattr(self.inner, name)(layer, mlp_input)
-        n = self._tokens(int(mlp_input.shape[0]))
+        n = self._tokens(max(0, int(mlp_input.shape[0]) + self._cp_mlp))
         self._hold(t0, self._layer_weight(layer) * self._tp_mlp(single_device_s(n), n))
         return out
 
@@ -399,6 +516,8 @@ class EmulatedModel:
         exchange) or ``"all_reduce"``."""
         devices = ranks * self.expert_devices  # EP over every device of the groups
         if kind in ("dispatch", "combine", "counts", "counts+dispatch"):
+            if self._cp_rows and kind != "counts":  # context parallelism: this group's share of the rows
+                rows = max(0, rows + round(self._cp_rows * self._real_rows_per_token))
             emu_rows = 0 if kind == "counts" else self.emulated_rows(rows)
             # the group's rows leave through its devices' links in parallel
             per_device = -(-emu_rows // self.expert_devices)

@@ -78,6 +78,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from ..serving.frontend import HDR
 from ..serving.metrics import RequestRecord
 from ..serving.policies import ExpertBatcher, MicroBatcher, Placer, split_prompt
 from ..serving.runtime import RuntimeConfig
@@ -215,7 +216,7 @@ class _Memo:
 
 class _Common:
     def __init__(self, cost, shapes, cfg: RuntimeConfig, requests, record_spans: bool,
-                 par: Parallelism = Parallelism()) -> None:
+                 par: Parallelism = Parallelism(), layers=None) -> None:
         cost = _Memo(cost)
         self.cost, self.shapes, self.cfg, self.par = cost, shapes, cfg, par
         self.engine = Engine()
@@ -226,7 +227,10 @@ class _Common:
         self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_s, r.prompt_len) for r in requests}
         if len(self.records) != len(requests):
             raise ValueError("simulate: request ids must be unique")
-        self.moe = [bool(m) for m in shapes.moe_layers]
+        if layers is None:
+            layers = [(bool(m), 1.0) for m in shapes.moe_layers]
+        self.moe = [bool(m) for m, _w in layers]
+        self.layer_weight = [float(w) for _m, w in layers]
         self.msg_result = cost.message_s(_RESULT_BYTES_PER_HIDDEN * (shapes.hidden + 1))
 
     def _arrivals(self, arrive) -> None:
@@ -268,18 +272,20 @@ class _Common:
         self.placer.complete(request_id)
 
     def _delivery_s(self, chunks) -> float:
-        return sum(self.cost.message_s(8 * (c.length + 4)) for c in chunks)
+        return sum(self.cost.message_s(8 * (c.length + HDR)) for c in chunks)
 
     def _segments(self):
-        """Per micro-batch: the layer runs between MoE layers: [(dense layers before, MoE layer or None)]."""
-        segs, dense = [], 0
-        for m in self.moe:
+        """Per micro-batch: the layer runs between MoE layers: [(dense layers before, MoE layer)], each counted
+        by its weight (the layers it stands for; 1 each unless ``layers=`` says otherwise); the MoE entry is 0.0
+        for the run after the last MoE layer, which ends with the head."""
+        segs, dense = [], 0.0
+        for m, w in zip(self.moe, self.layer_weight):
             if m:
-                segs.append((dense, True))
-                dense = 0
+                segs.append((dense, w))
+                dense = 0.0
             else:
-                dense += 1
-        segs.append((dense, False))  # the dense layers after the last MoE layer, then the head
+                dense += w
+        segs.append((dense, 0.0))  # the dense layers after the last MoE layer, then the head
         return segs
 
     def _finish_records(self) -> list:
@@ -301,8 +307,9 @@ class _MicroBatch:
 
 
 class _AsyncSim(_Common):
-    def __init__(self, cost, shapes, cfg, requests, record_spans, par: Parallelism = Parallelism()) -> None:
-        super().__init__(cost, shapes, cfg, requests, record_spans, par)
+    def __init__(self, cost, shapes, cfg, requests, record_spans, par: Parallelism = Parallelism(),
+                 layers=None) -> None:
+        super().__init__(cost, shapes, cfg, requests, record_spans, par, layers)
         A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
         self.A, self.E = A, E
         self.tp = par.attention_tp  # devices per attention rank
@@ -355,9 +362,9 @@ class _AsyncSim(_Common):
         work = (cost.embed_s(T) if first else 0.0) + dense * (mb.attn_s + cost.dense_mlp_s(Td))
         if moe:
             rows = self._rows(Td)  # rows one device of the group sends to one expert rank
-            work += mb.attn_s + cost.router_s(Td)
+            work += moe * (mb.attn_s + cost.router_s(Td))
             if self.cpu:  # the attention rank's CPU copies the rows into each expert rank's memory
-                work += self.E * cost.dispatch_s(rows)
+                work += moe * self.E * cost.dispatch_s(rows)
             self.att[mb.rank].submit(work * self.k_att, lambda: self._dispatched(mb, rows), f"attn seg {mb.seg}")
         else:
             last = [c for c in mb.chunks if c.last]
@@ -367,25 +374,27 @@ class _AsyncSim(_Common):
     def _dispatched(self, mb: _MicroBatch, rows: int) -> None:
         mb.waiting = 2
         # shared experts run right after the dispatch on the same rank (same generator step)
-        self.att[mb.rank].submit(self.cost.shared_experts_s(self._per_device(mb.tokens)) * self.k_att,
+        w = self.segs[mb.seg][1]
+        self.att[mb.rank].submit(w * self.cost.shared_experts_s(self._per_device(mb.tokens)) * self.k_att,
                                  lambda: self._part_back(mb), "shared", front=True)
         self.engine.after(0.0 if self.cpu else self._dispatch_delay(mb, rows), self._expert_arrive, mb, rows)
 
-    def _link(self, fn, rows: int) -> tuple:
-        """(latency, bandwidth time of ``rows`` rows) of a p2p transfer ``fn`` (``dispatch_s`` / ``combine_s``)."""
+    def _link(self, fn, rows: int, weight: float = 1.0) -> tuple:
+        """(latency, bandwidth time of ``rows`` rows) of a p2p transfer ``fn`` (``dispatch_s`` / ``combine_s``),
+        for a layer that stands for ``weight`` layers."""
         if not rows:
             return 0.0, 0.0
         one, two = fn(rows), fn(2 * rows)
-        return 2 * one - two, two - one
+        return weight * (2 * one - two), weight * (two - one)
 
     def _dispatch_delay(self, mb: _MicroBatch, rows: int) -> float:
         """When the rows reach the (representative) expert rank, on a cluster profile: the sending device's link
         carries its ``rows`` for each of the E expert ranks; the expert rank's link receives every micro-batch's
         rows, one after another (``ex_in_free``: when it is free)."""
-        now = self.engine.now
-        lat, _ = self._link(self.cost.dispatch_s, rows)
-        _, send = self._link(self.cost.dispatch_s, self.E * rows)
-        _, recv = self._link(self.cost.dispatch_s, self._rows(mb.tokens) if self.tp > 1 else rows)
+        now, w = self.engine.now, self.segs[mb.seg][1]
+        lat, _ = self._link(self.cost.dispatch_s, rows, w)
+        _, send = self._link(self.cost.dispatch_s, self.E * rows, w)
+        _, recv = self._link(self.cost.dispatch_s, self._rows(mb.tokens) if self.tp > 1 else rows, w)
         self.ex_in_free = max(now, self.ex_in_free) + recv
         return max(send, self.ex_in_free - now) + lat
 
@@ -412,9 +421,10 @@ class _AsyncSim(_Common):
             return
         items = self.ex_batcher.take(layer)
         tokens = sum(mb.tokens for mb, _ in items)
-        work = self.cost.experts_s(_pairs(tokens, self.shapes, self.local))
+        w = self.segs[layer][1]
+        work = w * self.cost.experts_s(_pairs(tokens, self.shapes, self.local))
         if self.cpu:  # the expert rank's CPU copies each micro-batch's output rows back
-            work += sum(self.cost.combine_s(rows) for _, rows in items)
+            work += w * sum(self.cost.combine_s(rows) for _, rows in items)
         self.ex.submit(work * self.k_exp, lambda: self._experts_done(items), f"experts seg {layer} ({len(items)} mb)")
 
     def _wake(self) -> None:
@@ -431,10 +441,10 @@ class _AsyncSim(_Common):
         """When a micro-batch's combined rows are back, on a cluster profile: the expert rank's link sends the
         micro-batches of a batch one after another (``ex_out_free``); the receiving device's link takes ``rows``
         from each of the E expert ranks."""
-        now = self.engine.now
-        lat, _ = self._link(self.cost.combine_s, rows)
-        _, recv = self._link(self.cost.combine_s, self.E * rows)
-        _, send = self._link(self.cost.combine_s, self._rows(mb.tokens) if self.tp > 1 else rows)
+        now, w = self.engine.now, self.segs[mb.seg][1]
+        lat, _ = self._link(self.cost.combine_s, rows, w)
+        _, recv = self._link(self.cost.combine_s, self.E * rows, w)
+        _, send = self._link(self.cost.combine_s, self._rows(mb.tokens) if self.tp > 1 else rows, w)
         self.ex_out_free = max(now, self.ex_out_free) + send
         return max(recv, self.ex_out_free - now) + lat
 
@@ -479,8 +489,8 @@ class _CpRequest:
 
 class _SyncSim(_Common):
     def __init__(self, cost, shapes, cfg, requests, record_spans, num_ranks: int,
-                 par: Parallelism = Parallelism()) -> None:
-        super().__init__(cost, shapes, cfg, requests, record_spans, par)
+                 par: Parallelism = Parallelism(), layers=None) -> None:
+        super().__init__(cost, shapes, cfg, requests, record_spans, par, layers)
         W = self.W = num_ranks  # DP groups
         self.tp = par.sync_tp  # devices per DP group
         self.D = W * self.tp  # devices; EP spans all of them
@@ -506,12 +516,7 @@ class _SyncSim(_Common):
         # a long prompt: the g least loaded DP groups share it (the placer's load-aware rule for g groups)
         g = min(self.W, -(-r.prompt_len // self.cp_threshold))
         chunks = split_prompt(r.request_id, r.prompt_len, self.cfg.effective_chunk_len)
-        load = self.placer.outstanding
-        groups = sorted(range(self.W), key=lambda j: (load[j], j))[:g]
-        work = sum(c.cost for c in chunks) / g
-        for j in groups:  # the placer's accounting, released by complete((request, group)) at the end
-            self.placer._work[j] += work
-            self.placer._held[(r.request_id, j)] = (j, work)
+        groups = self.placer.place_group(r.request_id, chunks, g)
         self.records[r.request_id].start_s = self.engine.now
         self.engine.after(self._delivery_s(chunks), self._deliver_cp, _CpRequest(r.request_id, chunks, groups))
 
@@ -521,8 +526,7 @@ class _SyncSim(_Common):
 
     def _result_cp(self, req: _CpRequest) -> None:
         self.records[req.request_id].done_s = self.engine.now
-        for j in req.groups:
-            self.placer.complete((req.request_id, j))
+        self.placer.complete(req.request_id)
 
     def _batches(self) -> tuple:
         """This step's micro-batch per group, and its CP shares [(request, chunk, tokens, part)] (module docstring)."""
@@ -612,23 +616,24 @@ class _SyncSim(_Common):
                 if not T:
                     continue
                 Td = per_dev[r]
-                w = (cost.embed_s(T) if i == 0 else cost.shared_experts_s(Td))
+                # the previous MoE layer's shared experts run after its combine
+                w = (cost.embed_s(T) if i == 0 else self.segs[i - 1][1] * cost.shared_experts_s(Td))
                 w += dense * (attn[r] + cost.dense_mlp_s(Td))
                 if moe:
-                    w += attn[r] + cost.router_s(Td)
+                    w += moe * (attn[r] + cost.router_s(Td))
                 else:
                     w += cost.head_s(last[r]) if last[r] else 0.0
                 pending[r] += k * w
             if not moe:
                 break
             seg = spin * max(pending) if cores is not None else ps_makespan(pending, None)
-            ex = spin_ex * expert_work
+            ex = spin_ex * expert_work * moe
             if self.par.sync_overlap:  # the all_to_alls hidden behind compute as far as it lasts
-                t += max(seg + ex, a2a) + self.layer_overhead
+                t += max(seg + ex, moe * a2a) + self.layer_overhead
             else:
-                t += seg + a2a + ex + self.layer_overhead
+                t += seg + moe * a2a + ex + self.layer_overhead
             for r in range(W):
-                self.busy[r] += pending[r] + expert_work
+                self.busy[r] += pending[r] + expert_work * moe
             pending = [0.0] * W
         tail = spin * max(pending)
         for r in range(W):
@@ -676,16 +681,26 @@ class _SyncSim(_Common):
 
 
 def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConfig(), *,
-             sync_ranks: int | None = None, spans: bool = False, par: Parallelism | None = None) -> SimResult:
+             sync_ranks: int | None = None, spans: bool = False, par: Parallelism | None = None,
+             layers=None) -> SimResult:
     """Simulate ``requests`` (``asap_comm.serving.traces.Request``: id, arrival, prompt length).
 
     ``mode``: ``"async"`` (``cfg.num_attention_ranks`` attention ranks of ``par.attention_tp`` devices each +
     ``cfg.num_expert_ranks`` expert ranks) or ``"sync"`` (``sync_ranks`` DP+EP groups of ``par.sync_tp``
     devices each, default as many groups as ASAP has ranks; context parallelism above ``par.cp_threshold``).
+    ``layers``: the layer structure, ``[(is_moe, weight)]`` in order, where a layer of weight ``w`` costs ``w``
+    layers of ``shapes`` (default: ``shapes.moe_layers``, weight 1 each). An emulated run
+    (``asap_comm.sim.emulate``) serves a small model whose layers each stand for several emulated ones; this
+    simulates that structure (see ``emulate.simulate_emulated``).
     Returns records with the runtime's fields, so ``summarize_run`` applies.
     """
     if mode not in ("async", "sync"):
         raise ValueError(f"simulate: mode must be 'async' or 'sync', got {mode!r}")
+    if layers is not None:
+        layers = [tuple(x) for x in layers]
+        if (not layers or any(len(x) != 2 or not isinstance(x[0], bool) or isinstance(x[1], bool)
+                              or not isinstance(x[1], (int, float)) or not x[1] > 0 for x in layers)):
+            raise ValueError(f"simulate: layers={layers!r} must be a non-empty list of (is_moe: bool, weight > 0)")
     par = Parallelism() if par is None else par
     if not isinstance(par, Parallelism):
         raise TypeError(f"simulate: par must be a Parallelism, got {type(par).__name__}")
@@ -695,12 +710,12 @@ def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConf
                          f"{cost.name!r} shares {cost.cores} CPU cores between its ranks")
     t0 = time.perf_counter()
     if mode == "async":
-        sim = _AsyncSim(cost, shapes, cfg, requests, spans, par)
+        sim = _AsyncSim(cost, shapes, cfg, requests, spans, par, layers)
     else:
         W = cfg.num_attention_ranks + cfg.num_expert_ranks if sync_ranks is None else sync_ranks
         if isinstance(W, bool) or not isinstance(W, int) or W < 1:
             raise ValueError(f"simulate: sync_ranks={sync_ranks!r} must be an int >= 1")
-        sim = _SyncSim(cost, shapes, cfg, requests, spans, W, par)
+        sim = _SyncSim(cost, shapes, cfg, requests, spans, W, par, layers)
     end, ranks = sim.run()
     records = sim._finish_records()
     span = max(end, 1e-12)

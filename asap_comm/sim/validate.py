@@ -165,18 +165,50 @@ def _table(result: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m asap_comm.sim validate", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--model", default="small")
+    p.add_argument("--model", default=None, help="the served model (default: small; tiny with --regime emulated)")
     p.add_argument("--profile", default="local", help="the profile to check (default: the committed local one)")
     p.add_argument("--calibrate", action="store_true", help="calibrate this host first and check that profile")
     p.add_argument("--no-recalibrate", action="store_true",
                    help="refuse (instead of calibrating first) when the profile was fitted on another host")
-    p.add_argument("--configs", default="default", choices=sorted(CONFIGS))
-    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--configs", default="default",
+                   help=f"local: {sorted(CONFIGS)}; emulated: default, perdie, quick")
+    p.add_argument("--num-requests", type=int, default=None, help="requests per load (default 40; 60 with --regime "
+                   "emulated)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--regime", choices=("local", "emulated"), default="local",
+                   help="local: this host's shared CPU against the local profile (default); emulated: the real "
+                        "runtime on emulated accelerators against the simulator with a cluster profile "
+                        "(asap_comm.sim.validate_emulated)")
+    e = p.add_argument_group("--regime emulated")
+    e.add_argument("--emulate", default="ascend-910c-cm384", metavar="PROFILE", help="the emulated hardware profile")
+    e.add_argument("--emulate-model", default="deepseek-v3", help="the emulated model's shapes")
+    e.add_argument("--time-scale", type=float, default=0.25, help="the dilation (wall s per modelled s)")
+    e.add_argument("--token-scale", type=int, default=128, help="emulated tokens per real token")
+    e.add_argument("--repeats", type=int, default=3, help="real runs per point; each metric is their median")
+    e.add_argument("--slo", type=float, default=None, help="SLO in seconds (default: 3x the simulated unloaded "
+                   "TTFT of the baseline on the p90 prompt)")
     args = p.parse_args(argv)
+    if args.regime == "emulated":
+        from .validate_emulated import CONFIGS as ECONFIGS, table, validate_emulated
+
+        configs = args.configs
+        if configs not in ECONFIGS:
+            p.error(f"--configs {configs}: --regime emulated has {sorted(ECONFIGS)}")
+        model = args.model or "tiny"
+        num = args.num_requests or 60
+        try:
+            result = validate_emulated(args.out, profile=args.emulate, emulate_model=args.emulate_model, model=model,
+                                       time_scale=args.time_scale, token_scale=args.token_scale, configs=configs,
+                                       num_requests=num, repeats=args.repeats, slo=args.slo, seed=args.seed)
+        except (ValueError, FileNotFoundError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(table(result))
+        print(f"wrote {Path(args.out) / 'validation_emulated.json'}")
+        return 0
     try:
-        result = validate(args.out, model=args.model, profile=args.profile, configs=args.configs,
-                          num_requests=args.num_requests, calibrate_first=args.calibrate, seed=args.seed,
+        result = validate(args.out, model=args.model or "small", profile=args.profile, configs=args.configs,
+                          num_requests=args.num_requests or 40, calibrate_first=args.calibrate, seed=args.seed,
                           recalibrate=not args.no_recalibrate)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
