@@ -61,20 +61,30 @@ def main(argv=None) -> int:
     p.add_argument("--emulate-model", default="deepseek-v3")
     p.add_argument("--time-scale", type=float, default=prefill.DEFAULT_TIME_SCALE)
     p.add_argument("--token-scale", type=int, default=prefill.DEFAULT_TOKEN_SCALE)
-    p.add_argument("--attention-ranks", type=int, default=None, help="default 2 (8 with --emulate)")
-    p.add_argument("--expert-ranks", type=int, default=None, help="default 2 (8 with --emulate)")
-    p.add_argument("--attention-tp", type=int, default=1, help="with --emulate: devices per ASAP attention rank")
-    p.add_argument("--sync-tp", type=int, default=None, help="with --emulate: devices per baseline worker (default 4)")
+    d = prefill.EMULATE_DEFAULTS
+    p.add_argument("--attention-ranks", type=int, default=None,
+                   help=f"default 2 ({d['attention_ranks']} with --emulate)")
+    p.add_argument("--expert-ranks", type=int, default=None, help=f"default 2 ({d['expert_ranks']} with --emulate)")
+    p.add_argument("--attention-tp", type=int, default=None,
+                   help=f"with --emulate: devices per ASAP attention rank (default {d['attention_tp']})")
+    p.add_argument("--sync-tp", type=int, default=None,
+                   help=f"with --emulate: devices per baseline worker (default {d['sync_tp']})")
+    p.add_argument("--cp-threshold", type=int, default=None,
+                   help=f"with --emulate: the baseline's context parallelism above this many served tokens "
+                        f"(default {d['cp_threshold']}; 0: off)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.emulate:
-        eargs = argparse.Namespace(model="tiny", seed=0, attention_ranks=args.attention_ranks or 8,
-                                   expert_ranks=args.expert_ranks or 8, trace="mooncake", rate=3.0,
+        d = prefill.EMULATE_DEFAULTS
+        eargs = argparse.Namespace(model="tiny", seed=0, attention_ranks=args.attention_ranks or d["attention_ranks"],
+                                   expert_ranks=args.expert_ranks or d["expert_ranks"], trace="mooncake", rate=3.0,
                                    num_requests=args.num_requests, burstiness=2.0, median_len=48, max_prompt_len=512,
                                    length_scale=1.0, token_budget=128, chunk_len=128, emulate=args.emulate,
                                    emulate_model=args.emulate_model, time_scale=args.time_scale,
-                                   token_scale=args.token_scale, attention_tp=args.attention_tp,
-                                   sync_tp=args.sync_tp or 4, sync_ranks=None, sync_collectives="shm", slo=args.slo)
+                                   token_scale=args.token_scale, attention_tp=args.attention_tp or d["attention_tp"],
+                                   sync_tp=args.sync_tp or d["sync_tp"], sync_ranks=None, sync_collectives="shm",
+                                   slo=args.slo, cp_threshold=d["cp_threshold"] if args.cp_threshold is None
+                                   else args.cp_threshold)
         prefill.apply_emulate_defaults(eargs, set(vars(eargs)) - {"trace", "length_scale"})
         if args.model != "small":
             eargs.model = args.model

@@ -136,9 +136,11 @@ SLO_MULTIPLIER = 3.0  # the automatic SLO: this many times the baseline's unload
 DEFAULT_TIME_SCALE = 0.25  # --emulate: wall seconds per modelled second (under 5% overruns at 8+8 on 2 cores)
 DEFAULT_TOKEN_SCALE = 128  # --emulate: emulated tokens per real token
 # --emulate: defaults of the flags a user did not give
-EMULATE_DEFAULTS = {"model": "tiny", "attention_ranks": 8, "expert_ranks": 8, "trace": "mooncake",
+# --emulate's deployment: 16 devices either way, each side the best of the simulator's search in this regime
+# (simulate_emulated over ASAP splits and baseline TP x CP; see the README, "Emulated accelerators")
+EMULATE_DEFAULTS = {"model": "tiny", "attention_ranks": 5, "attention_tp": 2, "expert_ranks": 6, "trace": "mooncake",
                     "num_requests": 240, "max_prompt_len": 512, "token_budget": 128, "chunk_len": 128,
-                    "sync_collectives": "shm", "sync_tp": 4}
+                    "sync_collectives": "shm", "sync_tp": 4, "cp_threshold": 64}
 SWEEP_AUTO_BISECTIONS = 3  # --sweep auto: bisection steps after the doubling phase
 SWEEP_PROBE_S = 45.0  # --sweep auto: a probe's arrivals span at most this many seconds ...
 SWEEP_MIN_REQUESTS = 60  # ... but hold at least this many requests
@@ -194,7 +196,8 @@ def resolve_slo(args, factory, info, cfg, requests, single_process_s: float, mod
     for mode in sorted(set(modes) | {SLO_BASIS}):
         print(f"{mode}: unloaded TTFT of {prompt_len}-token prompts, one at a time ...", file=sys.stderr, flush=True)
         f = factory[mode] if isinstance(factory, dict) else factory
-        c = cfg[mode] if isinstance(cfg, dict) else cfg
+        # on one DP group: context parallelism spreads a lone prompt over every group, which load takes away
+        c = dataclasses.replace(cfg[mode] if isinstance(cfg, dict) else cfg, cp_threshold=None)
         unloaded[mode], used = unloaded_ttft(mode, f, info, c, prompt_len, f.config().vocab_size, gap, args.seed)
         print(f"  {mode}: {unloaded[mode] * 1e3:.1f} ms (median of {used})", file=sys.stderr, flush=True)
     return {"ttft_s": SLO_MULTIPLIER * unloaded[SLO_BASIS], "source": "auto", "multiplier": SLO_MULTIPLIER,
@@ -207,7 +210,7 @@ def describe_slo(slo: dict) -> str:
     u = slo["unloaded_ttft_s"]
     others = ", ".join(f"{m} {v:.3f} s" for m, v in u.items() if m != SLO_BASIS)
     return (f"TTFT SLO {slo['ttft_s']:.3f} s = {slo['multiplier']:g} x the baseline's ({SLO_BASIS}) unloaded TTFT "
-            f"{u[SLO_BASIS]:.3f} s ({slo['p90_prompt_tokens']}-token p90 prompt)"
+            f"{u[SLO_BASIS]:.3f} s ({slo['p90_prompt_tokens']}-token p90 prompt, on one DP group)"
             + (f"; unloaded TTFT of {others}" if others else ""))
 
 
@@ -271,6 +274,9 @@ def mode_config(cfg: RuntimeConfig, mode: str, args) -> RuntimeConfig:
     if mode == "async":
         return cfg
     w = sync_workers(args)
+    cp = getattr(args, "cp_threshold", None) or None  # 0: off
+    if cp is not None:
+        cfg = dataclasses.replace(cfg, cp_threshold=cp)
     if w == cfg.num_attention_ranks + cfg.num_expert_ranks:
         return cfg
     if w < 2:
@@ -445,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "over them)")
     p.add_argument("--sync-ranks", type=int, default=None,
                    help="baseline workers (DP groups) (default: A + E; with --emulate, ASAP's devices / --sync-tp)")
+    p.add_argument("--cp-threshold", type=int, default=None, metavar="TOKENS",
+                   help="with --emulate: the baseline's context parallelism: a prompt longer than TOKENS (served "
+                        "tokens; x --token-scale emulated) is shared by ceil(prompt / TOKENS) DP groups, each "
+                        "holding its share (default with --emulate: 64; 0: off)")
     p.add_argument("--sync-collectives", choices=("gloo", "shm"), default="gloo",
                    help="the baseline's all-to-alls: gloo (torch.distributed), or shm (asap_comm shared memory, "
                         "what NCCL/HCCL are to devices; the default with --emulate)")
@@ -486,6 +496,12 @@ def main(argv=None) -> int:
             parser.error(f"--emulate {args.emulate} --emulate-model {args.emulate_model}: {e}")
         if args.time_scale <= 0 or args.token_scale < 1:
             parser.error("--time-scale must be > 0 and --token-scale >= 1")
+    if args.cp_threshold is not None:
+        if args.cp_threshold < 0:
+            parser.error(f"--cp-threshold {args.cp_threshold}: give a number of tokens >= 1, or 0 for off")
+        if args.cp_threshold and not args.emulate:
+            parser.error("--cp-threshold needs --emulate: the baseline's context parallelism is emulated (the owner "
+                         "of a shared prompt computes it; the emulated devices hold their shares)")
 
     torch.set_num_threads(1)
     factory = StageFactory(args.model, args.seed)

@@ -358,7 +358,7 @@ def test_validate_in_the_emulated_regime(tmp_path):
             assert r["relative_error"][m] == pytest.approx((r["sim"][m] - r["real"][m]) / r["real"][m])
     assert set(c["slo_compliant_throughput"]) == {"async", "sync"} and set(c["ratio"]) == {"real", "sim",
                                                                                            "relative_error"}
-    assert c["slo_s"] > 0 and res["compared"] >= 16
+    assert c["slo_s"] > 0 and res["compared"] >= 16 and c["cp_threshold"] == 96
     with pytest.raises(SystemExit):
         main(["--regime", "emulated", "--configs", "nope", "--out", str(tmp_path)])
 

@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-recalibrate", action="store_true",
                    help="refuse (instead of calibrating first) when the profile was fitted on another host")
     p.add_argument("--configs", default="default",
-                   help=f"local: {sorted(CONFIGS)}; emulated: default, perdie, quick")
+                   help=f"local: {sorted(CONFIGS)}; emulated: default, nocp, perdie, quick")
     p.add_argument("--num-requests", type=int, default=None, help="requests per load (default 40; 60 with --regime "
                    "emulated)")
     p.add_argument("--seed", type=int, default=0)

@@ -25,7 +25,7 @@ linearly between the last load that meets it and the first that does not
 (the last load of the grid if all meet it; None if the first fails), in
 requests/s; both sides use the same grid and the same rule. The SLO is
 ``--slo`` seconds, or 3 x the simulated unloaded TTFT of the baseline on the
-trace's p90 prompt. ``validation_emulated.json`` holds every number; the
+trace's p90 prompt on one DP group (no CP). ``validation_emulated.json`` holds every number; the
 table marks relative errors above 15%.
 """
 from __future__ import annotations
@@ -45,13 +45,16 @@ _LABEL = {"ttft_p50_s": "p50", "ttft_p90_s": "p90", "ttft_p99_s": "p99", "throug
 SLO_FACTOR = 3.0
 OVERRUN_WARN = 0.05
 
-# name -> (ASAP attention groups, their TP, expert ranks, baseline groups, their TP, trace, loads in requests/s)
+# name -> (ASAP attention groups, their TP, expert ranks, baseline groups, their TP, baseline CP threshold (served
+# tokens), trace, loads in requests/s)
 CONFIGS = {
-    # the emulated headline's deployment: 16 devices either way
-    "default": [("A4xTP2+E8 vs 4xTP4", 4, 2, 8, 4, 4, "mooncake", (1.0, 2.0, 3.0, 4.0))],
+    # the emulated headline's deployment (examples/prefill.py --emulate): 16 devices either way
+    "default": [("A5xTP2+E6 vs 4xTP4 CP>64", 5, 2, 6, 4, 4, 64, "mooncake", (1.0, 2.0, 3.0, 4.0, 5.0))],
+    # the same baseline without context parallelism, ASAP with 8 expert dies
+    "nocp": [("A4xTP2+E8 vs 4xTP4", 4, 2, 8, 4, 4, None, "mooncake", (1.0, 2.0, 3.0, 4.0))],
     # ASAP's attention per die against a per-die baseline: 16 ranks either way
-    "perdie": [("A8+E8 vs 16x1", 8, 1, 8, 16, 1, "mooncake", (1.0, 2.0, 3.0))],
-    "quick": [("A2+E2 vs 4x1", 2, 1, 2, 4, 1, "synthetic", (2.0, 4.0))],
+    "perdie": [("A8+E8 vs 16x1", 8, 1, 8, 16, 1, None, "mooncake", (1.0, 2.0, 3.0))],
+    "quick": [("A2+E2 vs 4x1 CP>96", 2, 1, 2, 4, 1, 96, "synthetic", (2.0, 4.0))],
 }
 
 
@@ -115,10 +118,11 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
     info = model_info_of(base)
     t0 = time.perf_counter()
     result_configs = []
-    for name, A, atp, E, W, stp, kind, rates in CONFIGS[configs]:
+    for name, A, atp, E, W, stp, cp, kind, rates in CONFIGS[configs]:
         cfg = RuntimeConfig(num_attention_ranks=A, num_expert_ranks=E, token_budget=128, chunk_len=128,
                             max_prompt_len=512, sync_collectives="shm")
-        mode_cfg = {"async": cfg, "sync": dataclasses.replace(cfg, num_attention_ranks=W - 1, num_expert_ranks=1)}
+        mode_cfg = {"async": cfg, "sync": dataclasses.replace(cfg, num_attention_ranks=W - 1, num_expert_ranks=1,
+                                                              cp_threshold=cp)}
 
         def factory(mode: str, stats_dir=None):
             if mode == "async":
@@ -131,8 +135,9 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
         lens = sorted(r.prompt_len for r in base_trace)
         p90 = lens[min(len(lens) - 1, int(0.9 * len(lens)))]
         mean_len = sum(lens) / len(lens)
-        if slo is None:
-            one = simulate_emulated(factory("sync"), "sync", [Request(0, 0.0, p90)], mode_cfg["sync"])
+        if slo is None:  # the baseline's unloaded TTFT on one DP group (no CP), as examples/prefill.py's auto SLO
+            one = simulate_emulated(factory("sync"), "sync", [Request(0, 0.0, p90)],
+                                    dataclasses.replace(mode_cfg["sync"], cp_threshold=None))
             cfg_slo = SLO_FACTOR * one.records[0].ttft_s
         else:
             cfg_slo = float(slo)
@@ -147,7 +152,7 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
                                     cfg_slo).as_dict()
                 reals = []
                 for rep in range(repeats):
-                    stats_dir = out / "stats" / f"{name.split()[0]}-{rate:g}-{mode}-{rep}"
+                    stats_dir = out / "stats" / f"{configs}-{rate:g}-{mode}-{rep}"
                     runner = run_async if mode == "async" else run_sync
                     res = runner(factory(mode, stats_dir), info, reqs, mode_cfg[mode])
                     r = summarize_run(res.records, cfg_slo).as_dict()
@@ -183,7 +188,7 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
             else None
         result_configs.append({
             "config": name, "attention_ranks": A, "attention_tp": atp, "expert_ranks": E, "sync_ranks": W,
-            "sync_tp": stp, "trace": kind, "rates_req_s": list(rates), "slo_s": cfg_slo, "slo_target": target,
+            "sync_tp": stp, "cp_threshold": cp, "trace": kind, "rates_req_s": list(rates), "slo_s": cfg_slo, "slo_target": target,
             "p90_prompt_tokens": p90, "mean_prompt_tokens": mean_len, "runs": rows,
             "slo_compliant_throughput": per_mode,
             "ratio": {"real": rr, "sim": sr, "relative_error": _rel(sr, rr)}})
