@@ -3,8 +3,10 @@
 Usage::
 
     python bench/bench_serving.py [--rates 6,8,10,12,14,16,18] [--num-requests 40] [--out bench/results]
-    python bench/bench_serving.py --emulate ascend-910c-cm384 --attention-ranks 4 --attention-tp 2 --rates auto \
-        --num-requests 240   # the ablation on emulated accelerators (about 40 minutes)
+    python bench/bench_serving.py --emulate ascend-910c-cm384 --rates auto --num-requests 240
+        # the ablation on emulated accelerators, the example's --emulate deployment (about 40 minutes)
+    python bench/bench_serving.py --emulate ascend-910c-cm384 --rates 3.5 --slo 3.9 --num-requests 240
+        # every variant at one load and a fixed SLO (about 9 minutes)
 
 The default workload of ``examples/prefill.py`` (``small`` model, random
 weights, a Gamma-bursty trace with log-normal prompt lengths, A = 2 attention +

@@ -119,6 +119,32 @@ def test_expert_calls_stand_for_the_emulated_experts_of_the_rank(tmp_path):
     assert m.emulated_rows(100) == round(100 * 16 * ratio)
 
 
+def test_an_uneven_split_of_the_served_experts_is_charged_evenly(tmp_path):
+    """8 served experts over 6 expert ranks: ranks hold 2 or 1 of them, but the emulated deployment spreads
+    DeepSeek-V3's 256 experts evenly (256 / 6 each). A rank with 2 served experts receives about twice the real
+    rows of a rank with 1 for the same tokens; both must be charged the same emulated work and rows."""
+    real = ModelShapes.load("tiny")
+    cost = CostModel.load(PROFILE, EMU)
+    tokens, S = 60, 16
+
+    def rank(local):
+        m = EmulatedModel(_FakeStages(), cost, real, "expert", local, 1e-3, S, 6, _Stats(None))
+        pairs_per_expert = tokens * real.top_k / real.num_experts  # real (token, expert) pairs per served expert
+        work = local * m.expert_work_s(int(pairs_per_expert))
+        from asap_comm.sim.simulate import rows_per_rank_fraction
+        rows = m.emulated_rows(round(tokens * rows_per_rank_fraction(8, 2, local)))
+        return m, work, rows
+
+    two, w2, r2 = rank(2)
+    one, w1, r1 = rank(1)
+    assert two._emu_local == one._emu_local == pytest.approx(256 / 6)
+    assert w2 == pytest.approx(w1, rel=0.02)
+    # the emulated pairs of either rank: tokens x S x top_k x (256/6) / 256
+    per = round(tokens * S * 8 * (256 / 6) / 256 / (256 / 6))
+    assert w1 == pytest.approx((256 / 6) * cost.expert_s(per), rel=0.02)
+    assert r2 == pytest.approx(r1, rel=0.02)
+
+
 def test_collective_hold_and_transport_summary(tmp_path):
     from asap_comm.sim.emulate import _CollectiveLog
 

@@ -384,12 +384,23 @@ class EmulatedModel:
         # layer weights: how many emulated layers one real dense / MoE layer stands for
         self._dense_weight, self._moe_weight = layer_weights(real, emu)
         self._moe = real.moe_layers
-        # experts: this rank's share of the emulated model's experts, and rows per real row
-        share = num_local_experts / real.num_experts if real.num_experts else 0.0
-        self._emu_local = max(1.0, share * emu.num_experts) if num_local_experts else 0.0
-        self._experts_per_real = self._emu_local / num_local_experts if num_local_experts else 0.0
-        self._pairs_per_real_row = token_scale * emu.top_k / real.top_k
-        self._rows_per_real_row = rows_per_real_row(real, emu, token_scale, num_expert_ranks)
+        # experts: the emulated model's experts spread evenly over the num_expert_ranks ranks, as a deployment
+        # places them, whatever the served model's split (8 served experts over 6 ranks give some ranks 2 and
+        # some 1): this rank stands for N_emu / num_expert_ranks emulated experts, and each real (token, expert)
+        # pair / dispatched row it receives for the emulated pairs / rows that its share of the tokens brings
+        if num_local_experts:
+            self._emu_local = max(1.0, emu.num_experts / num_expert_ranks)
+            self._experts_per_real = self._emu_local / num_local_experts
+            real_pairs = real.top_k * num_local_experts / real.num_experts  # per token
+            emu_pairs = emu.top_k * self._emu_local / emu.num_experts
+            self._pairs_per_real_row = token_scale * emu_pairs / real_pairs
+            r_real = rows_per_rank_fraction(real.num_experts, real.top_k, num_local_experts)
+            r_emu = rows_per_rank_fraction(emu.num_experts, emu.top_k, max(1, round(self._emu_local)))
+            self._rows_per_real_row = token_scale * r_emu / r_real
+        else:
+            self._emu_local = self._experts_per_real = 0.0
+            self._pairs_per_real_row = token_scale * emu.top_k / real.top_k
+            self._rows_per_real_row = rows_per_real_row(real, emu, token_scale, num_expert_ranks)
         # context parallelism (run_sync, cfg.cp_threshold): this step's token adjustments (see cp_step)
         self._cp_mlp = self._cp_rows = 0
         local = max(1, real.num_experts // num_expert_ranks)
