@@ -172,7 +172,7 @@ def main(argv=None) -> int:
                    help="refuse (instead of calibrating first) when the profile was fitted on another host")
     p.add_argument("--configs", default="default",
                    help=f"local: {sorted(CONFIGS)}; emulated: default, nocp, perdie, quick")
-    p.add_argument("--num-requests", type=int, default=None, help="requests per load (default 40; 60 with --regime "
+    p.add_argument("--num-requests", type=int, default=None, help="requests per load (default 40; 80 with --regime "
                    "emulated)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--regime", choices=("local", "emulated"), default="local",
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         if configs not in ECONFIGS:
             p.error(f"--configs {configs}: --regime emulated has {sorted(ECONFIGS)}")
         model = args.model or "tiny"
-        num = args.num_requests or 60
+        num = args.num_requests or 80
         try:
             result = validate_emulated(args.out, profile=args.emulate, emulate_model=args.emulate_model, model=model,
                                        time_scale=args.time_scale, token_scale=args.token_scale, configs=configs,
