@@ -491,7 +491,9 @@ def main(argv=None) -> int:
         parser.error(f"--sweep {args.sweep!r}: give comma-separated rates (req/s) or auto")
     if args.emulate:
         try:
-            emulated(args, StageFactory(args.model, args.seed), "async")  # a bad profile or model fails here
+            base = StageFactory(args.model, args.seed)
+            for mode in modes:  # a bad profile, model or split fails here
+                emulated(args, base, mode)
         except ValueError as e:
             parser.error(f"--emulate {args.emulate} --emulate-model {args.emulate_model}: {e}")
         if args.time_scale <= 0 or args.token_scale < 1:

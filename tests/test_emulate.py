@@ -348,6 +348,8 @@ def test_simulate_emulated_is_a_lower_bound_of_the_emulated_run_in_its_units(tmp
             assert pred.ttft_s > 0
             assert real.ttft_s >= 0.95 * pred.ttft_s, (mode, real.ttft_s, pred.ttft_s)
             assert real.ttft_s <= 3.0 * pred.ttft_s + 1.0, (mode, real.ttft_s, pred.ttft_s)
+    with pytest.raises(ValueError, match="num_expert_ranks=16 is more than the served model's 8 experts"):
+        EmulatedFactory(base, PROFILE, EMU, num_expert_ranks=16)
     with pytest.raises(ValueError, match="expert_devices"):
         simulate_emulated(EmulatedFactory(base, PROFILE, EMU, num_expert_ranks=4, attention_tp=2), "sync", trace, cfg)
 

@@ -323,6 +323,11 @@ class EmulatedFactory:
         self.attention_tp, self.expert_devices = attention_tp, expert_devices
         self.stats_dir = None if stats_dir is None else str(stats_dir)
         self.real_shapes = real_shapes if real_shapes is not None else _real_shapes(inner)
+        if num_expert_ranks > self.real_shapes.num_experts:
+            raise ValueError(f"EmulatedFactory: num_expert_ranks={num_expert_ranks} is more than the served model's "
+                             f"{self.real_shapes.num_experts} experts: some ranks would hold none and the emulated "
+                             "experts would not all be charged; serve a model with more experts, or use fewer expert "
+                             "ranks (for the baseline: larger --sync-tp groups)")
         self.cost()  # fail here, in the caller, on an unknown profile or model
         self._made = 0
 

@@ -57,8 +57,8 @@ CONFIGS = {
     "default": [("A5xTP2+E6 vs 4xTP4 CP>64", 5, 2, 6, 4, 4, 64, "mooncake-spread", (2.0, 4.0, 5.0, 6.0, 8.0))],
     # the same baseline without context parallelism, ASAP with 8 expert dies
     "nocp": [("A4xTP2+E8 vs 4xTP4", 4, 2, 8, 4, 4, None, "mooncake-spread", (1.0, 2.0, 3.0, 4.0, 6.0))],
-    # ASAP's attention per die against a per-die baseline: 16 ranks either way
-    "perdie": [("A8+E8 vs 16x1", 8, 1, 8, 16, 1, None, "mooncake-spread", (1.0, 2.0, 3.0, 4.0))],
+    # ASAP's attention per die (8 + 8 ranks) against 8 DP groups of 2 devices
+    "perdie": [("A8+E8 vs 8xTP2", 8, 1, 8, 8, 2, None, "mooncake-spread", (1.0, 2.0, 3.0, 4.0))],
     "quick": [("A2+E2 vs 4x1 CP>96", 2, 1, 2, 4, 1, 96, "synthetic", (2.0, 4.0))],
 }
 
