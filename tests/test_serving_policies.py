@@ -132,3 +132,16 @@ def test_placer_place_group_shares_a_request_among_the_least_loaded():
     with pytest.raises(ValueError, match="already placed"):
         p.place_group(0, big, 2)
     assert p.outstanding == pytest.approx([a[0].cost, 0, 0, 0])  # refused calls changed nothing
+
+
+def test_chunk_message_round_trip():
+    """protocol: the chunk message the front end sends is what both runtimes read."""
+    import torch
+
+    from asap_comm.serving.protocol import HDR, decode_chunk, encode_chunk
+
+    c = Chunk(7, 1, 128, 3, 2)
+    payload = encode_chunk(c, torch.tensor([5, 6, 9], dtype=torch.int32), groups=0b1010)
+    assert payload.dtype == torch.int64 and payload.numel() == HDR + 3
+    chunk, groups, toks = decode_chunk(payload)
+    assert chunk == c and groups == 0b1010 and toks.tolist() == [5, 6, 9]

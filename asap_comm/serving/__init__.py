@@ -2,7 +2,8 @@
 
 ``run_async`` (the asynchronous disaggregated runtime, ``runtime.py``) and
 ``run_sync`` (the synchronous DP+EP baseline, ``sync.py``) share one front
-end (``frontend.py``). ``policies``: the scheduling decisions the runtime and the simulator share
+end (``frontend.py``) and one protocol (``protocol.py``: the shared types and
+the chunk message, also used by the simulator). ``policies``: the scheduling decisions the runtime and the simulator share
 (placement, long-prompt chunking, micro-batching, expert-side batching).
 ``traces``: requests (synthetic Poisson/Gamma arrivals and length
 distributions; the Mooncake JSONL and Azure CSV public traces). ``metrics``:
@@ -14,7 +15,8 @@ import this package (``import asap_comm.serving`` explicitly).
 """
 from .metrics import (ChromeTrace, RequestRecord, RunSummary, percentile, slo_compliant_throughput,
                       summarize_run)
-from .runtime import ModelInfo, PromptRequest, RunResult, RuntimeConfig, run_async
+from .protocol import ModelInfo, PromptRequest, RunResult, RuntimeConfig
+from .runtime import run_async
 from .sync import run_sync
 from .policies import Chunk, ExpertBatcher, MicroBatcher, Placer, attention_cost, split_prompt
 from .traces import (EmpiricalLengths, FixedLengths, LengthDistribution, LogNormalLengths, Request, TraceError,

@@ -20,13 +20,10 @@ from ..errors import TimeoutError as CommTimeoutError
 from ..launch import launch
 from .metrics import RequestRecord
 from .policies import Placer, split_prompt
+from .protocol import HDR, STOP, encode_chunk
 
 __all__ = ["STOP", "HDR", "request_mailbox", "run_front_end", "replay_report", "run_group", "validate"]
 
-STOP = -1  # tag of the front end's "no more requests" message
-# chunk message header words: request id, chunk index, number of chunks, start, context-parallel groups (a bit
-# mask of the workers sharing the request; 0: none)
-HDR = 5
 
 
 def validate(req, info, cfg) -> "str | None":
@@ -168,9 +165,7 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
                 else:
                     rank, mask = placer.place(r.request_id, chunks), 0
                 for c in chunks:
-                    hdr = torch.tensor([c.request_id, c.index, c.num_chunks, c.start, mask], dtype=torch.int64)
-                    send(rank, torch.cat([hdr, r.token_ids[c.start:c.start + c.length].to(torch.int64)]),
-                         r.request_id)
+                    send(rank, encode_chunk(c, r.token_ids[c.start:c.start + c.length], mask), r.request_id)
                 rec.start_s = now
                 outstanding.add(r.request_id)
                 log(("start", r.request_id, now))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import Any
 
-from .runtime import ModelInfo
+from .protocol import ModelInfo
 
 __all__ = ["load_model_factory", "model_info_of"]
 

@@ -29,98 +29,18 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import AttentionEnd, ExpertBatch, ExpertEnd, MoEPlan, apply_experts, join_as_bystander
-from .frontend import HDR, STOP, DeathWatch, finish_chunks, request_mailbox, run_front_end, run_group
-from .policies import Chunk, ExpertBatcher, MicroBatcher
+from .frontend import DeathWatch, finish_chunks, request_mailbox, run_front_end, run_group
+from .policies import ExpertBatcher, MicroBatcher
+from .protocol import STOP, ModelInfo, PromptRequest, RunResult, RuntimeConfig, decode_chunk
 
 __all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "run_async"]
 
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the runtime needs to know about a model: shapes and which layers are MoE."""
-
-    num_layers: int
-    moe_layers: tuple  # bool per layer
-    hidden: int
-    vocab_size: int
-    num_experts: int
-    top_k: int
-    dtype: torch.dtype = torch.float32
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """Ranks, budgets and the four optimizations (each switchable for ablation)."""
-
-    num_attention_ranks: int = 2
-    num_expert_ranks: int = 2
-    token_budget: int = 512  # tokens per attention micro-batch
-    max_prompt_len: int = 8192
-    chunk_len: "int | None" = 512  # split longer prompts into chunks (with load_aware)
-    barrier_free: bool = True  # (1) False: every MoE layer step is a barrier across the attention ranks
-    ping_pong: bool = True  # (2) two micro-batches in flight per attention rank
-    load_aware: bool = True  # (3) least-outstanding-work placement + long-prompt splitting
-    expert_batching: bool = True  # (4) gather rows per layer across attention ranks
-    expert_token_budget: int = 1024
-    expert_deadline_s: float = 0.002
-    timeout_s: float = 600.0  # bound on the whole run
-    progress: bool = False  # a live progress line on stderr from the front end
-    # run_sync only: the baseline's all-to-alls and all-reduces over "gloo" (torch.distributed) or "shm"
-    # (asap_comm shared memory, what NCCL/HCCL are to devices: microseconds instead of gloo's milliseconds)
-    sync_collectives: str = "gloo"
-    # run_sync only, on emulated devices (asap_comm.sim.emulate): prompts longer than this many tokens run with
-    # context parallelism over ceil(prompt / cp_threshold) DP groups (None: never; see sync.py)
-    cp_threshold: "int | None" = None
-
-    def __post_init__(self) -> None:
-        for name in ("num_attention_ranks", "num_expert_ranks", "token_budget", "max_prompt_len",
-                     "expert_token_budget"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"RuntimeConfig: {name}={v!r} must be an int >= 1")
-        if self.chunk_len is not None and (not isinstance(self.chunk_len, int) or self.chunk_len < 1):
-            raise ValueError(f"RuntimeConfig: chunk_len={self.chunk_len!r} must be None or an int >= 1")
-        c = self.cp_threshold
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
-            raise ValueError(f"RuntimeConfig: cp_threshold={c!r} must be None or an int >= 1")
-        if self.sync_collectives not in ("gloo", "shm"):
-            raise ValueError(f"RuntimeConfig: sync_collectives={self.sync_collectives!r} must be 'gloo' or 'shm'")
-
-    @property
-    def effective_chunk_len(self) -> "int | None":
-        return self.chunk_len if self.load_aware else None
-
-    @property
-    def max_chunk_tokens(self) -> int:
-        c = self.effective_chunk_len
-        return self.max_prompt_len if c is None else min(c, self.max_prompt_len)
-
-
-@dataclass(frozen=True)
-class PromptRequest:
-    """A request: prompt token ids (1-D int64) arriving ``arrival_s`` after the run starts."""
-
-    request_id: int
-    arrival_s: float
-    token_ids: torch.Tensor
-
-
-@dataclass
-class RunResult:
-    """Per-request records, outputs ``{request_id: (first_token, hidden [H])}``, and the timeline."""
-
-    records: list
-    outputs: dict
-    spans: list = field(default_factory=list)  # (pe, track, name, start_s from the first span, dur_s)
-    mode: str = "async"
 
 
 def _plan(cfg: RuntimeConfig, info: ModelInfo) -> MoEPlan:
@@ -199,10 +119,9 @@ class _AttentionRank:
         with m:
             if m.tag == STOP:
                 return False
-            rid, index, n, start, _groups = m.tensor[:HDR].tolist()
-            toks = m.tensor[HDR:].clone()
-        self.tokens[(rid, index)] = toks
-        self.batcher.add(Chunk(rid, index, start, toks.numel(), n))
+            chunk, _groups, toks = decode_chunk(m.tensor)
+        self.tokens[(chunk.request_id, chunk.index)] = toks
+        self.batcher.add(chunk)
         return True
 
     def _microbatch(self, chunks: list):

@@ -62,9 +62,9 @@ import torch.distributed as dist
 
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import ExpertBatch, apply_experts
-from .frontend import HDR, STOP, DeathWatch, finish_chunks, request_mailbox, run_front_end, run_group
-from .policies import Chunk, MicroBatcher
-from .runtime import ModelInfo, PromptRequest, RunResult, RuntimeConfig
+from .frontend import DeathWatch, finish_chunks, request_mailbox, run_front_end, run_group
+from .policies import MicroBatcher
+from .protocol import STOP, ModelInfo, PromptRequest, RunResult, RuntimeConfig, decode_chunk
 
 __all__ = ["run_sync"]
 
@@ -204,10 +204,9 @@ class _Worker:
         with m:
             if m.tag == STOP:
                 return False
-            rid, index, n, start, groups = m.tensor[:HDR].tolist()
-            toks = m.tensor[HDR:].clone()
-        self.tokens[(rid, index)] = toks
-        c = Chunk(rid, index, start, toks.numel(), n)
+            c, groups, toks = decode_chunk(m.tensor)
+        rid = c.request_id
+        self.tokens[(rid, c.index)] = toks
         if groups:  # a context-parallel request this worker owns: its chunks run in order, shared
             self.cp_owned.setdefault(rid, (groups, deque()))[1].append(c)
         else:

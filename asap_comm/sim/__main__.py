@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..serving.runtime import RuntimeConfig
+from ..serving.protocol import RuntimeConfig
 from ..serving.traces import LogNormalLengths, load_trace, synthetic_trace
 from . import plots
 from .costs import CostModel

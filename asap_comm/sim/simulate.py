@@ -78,10 +78,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ..serving.frontend import HDR
 from ..serving.metrics import RequestRecord
 from ..serving.policies import ExpertBatcher, MicroBatcher, Placer, split_prompt
-from ..serving.runtime import RuntimeConfig
+from ..serving.protocol import HDR, RuntimeConfig
 from ..serving.traces import Request
 from .costs import RUNTIME_FACTORS
 from .engine import Engine, Host, Rank, ps_makespan

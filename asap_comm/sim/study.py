@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 
 from ..serving.metrics import slo_compliant_throughput, summarize_run
-from ..serving.runtime import RuntimeConfig
+from ..serving.protocol import RuntimeConfig
 from ..serving.traces import Request, scale_trace
 from .simulate import Parallelism, simulate
 
