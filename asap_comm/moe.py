@@ -49,8 +49,9 @@ from typing import Callable, Iterator
 import torch
 
 from .errors import CommError
+from .errors import TimeoutError as CommTimeoutError
 
-__all__ = ["MoEPlan", "AttentionEnd", "ExpertEnd", "DispatchHandle", "ExpertBatch", "InflightLimitError",
+__all__ = ["MoEPlan", "expert_placement", "AttentionEnd", "ExpertEnd", "DispatchHandle", "ExpertBatch", "InflightLimitError",
            "join_as_bystander",
            "apply_experts", "reference_combine", "reference_dispatch"]
 
@@ -68,6 +69,18 @@ def _check_int(fn: str, name: str, v, minimum: int) -> int:
     if v < minimum:
         raise ValueError(f"{fn}: {name}={v} must be >= {minimum}")
     return v
+
+
+def expert_placement(num_experts: int, num_ranks: int) -> torch.Tensor:
+    """``[num_experts]`` int64: the rank (0..num_ranks-1) holding each routed expert: contiguous near-equal
+    blocks, the first ``num_experts % num_ranks`` ranks one larger. The one placement of the project: ASAP's
+    expert ranks (``MoEPlan``), the baseline's workers (``serving.sync``) and the benchmarks use it."""
+    for name, v in (("num_experts", num_experts), ("num_ranks", num_ranks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"expert_placement: {name}={v!r} must be an int >= 1")
+    base, extra = divmod(num_experts, num_ranks)
+    sizes = [base + (1 if r < extra else 0) for r in range(num_ranks)]
+    return torch.repeat_interleave(torch.arange(num_ranks), torch.tensor(sizes, dtype=torch.int64))
 
 
 @dataclass(frozen=True)
@@ -109,10 +122,7 @@ class MoEPlan:
     @cached_property
     def rank_of_expert(self) -> torch.Tensor:
         """``[N]`` int64: expert-rank index (0..E-1, not the PE) holding each routed expert."""
-        E, N = self.num_expert_ranks, self.num_experts
-        base, extra = divmod(N, E)
-        sizes = [base + (1 if r < extra else 0) for r in range(E)]
-        return torch.repeat_interleave(torch.arange(E), torch.tensor(sizes))
+        return expert_placement(self.num_experts, self.num_expert_ranks)
 
     def expert_rank(self, expert: int) -> int:
         """The PE holding routed expert ``expert``."""
@@ -289,6 +299,17 @@ class AttentionEnd:
     def is_ready(self, handle: DispatchHandle) -> bool:
         """True once every expert rank ``handle`` contacted has returned its rows (never waits)."""
         return not handle.parts or self.comm.signal_fetch(self._buf.done, handle.slot) >= handle.target
+
+    def wait_ready(self, handle: DispatchHandle, timeout: float) -> bool:
+        """Wait at most ``timeout`` s until :meth:`is_ready` (``handle`` stays outstanding: read it with
+        :meth:`combine_recv`). Returns whether it is ready; raises ``PeerFailure`` if a PE died."""
+        if not handle.parts:
+            return True
+        try:
+            self.comm.signal_wait_until(self._buf.done, handle.slot, ">=", handle.target, timeout=timeout)
+        except CommTimeoutError:
+            return False
+        return True
 
     def combine_recv(self, handle: DispatchHandle, timeout=None) -> torch.Tensor:
         """Wait for ``handle``'s micro-batch only; return its routed-expert output ``[T,H]``.

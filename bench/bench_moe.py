@@ -50,6 +50,7 @@ import torch
 
 import asap_bench
 import asap_comm
+from asap_comm.moe import expert_placement
 from _common import _fmt, git_commit, log, pinned, summarize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -131,12 +132,12 @@ class Routing:
     rows: list
 
 
+RANK_OF_EXPERT = expert_placement(NUM_EXPERTS, NUM_EXPERT_RANKS)  # the runtime's own placement
+
+
 def expert_rank_index(expert: int) -> int:
-    """0..E-1: the expert rank (minus A) that holds ``expert`` (experts split evenly, in order)."""
-    return expert // (NUM_EXPERTS // NUM_EXPERT_RANKS)
-
-
-RANK_OF_EXPERT = torch.tensor([expert_rank_index(e) for e in range(NUM_EXPERTS)], dtype=torch.int64)
+    """0..E-1: the expert rank (minus A) that holds ``expert``."""
+    return int(RANK_OF_EXPERT[expert])
 
 
 def make_routing(tokens: int, att_rank: int) -> Routing:

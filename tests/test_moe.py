@@ -278,3 +278,17 @@ def test_roles_are_checked():
     plan = MoEPlan(num_attention_ranks=1, num_expert_ranks=1, num_experts=2, hidden=4, top_k=1)
     r0, r1 = run(_wrong_roles, 2, plan)
     assert "PE 0 is not an expert rank" in r0 and "PE 1 is not an attention rank" in r1
+
+
+def test_expert_placement_is_the_one_placement():
+    """moe.expert_placement: contiguous near-equal blocks; MoEPlan and the baseline's workers use it."""
+    from asap_comm.moe import MoEPlan, expert_placement
+    from asap_comm.serving.sync import rank_of_expert
+
+    assert expert_placement(8, 3).tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert expert_placement(8, 6).tolist() == [0, 0, 1, 1, 2, 3, 4, 5]
+    plan = MoEPlan(num_attention_ranks=2, num_expert_ranks=3, num_experts=8, hidden=4, max_tokens=8, top_k=2)
+    assert torch.equal(plan.rank_of_expert, expert_placement(8, 3))
+    assert torch.equal(rank_of_expert(8, 3), expert_placement(8, 3))
+    with pytest.raises(ValueError, match="num_ranks=0"):
+        expert_placement(8, 0)

@@ -186,11 +186,7 @@ class _AttentionRank:
                 # (it answers first as experts serve in arrival order; with room for another micro-batch,
                 # come back sooner to pick up new chunks from the mailbox)
                 h = min(running, key=lambda e: e[2])[1]
-                try:
-                    self.comm.signal_wait_until(self.att._buf.done, h.slot, ">=", h.target,
-                                                timeout=0.002 if len(running) >= max_running else 0.0005)
-                except CommTimeoutError:
-                    pass
+                self.att.wait_ready(h, 0.002 if len(running) >= max_running else 0.0005)
             else:
                 try:  # with the lock-step ablation on, come back soon to join the others' steps
                     stopped |= not self._take(self.box.recv(timeout=0.05 if self.lockstep is None else 0.0005))

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TimeoutError as CommTimeoutError
-from ..moe import ExpertBatch, apply_experts
+from ..moe import ExpertBatch, apply_experts, expert_placement
 from .frontend import DeathWatch, finish_chunks, request_mailbox, run_front_end, run_group
 from .policies import MicroBatcher
 from .protocol import STOP, ModelInfo, PromptRequest, RunResult, RuntimeConfig, decode_chunk
@@ -73,11 +73,7 @@ _CP_WORDS = 4  # a CP proposal in the step's all_reduce: request id + 1, chunk l
 _IDLE_S = 0.001  # how long workers wait for arrivals when no worker has work
 
 
-def rank_of_expert(num_experts: int, num_ranks: int) -> torch.Tensor:
-    """``[N]`` int64: the worker holding each routed expert (contiguous near-equal blocks, as ``MoEPlan``)."""
-    base, extra = divmod(num_experts, num_ranks)
-    sizes = [base + (1 if r < extra else 0) for r in range(num_ranks)]
-    return torch.repeat_interleave(torch.arange(num_ranks), torch.tensor(sizes, dtype=torch.int64))
+rank_of_expert = expert_placement  # the worker holding each routed expert: the same placement as MoEPlan
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
