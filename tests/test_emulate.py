@@ -198,6 +198,15 @@ def test_factory_validates_and_pickles(tmp_path):
 
 
 # ------------------------------------------------------------------------- real runs of both modes
+def _assert_matches_reference(res, reqs, ref) -> None:
+    """Every request's first token and final hidden state equal the reference forward's."""
+    for r in reqs:
+        token, hidden = res.outputs[r.request_id]
+        o = ref[r.request_id]
+        assert token == int(o.logits[-1].argmax())
+        assert torch.allclose(hidden, o.final_hidden[-1], rtol=1e-4, atol=1e-5)
+
+
 def test_emulated_runs_of_both_modes_match_the_reference(tmp_path):
     from asap_models import StageFactory
 
@@ -224,11 +233,7 @@ def test_emulated_runs_of_both_modes_match_the_reference(tmp_path):
                               stats_dir=stats)
         res = runner(emu, info, reqs, cfg)
         assert all(r.ok for r in res.records), [r.error for r in res.records]
-        for r in reqs:
-            token, hidden = res.outputs[r.request_id]
-            o = ref[r.request_id]
-            assert token == int(o.logits[-1].argmax())
-            assert torch.allclose(hidden, o.final_hidden[-1], rtol=1e-4, atol=1e-5)
+        _assert_matches_reference(res, reqs, ref)
         per_rank = read_stats(stats)
         roles = {s["role"] for s in per_rank}
         assert sum(s["calls"] for s in per_rank) > 0
@@ -421,11 +426,7 @@ def test_emulated_context_parallelism_in_the_baseline(tmp_path):
         sim = simulate_emulated(emu, "sync", trace, cfg)
         res = run_sync(emu, info, reqs, cfg)
         assert all(r.ok for r in res.records), [r.error for r in res.records]
-        for r in reqs:
-            token, hidden = res.outputs[r.request_id]
-            o = ref[r.request_id]
-            assert token == int(o.logits[-1].argmax())
-            assert torch.allclose(hidden, o.final_hidden[-1], rtol=1e-4, atol=1e-5)
+        _assert_matches_reference(res, reqs, ref)
         helpers = {s[0] for s in res.spans if s[2].startswith("CP share")}
         # 300 tokens over a 128-token threshold: 3 groups, the owner and two helpers
         assert len(helpers) == (2 if cp else 0), helpers

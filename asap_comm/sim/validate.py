@@ -52,7 +52,9 @@ def _mooncake_path() -> Path | None:
     return None
 
 
-def _trace(kind: str, n: int, max_len: int, seed: int) -> list:
+def _trace(kind: str, n: int, max_len: int, seed: int, length_scale: float = 0.01) -> list:
+    """``synthetic`` (Gamma-bursty, log-normal lengths) or the shared Mooncake trace, its lengths times
+    ``length_scale`` (default: its 12k-token mean prompts scaled to CPU-sized ones), capped at ``max_len``."""
     if kind == "synthetic":
         return synthetic_trace(1.0, num_requests=n, arrival="gamma", cv=2.0,
                                lengths=LogNormalLengths(48, 1.0, 4, max_len), seed=seed)
@@ -60,8 +62,7 @@ def _trace(kind: str, n: int, max_len: int, seed: int) -> list:
     if path is None:
         raise FileNotFoundError("validate: shared/traces/mooncake_conversation.jsonl not found beside the "
                                 "repository or the working directory")
-    # Mooncake prompts (mean 12k tokens) scaled by 1/100 to CPU-sized prompts, capped at max_len
-    return load_trace(path, limit=n, length_scale=0.01, max_prompt_len=max_len)
+    return load_trace(path, limit=n, length_scale=length_scale, max_prompt_len=max_len)
 
 
 def _real(mode: str, factory, info, trace, cfg, seed: int):

@@ -42,8 +42,9 @@ import time
 from pathlib import Path
 
 from ..serving.metrics import summarize_run
-from ..serving.traces import LogNormalLengths, Request, load_trace, scale_trace, synthetic_trace
-from .validate import TARGET, _mooncake_path
+from ..serving.traces import Request, scale_trace
+from .validate import TARGET
+from .validate import _trace as validate_trace
 
 METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s")
 _LABEL = {"ttft_p50_s": "p50", "ttft_p90_s": "p90", "ttft_p99_s": "p99", "throughput_tokens_per_s": "tok/s"}
@@ -83,15 +84,9 @@ def _rel(sim, real):
 
 
 def _trace(kind: str, n: int, token_scale: float, max_len: int, seed: int) -> list:
-    if kind == "synthetic":
-        return synthetic_trace(1.0, num_requests=n, arrival="gamma", cv=2.0,
-                               lengths=LogNormalLengths(48, 1.0, 4, max_len), seed=seed)
-    path = _mooncake_path()
-    if path is None:
-        raise FileNotFoundError("validate: shared/traces/mooncake_conversation.jsonl not found beside the "
-                                "repository or the working directory")
     # lengths divided by the token scale: each real token stands for token_scale emulated ones
-    trace = load_trace(path, limit=n, length_scale=1.0 / token_scale, max_prompt_len=max_len)
+    trace = validate_trace("synthetic" if kind == "synthetic" else "mooncake", n, max_len, seed,
+                           length_scale=1.0 / token_scale)
     if kind == "mooncake-spread":
         # the file's requests come in bursts sharing a timestamp (3-s steps): spread them over their step, so
         # that the load, not the first burst, decides the SLO attainment and the grid reaches saturation
