@@ -11,6 +11,8 @@ from __future__ import annotations
 import pickle
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -20,9 +22,10 @@ from ..errors import TimeoutError as CommTimeoutError
 from ..launch import launch
 from .metrics import RequestRecord
 from .policies import Placer, split_prompt
-from .protocol import HDR, STOP, encode_chunk
+from .protocol import CANCEL, HDR, STOP, PromptRequest, encode_cancel, encode_chunk, request_mailbox
 
-__all__ = ["STOP", "HDR", "request_mailbox", "run_front_end", "replay_report", "run_group", "validate"]
+__all__ = ["STOP", "HDR", "request_mailbox", "FrontEnd", "Rejected", "Completion", "run_front_end", "replay_report",
+           "run_group", "validate", "Replay", "worker_cancel"]
 
 
 
@@ -64,11 +67,16 @@ class DeathWatch:
                 raise PeerFailure(f"PE {pe} died while PE {self.comm.rank} depended on it", pe=pe, reason="died")
 
 
-def finish_chunks(model, box, front: int, chunks, hs, caches: dict, batcher) -> None:
+def finish_chunks(model, box, front: int, chunks, hs, caches: dict, batcher, cancelled: "set | None" = None) -> None:
     """After a micro-batch's last layer: send each finished request's result (final-normed hidden of its
-    last prompt token + its greedy first token) to the front end, drop its cache, free its chunks."""
+    last prompt token + its greedy first token) to the front end, drop its cache, free its chunks. A
+    request in ``cancelled`` (the front end dropped it while this chunk ran) sends nothing and loses its
+    cache whatever chunk this was."""
     for c, h in zip(chunks, hs):
-        if c.last:
+        if cancelled and c.request_id in cancelled:
+            cancelled.discard(c.request_id)
+            caches.pop(c.request_id, None)
+        elif c.last:
             normed = model.final_norm(h[-1:])
             token = int(model.lm_head_logits(normed).argmax(-1)[0])
             box.send(front, torch.cat([normed[0].float(), torch.tensor([float(token)])]), c.request_id)
@@ -76,29 +84,197 @@ def finish_chunks(model, box, front: int, chunks, hs, caches: dict, batcher) -> 
         batcher.done(c)
 
 
-def request_mailbox(comm, cfg, info, num_targets: int):
-    """Collective: requests (front end -> ranks) and results (ranks -> front end) share one mailbox."""
-    slot = max(8 * (cfg.max_chunk_tokens + HDR), 4 * (info.hidden + 1), 256)
-    return comm.mailbox(slot, 8 * (num_targets + 4))
+def worker_cancel(rid: int, batcher, tokens: dict, caches: dict, cancelled: set) -> None:
+    """A worker's side of a :data:`CANCEL` message: drop the request's queued chunks and, unless one of its
+    chunks is running (then ``finish_chunks`` drops it after), its KV cache."""
+    for c in batcher.cancel(rid):
+        tokens.pop((rid, c.index), None)
+    if batcher.running(rid):
+        cancelled.add(rid)
+    else:
+        caches.pop(rid, None)
+
+
+class Rejected(Exception):
+    """The front end refused a request. ``kind``: ``"invalid"`` (bad input: HTTP 400), ``"overloaded"``
+    (over the admission bound: 429, ``retry_after_s``) or ``"unavailable"`` (a worker failed or the
+    service is stopping: 503)."""
+
+    def __init__(self, kind: str, reason: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(reason)
+        self.kind, self.reason, self.retry_after_s = kind, reason, retry_after_s
+
+
+@dataclass
+class Completion:
+    """A request's result, as the front end received it."""
+
+    request_id: int
+    token: int
+    hidden: torch.Tensor
+    rank: int  # the attention rank (async) or worker (sync) that computed it
+    queue_s: float  # admission to its last chunk entering the rank's inbox
+    done_s: float  # admission to the result's arrival (server-side TTFT)
+
+
+class FrontEnd:
+    """The admission path of both runtimes, used by the trace replay and by the HTTP service alike.
+
+    One thread owns it. :meth:`admit` validates a request (``Rejected("invalid")``),
+    bounds the admitted-but-unfinished prompt tokens (``max_queued_tokens``;
+    ``Rejected("overloaded")``), places it (``Placer``; long prompts split by
+    ``split_prompt``; the baseline's context-parallel groups) and queues its
+    chunk messages. :meth:`pump` moves queued chunks into the ranks' inboxes
+    without ever blocking on a full one, and returns the results that arrived;
+    it raises ``PeerFailure`` when a PE the group needs died. :meth:`cancel`
+    forgets a request, drops its chunks not yet sent and tells its rank to
+    drop the rest. :meth:`stop` sends every rank the stop message.
+    """
+
+    def __init__(self, comm, cfg, info, box, num_targets: int, label: str,
+                 max_queued_tokens: "int | None" = None) -> None:
+        self.comm, self.cfg, self.info, self.box, self.W, self.label = comm, cfg, info, box, num_targets, label
+        self.max_queued_tokens = max_queued_tokens
+        self.placer = Placer(num_targets, load_aware=cfg.load_aware)
+        self.pending = [deque() for _ in range(num_targets)]  # per rank: [request id, payload, tag, queued at]
+        self.inflight: dict = {}  # request -> [rank, tokens, group mask, admitted at, chunks unsent, queue_s, chunks]
+        self.queued_tokens = 0
+        self.watch = DeathWatch(comm, range(comm.world_size))
+        self._cp = cfg.cp_threshold if label == "sync" else None
+
+    def admit(self, request_id: int, token_ids: torch.Tensor) -> int:
+        """Admit a request or raise :class:`Rejected`; returns the rank it was placed on."""
+        error = validate(PromptRequest(request_id, 0.0, token_ids), self.info, self.cfg)
+        if error is not None:
+            raise Rejected("invalid", error)
+        if request_id in self.inflight:
+            raise Rejected("invalid", f"request id {request_id} is already in flight")
+        n = int(token_ids.numel())
+        bound = self.max_queued_tokens
+        if bound is not None and self.queued_tokens + n > bound and self.inflight:
+            raise Rejected("overloaded", f"{self.queued_tokens} prompt tokens are in flight; {n} more would pass "
+                                         f"the admission bound of {bound}")
+        chunks = split_prompt(request_id, n, self.cfg.effective_chunk_len)
+        cp, W = self._cp, self.W
+        if cp is not None and n > cp and W > 1:  # context parallelism: the least-loaded groups share it
+            groups = self.placer.place_group(request_id, chunks, min(W, -(-n // cp)))
+            rank, mask = groups[0], sum(1 << j for j in groups)
+        else:
+            rank, mask = self.placer.place(request_id, chunks), 0
+        now = time.monotonic()
+        for c in chunks:
+            self.pending[rank].append((request_id, encode_chunk(c, token_ids[c.start:c.start + c.length], mask),
+                                       request_id, now))
+        self.inflight[request_id] = [rank, n, mask, now, len(chunks), None, len(chunks)]
+        self.queued_tokens += n
+        return rank
+
+    def _forget(self, rid: int) -> list:
+        entry = self.inflight.pop(rid)
+        self.queued_tokens -= entry[1]
+        self.placer.complete(rid)
+        return entry
+
+    def cancel(self, request_id: int) -> bool:
+        """Forget an admitted request (its result, if it still comes, is dropped); False if not in flight.
+        Its chunks not yet sent are dropped here; if some were sent, its rank gets a cancel message (not for
+        a context-parallel request of the baseline, whose shared steps run to the end)."""
+        if request_id not in self.inflight:
+            return False
+        rank, _n, mask, _t, unsent, _q, chunks = self._forget(request_id)
+        sent_some = unsent < chunks
+        self.pending[rank] = deque(e for e in self.pending[rank] if e[0] != request_id)
+        if sent_some and mask == 0:
+            self.pending[rank].append((None, encode_cancel(request_id), CANCEL, time.monotonic()))
+        return True
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Send every rank the stop message (after its queued chunks)."""
+        for w in range(self.W):
+            self.pending[w].append((None, torch.zeros(1, dtype=torch.int64), STOP, time.monotonic()))
+        deadline = time.monotonic() + timeout
+        while True:
+            self._flush()
+            if not any(self.pending) or time.monotonic() > deadline:
+                return
+            while (m := self.box.poll()) is not None:  # results still arriving make room in no inbox, but are
+                m.release()                             # released so the ranks never wait on this one
+            self.watch.check()
+            time.sleep(0.0005)
+
+    @property
+    def has_unsent(self) -> bool:
+        return any(self.pending)
+
+    def _flush(self) -> None:
+        """Move queued messages into the ranks' inboxes; a full inbox is left for the next pump."""
+        for rank, q in enumerate(self.pending):
+            while q:
+                rid, payload, tag, queued_at = q[0]
+                try:
+                    self.box.send(rank, payload, tag, timeout=1e-4)
+                except CommTimeoutError:
+                    if time.monotonic() - queued_at > self.cfg.timeout_s:
+                        raise CommTimeoutError(f"front end: rank {rank}'s inbox stayed full for "
+                                               f"{self.cfg.timeout_s} s") from None
+                    break
+                q.popleft()
+                entry = self.inflight.get(rid) if rid is not None else None
+                if entry is not None:
+                    entry[4] -= 1
+                    if entry[4] == 0:
+                        entry[5] = time.monotonic() - entry[3]
+
+    def _result(self, m) -> "Completion | None":
+        with m:
+            rid, src = m.tag, m.src
+            hidden = m.tensor[:-1].clone()
+            token = int(m.tensor[-1])
+        if rid not in self.inflight:
+            return None  # cancelled meanwhile
+        _rank, _n, _mask, admitted, _u, queue_s, _c = self._forget(rid)
+        done = time.monotonic() - admitted
+        return Completion(rid, token, hidden, src, done if queue_s is None else queue_s, done)
+
+    def pump(self, timeout: float = 0.0) -> list:
+        """Send what is queued; return the results that arrived, waiting up to ``timeout`` for the first one
+        (less while messages wait for room). Raises ``PeerFailure`` if a PE the group needs died."""
+        self._flush()
+        out = []
+        while (m := self.box.poll()) is not None:
+            c = self._result(m)
+            if c is not None:
+                out.append(c)
+        if out:
+            self._flush()
+            return out
+        wait = min(timeout, 0.001) if self.has_unsent else timeout
+        if wait > 0:
+            try:
+                c = self._result(self.box.recv(timeout=wait))
+                if c is not None:
+                    out.append(c)
+            except CommTimeoutError:
+                pass
+        if not out:
+            self.watch.check()
+        return out
 
 
 def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets: int,
                   label: str, role_of: Callable[[int], str]) -> tuple:
-    """The front end of both runtimes: replay arrivals, reject bad requests, place, collect results.
+    """The trace replay: one client of :class:`FrontEnd`, submitting each request at its arrival time.
 
-    Places each request (its chunks) on one of PEs ``0..num_targets-1``
-    (``Placer``; long prompts split by ``split_prompt``), sends the chunks
-    through ``box`` and takes results from its own inbox. Never blocks on a
-    full inbox while results wait (see ``send``). Appends every event to
-    ``report_path`` so the records survive a worker's death (``replay_report``).
-    Returns ``(records in request order, {request_id: (first token, hidden)})``.
+    Rejects bad requests (recorded with their error), places every request's
+    chunks on PEs ``0..num_targets-1`` and collects results. Appends every
+    event to ``report_path`` so the records survive a worker's death
+    (``replay_report``). Returns ``(records in request order, {request_id:
+    (first token, hidden)})``.
     """
-    W = num_targets
-    placer = Placer(W, load_aware=cfg.load_aware)
+    fe = FrontEnd(comm, cfg, info, box, num_targets, label)
     records = {r.request_id: RequestRecord(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in requests}
     outputs: dict = {}
     order = sorted(requests, key=lambda r: r.arrival_s)
-    outstanding: set = set()
     t0 = time.monotonic()
     i = 0
     failure = None
@@ -109,72 +285,37 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
         pickle.dump(event, report)
         report.flush()
 
-    def take(m) -> None:
-        """Record one result message."""
-        with m:
-            rid = m.tag
-            hidden = m.tensor[:-1].clone()
-            token = int(m.tensor[-1])
-        records[rid].done_s = time.monotonic() - t0
-        outputs[rid] = (token, hidden)
-        outstanding.discard(rid)
-        placer.complete(rid)
-        log(("done", rid, records[rid].done_s, token, hidden))
-
-    def send(rank: int, payload: torch.Tensor, tag: int) -> None:
-        """Send without ever blocking the results: while rank's inbox is full, take results."""
-        deadline = time.monotonic() + cfg.timeout_s
-        while True:
-            try:
-                return box.send(rank, payload, tag, timeout=0.005)
-            except CommTimeoutError:
-                if time.monotonic() > deadline:
-                    raise
-                m = box.poll()
-                if m is not None:
-                    take(m)
     progress = cfg.progress
     # On a terminal one live line rewrites itself ("\r"); into a pipe or a file, whole lines, less often.
     live = progress and sys.stderr.isatty()
     every_s = 0.5 if live else 5.0
-    watch = DeathWatch(comm, range(comm.world_size))
     try:
         last_report = 0.0
-        while i < len(order) or outstanding:
+        while i < len(order) or fe.inflight:
             now = time.monotonic() - t0
             if progress and now - last_report >= every_s:
                 last_report = now
-                done = sum(1 for rec in records.values() if rec.done_s is not None)
-                line = f"  [{label}] {now:6.1f} s  arrived {i}/{len(order)}  done {done}  in flight {len(outstanding)}"
+                done = len(outputs)
+                line = f"  [{label}] {now:6.1f} s  arrived {i}/{len(order)}  done {done}  in flight {len(fe.inflight)}"
                 print("\r" + line + "  " if live else line, end="" if live else "\n", file=sys.stderr, flush=True)
             while i < len(order) and order[i].arrival_s <= now:
                 r = order[i]
                 i += 1
                 rec = records[r.request_id]
-                error = validate(r, info, cfg)
-                if error is not None:
-                    rec.start_s, rec.done_s, rec.error = now, now, f"rejected: {error}"
+                try:
+                    fe.admit(r.request_id, r.token_ids)
+                except Rejected as e:
+                    rec.start_s, rec.done_s, rec.error = now, now, f"rejected: {e.reason}"
                     log(("rejected", r.request_id, now, rec.error))
                     continue
-                n = int(r.token_ids.numel())
-                chunks = split_prompt(r.request_id, n, cfg.effective_chunk_len)
-                cp = cfg.cp_threshold if label == "sync" else None
-                if cp is not None and n > cp and W > 1:  # context parallelism: the least-loaded groups share it
-                    groups = placer.place_group(r.request_id, chunks, min(W, -(-n // cp)))
-                    rank, mask = groups[0], sum(1 << j for j in groups)
-                else:
-                    rank, mask = placer.place(r.request_id, chunks), 0
-                for c in chunks:
-                    send(rank, encode_chunk(c, r.token_ids[c.start:c.start + c.length], mask), r.request_id)
                 rec.start_s = now
-                outstanding.add(r.request_id)
                 log(("start", r.request_id, now))
             next_arrival = order[i].arrival_s - (time.monotonic() - t0) if i < len(order) else 0.05
-            try:
-                take(box.recv(timeout=max(1e-4, min(0.05, next_arrival))))
-            except CommTimeoutError:
-                watch.check()
-                continue
+            for c in fe.pump(max(1e-4, min(0.05, next_arrival))):
+                rec = records[c.request_id]
+                rec.done_s = time.monotonic() - t0
+                outputs[c.request_id] = (c.token, c.hidden)
+                log(("done", c.request_id, rec.done_s, c.token, c.hidden))
     except PeerFailure as e:
         failure = f"worker failure: {role_of(e.pe)} PE {e.pe} {e.reason} ({e})"
     except CommTimeoutError as e:
@@ -182,7 +323,7 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
     if progress:
         line = f"  [{label}] {time.monotonic() - t0:6.1f} s  {len(outputs)}/{len(order)} completed"
         print("\r" + line + " " * 30 if live else line, file=sys.stderr, flush=True)
-    for rid in outstanding:
+    for rid in fe.inflight:
         records[rid].done_s = None
         records[rid].error = failure or "not completed"
     for r in order[i:]:
@@ -191,9 +332,18 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
     log(("final", result))
     report.close()
     if failure is None:
-        for w in range(W):
-            send(w, torch.zeros(1, dtype=torch.int64), STOP)
+        fe.stop(cfg.timeout_s)
     return result
+
+
+class Replay:
+    """The front-end role of a trace run (picklable): :func:`run_front_end` on the group's channels."""
+
+    def __init__(self, requests: Sequence, report_path: str) -> None:
+        self.requests, self.report_path = list(requests), report_path
+
+    def __call__(self, comm, cfg, info, ch, num_targets: int, label: str, role_of) -> tuple:
+        return run_front_end(comm, cfg, info, self.requests, self.report_path, ch.box, num_targets, label, role_of)
 
 
 def replay_report(path: str, requests: Sequence) -> tuple:

@@ -172,6 +172,7 @@ class MicroBatcher:
         self._queue: deque[Chunk] = deque()
         self._busy: dict[int, Chunk] = {}  # request -> its chunk in flight
         self._next_index: dict[int, int] = {}  # request -> index of its next chunk to run
+        self._cancelled: set[int] = set()  # requests cancelled while a chunk of theirs was in flight
 
     def add(self, chunk: Chunk) -> None:
         """Queue a chunk (a request's chunks must be added in index order)."""
@@ -207,12 +208,31 @@ class MicroBatcher:
             self._busy[c.request_id] = c
         return batch
 
+    def cancel(self, request_id: int) -> list[Chunk]:
+        """Drop a request's queued chunks (returned); a chunk of it in flight stays until :meth:`done`,
+        after which the request is forgotten."""
+        dropped = [c for c in self._queue if c.request_id == request_id]
+        if dropped:
+            self._queue = deque(c for c in self._queue if c.request_id != request_id)
+        if request_id in self._busy:
+            self._cancelled.add(request_id)
+        else:
+            self._next_index.pop(request_id, None)
+        return dropped
+
+    def running(self, request_id: int) -> bool:
+        """Whether a chunk of the request is in flight."""
+        return request_id in self._busy
+
     def done(self, chunk: Chunk) -> None:
         """A chunk's micro-batch completed: the request's next chunk becomes eligible."""
         if self._busy.get(chunk.request_id) != chunk:
             raise ValueError(f"MicroBatcher.done: chunk {chunk.index} of request {chunk.request_id} is not in flight")
         del self._busy[chunk.request_id]
-        if chunk.last:
+        if chunk.request_id in self._cancelled:
+            self._cancelled.discard(chunk.request_id)
+            self._next_index.pop(chunk.request_id, None)
+        elif chunk.last:
             self._next_index.pop(chunk.request_id, None)
         else:
             self._next_index[chunk.request_id] = chunk.index + 1

@@ -10,21 +10,34 @@ simulator (``asap_comm.sim``) must agree on lives here:
   ``HDR`` int64 header words (request id, chunk index, number of chunks,
   start, context-parallel group mask) followed by the chunk's token ids,
   tagged with the request id; :data:`STOP` is the tag of the "no more
-  requests" message. :func:`encode_chunk` builds it and :func:`decode_chunk`
-  reads it.
+  requests" message and :data:`CANCEL` the tag of "drop this request"
+  (payload: its id; :func:`encode_cancel`). :func:`encode_chunk` builds a
+  chunk message and :func:`decode_chunk` reads it;
+* the collective allocation order of a serving group, in one function
+  (:func:`open_channels`): every PE of a group, whatever its role, allocates
+  the same symmetric objects in the same order;
+* the workers' live statistics (:class:`WorkerStats`): each worker publishes
+  its busy time, expert-batch sizes and process id into the front end's copy
+  of a symmetric table with one-sided puts, which the front end reads for
+  ``/metrics`` and ``/health`` without asking anyone.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import os
+import time
+
 import torch
 
 from .policies import Chunk
 
-__all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "HDR", "STOP", "encode_chunk",
-           "decode_chunk"]
+__all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "HDR", "STOP", "CANCEL", "encode_chunk",
+           "decode_chunk", "encode_cancel", "decode_cancel", "Channels", "open_channels", "WorkerStats",
+           "BATCH_BUCKETS"]
 
 STOP = -1  # tag of the front end's "no more requests" message
+CANCEL = -2  # tag of the front end's "drop this request" message (payload: [request id])
 # chunk message header words: request id, chunk index, number of chunks, start, context-parallel groups (a bit
 # mask of the workers sharing the request; 0: none)
 HDR = 5
@@ -41,6 +54,15 @@ def decode_chunk(payload: torch.Tensor) -> tuple:
     rid, index, n, start, groups = payload[:HDR].tolist()
     toks = payload[HDR:].clone()
     return Chunk(rid, index, start, toks.numel(), n), groups, toks
+
+
+def encode_cancel(request_id: int) -> torch.Tensor:
+    """The payload of a cancel message (tag :data:`CANCEL`)."""
+    return torch.tensor([request_id], dtype=torch.int64)
+
+
+def decode_cancel(payload: torch.Tensor) -> int:
+    return int(payload[0])
 
 
 @dataclass(frozen=True)
@@ -121,3 +143,123 @@ class RunResult:
     outputs: dict
     spans: list = field(default_factory=list)  # (pe, track, name, start_s from the first span, dur_s)
     mode: str = "async"
+
+
+# ----------------------------------------------------------------------------- live worker statistics
+# Expert-batch size histogram bucket upper bounds (rows); the last bucket is +inf.
+BATCH_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
+# Columns of a worker's row in the statistics table (float64).
+_PID, _STARTED, _PUBLISHED, _BUSY, _BATCHES, _ROWS = range(6)
+_HIST = 6  # len(BATCH_BUCKETS) + 1 cumulative-free bucket counts from here
+STATS_COLUMNS = _HIST + len(BATCH_BUCKETS) + 1
+
+
+class WorkerStats:
+    """A worker's live statistics, published into the front end's copy of the group's statistics table.
+
+    Worker side: :meth:`busy` adds busy seconds (compute, not waits),
+    :meth:`batch` counts an expert batch's rows, :meth:`publish` puts the
+    worker's row into the front end's table (at most every ``every_s``
+    seconds unless ``force``). Front-end side: :meth:`rows` reads the whole
+    table (one row per PE; the front end's own row stays zero). The front
+    end never waits for a worker to answer: a dead worker's row just stops
+    changing. Values are float64; a row read during a put may mix two
+    publications, which a counter-style metric tolerates.
+    """
+
+    def __init__(self, comm, table: torch.Tensor, front: int, every_s: float = 0.1) -> None:
+        self.comm, self.table, self.front, self.every_s = comm, table, front, every_s
+        self.row = torch.zeros(STATS_COLUMNS, dtype=torch.float64)
+        self.row[_PID] = os.getpid()
+        self.row[_STARTED] = time.monotonic()
+        self._next = 0.0
+
+    def busy(self, seconds: float) -> None:
+        self.row[_BUSY] += seconds
+
+    def batch(self, rows: int) -> None:
+        self.row[_BATCHES] += 1
+        self.row[_ROWS] += rows
+        b = next((i for i, ub in enumerate(BATCH_BUCKETS) if rows <= ub), len(BATCH_BUCKETS))
+        self.row[_HIST + b] += 1
+
+    def publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next:
+            return
+        self._next = now + self.every_s
+        self.row[_PUBLISHED] = now
+        if self.comm.rank != self.front:
+            self.comm.put(self.table[self.comm.rank], self.row, self.front)
+
+    def rows(self) -> list:
+        """Front end: ``[{pid, busy_fraction, batches, rows, buckets}]`` per PE (zeros until it published)."""
+        out = []
+        for r in self.table.tolist():
+            wall = r[_PUBLISHED] - r[_STARTED]
+            out.append({"pid": int(r[_PID]), "busy_s": r[_BUSY], "busy_fraction": r[_BUSY] / wall if wall > 0 else 0.0,
+                        "batches": int(r[_BATCHES]), "rows": r[_ROWS],
+                        "buckets": [int(x) for x in r[_HIST:_HIST + len(BATCH_BUCKETS) + 1]],
+                        "published": r[_PUBLISHED] > 0})
+        return out
+
+
+@dataclass
+class Channels:
+    """What one PE of a serving group allocated (its role's view): see :func:`open_channels`."""
+
+    role: str  # "attention" | "expert" | "worker" | "front"
+    box: object  # the request mailbox (requests front end -> ranks, results back)
+    stats: WorkerStats
+    moe: object = None  # async: this PE's AttentionEnd / ExpertEnd (None on the front end)
+    lockstep: object = None  # async, barrier_free=False: the lock-step ablation's step counters
+    shm: object = None  # sync, sync_collectives="shm": this worker's ShmCollectives (None on the front end)
+
+
+def open_channels(comm, cfg: RuntimeConfig, info: ModelInfo, mode: str, plan=None) -> Channels:
+    """Collective: every symmetric object of a serving group, in THE order every PE allocates them.
+
+    ``mode`` ``"async"`` (``plan``: the group's ``moe.MoEPlan``; PEs ``0..A-1``
+    attention, ``A..A+E-1`` experts, the last the front end) or ``"sync"``
+    (PEs ``0..W-1`` workers, the last the front end). Every PE of the group
+    calls this once, before anything else collective, whatever its role: the
+    allocation order lives here and nowhere else.
+    """
+    from ..moe import AttentionEnd, ExpertEnd, join_as_bystander
+
+    front = comm.world_size - 1
+    me = comm.rank
+    moe = lockstep = shm = None
+    if mode == "async":
+        A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
+        if comm.world_size != A + E + 1:
+            raise ValueError(f"open_channels: an async group of A={A} + E={E} ranks + 1 front end has "
+                             f"{A + E + 1} PEs, not {comm.world_size}")
+        role = "attention" if me < A else "expert" if me < A + E else "front"
+        if role == "attention":
+            moe = AttentionEnd(comm, plan)
+        elif role == "expert":
+            moe = ExpertEnd(comm, plan)
+        else:
+            join_as_bystander(comm, plan)
+        box = request_mailbox(comm, cfg, info, A)
+        if not cfg.barrier_free:
+            lockstep = comm.signals(A)
+    elif mode == "sync":
+        W = front
+        role = "worker" if me < W else "front"
+        if cfg.sync_collectives == "shm":
+            from .sync import shm_collectives
+            shm = shm_collectives(comm, cfg, info, W)
+        box = request_mailbox(comm, cfg, info, W)
+    else:
+        raise ValueError(f"open_channels: mode={mode!r} must be 'async' or 'sync'")
+    table = comm.zeros((comm.world_size, STATS_COLUMNS), torch.float64)
+    stats = WorkerStats(comm, table, front)
+    return Channels(role, box, stats, moe, lockstep, shm if role != "front" else None)
+
+
+def request_mailbox(comm, cfg: RuntimeConfig, info: ModelInfo, num_targets: int):
+    """Collective: requests (front end -> ranks) and results (ranks -> front end) share one mailbox."""
+    slot = max(8 * (cfg.max_chunk_tokens + HDR), 4 * (info.hidden + 1), 256)
+    return comm.mailbox(slot, 8 * (num_targets + 4))

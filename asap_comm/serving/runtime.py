@@ -34,10 +34,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import TimeoutError as CommTimeoutError
-from ..moe import AttentionEnd, ExpertBatch, ExpertEnd, MoEPlan, apply_experts, join_as_bystander
-from .frontend import DeathWatch, finish_chunks, request_mailbox, run_front_end, run_group
+from ..moe import ExpertBatch, MoEPlan, apply_experts
+from .frontend import DeathWatch, Replay, finish_chunks, run_group, worker_cancel
 from .policies import ExpertBatcher, MicroBatcher
-from .protocol import STOP, ModelInfo, PromptRequest, RunResult, RuntimeConfig, decode_chunk
+from .protocol import (CANCEL, STOP, Channels, ModelInfo, PromptRequest, RunResult, RuntimeConfig, decode_cancel,
+                       decode_chunk, open_channels)
 
 __all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "run_async"]
 
@@ -95,30 +96,33 @@ class _Lockstep:
             self.comm.signal_op(self.steps, self.me, _DONE, "set", q)
 
 
-def _lockstep_signals(comm, cfg: RuntimeConfig):
-    """Collective (every PE, same order): the step counters of the lock-step ablation, if it is on."""
-    return None if cfg.barrier_free else comm.signals(cfg.num_attention_ranks)
-
-
 # ----------------------------------------------------------------------------- attention rank
 class _AttentionRank:
-    def __init__(self, comm, cfg: RuntimeConfig, info: ModelInfo, model, plan: MoEPlan) -> None:
+    def __init__(self, comm, cfg: RuntimeConfig, info: ModelInfo, model, ch: Channels) -> None:
         self.comm, self.cfg, self.info, self.model = comm, cfg, info, model
-        self.att = AttentionEnd(comm, plan)
-        self.box = request_mailbox(comm, cfg, info, cfg.num_attention_ranks)
-        steps = _lockstep_signals(comm, cfg)
+        self.att, self.box, self.stats = ch.moe, ch.box, ch.stats
+        steps = ch.lockstep
         self.lockstep = None if steps is None else _Lockstep(comm, steps, cfg.num_attention_ranks, cfg.timeout_s)
         self.front = cfg.num_attention_ranks + cfg.num_expert_ranks
         self.batcher = MicroBatcher(cfg.token_budget)
         self.tokens: dict = {}  # (request, chunk index) -> token ids
         self.caches: dict = {}  # request -> KV cache
+        self.cancelled: set = set()  # requests cancelled while a chunk of theirs runs
         self.spans: list = []  # (pe, track, name, start on the host's monotonic clock, duration)
+
+    def _busy(self, name: str, start: float) -> None:
+        dur = time.monotonic() - start
+        self.spans.append((self.comm.rank, 0, name, start, dur))
+        self.stats.busy(dur)
 
     def _take(self, m) -> bool:
         """Handle one mailbox message; False on the stop message."""
         with m:
             if m.tag == STOP:
                 return False
+            if m.tag == CANCEL:
+                worker_cancel(decode_cancel(m.tensor), self.batcher, self.tokens, self.caches, self.cancelled)
+                return True
             chunk, _groups, toks = decode_chunk(m.tensor)
         self.tokens[(chunk.request_id, chunk.index)] = toks
         self.batcher.add(chunk)
@@ -142,7 +146,7 @@ class _AttentionRank:
                     self.spans.append((self.comm.rank, 0, f"barrier L{layer}", t_wait, time.monotonic() - t_wait))
                 handle = att.dispatch_send(mlp, routing.topk_ids, routing.topk_weights, layer)
                 shared = model.shared_experts(layer, mlp)
-                self.spans.append((self.comm.rank, 0, f"attn L{layer}", t_start, time.monotonic() - t_start))
+                self._busy(f"attn L{layer}", t_start)
                 yield handle
                 t_start = time.monotonic()
                 y = att.combine_recv(handle) + shared
@@ -150,8 +154,8 @@ class _AttentionRank:
                 y = model.dense_mlp(layer, mlp)
             ys = y.split(lens) if len(lens) > 1 else (y,)
             hs = [o.hidden + yi for o, yi in zip(outs, ys)]
-        finish_chunks(model, self.box, self.front, chunks, hs, self.caches, self.batcher)
-        self.spans.append((self.comm.rank, 0, "attn tail", t_start, time.monotonic() - t_start))
+        finish_chunks(model, self.box, self.front, chunks, hs, self.caches, self.batcher, self.cancelled)
+        self._busy("attn tail", t_start)
 
     def run(self) -> list:
         self.watch = DeathWatch(self.comm, range(self.comm.world_size))
@@ -160,6 +164,7 @@ class _AttentionRank:
         stopped = False
         max_running = 2 if self.cfg.ping_pong else 1
         while True:
+            self.stats.publish()
             while (m := self.box.poll()) is not None:
                 stopped |= not self._take(m)
             while len(running) < max_running:
@@ -195,28 +200,26 @@ class _AttentionRank:
         if self.lockstep is not None:
             self.lockstep.leave()
         self.att.finish()
+        self.stats.publish(force=True)
         return self.spans
 
 
-def _attention_main(comm, cfg, info, model_factory, plan):
-    torch.set_num_threads(1)
-    rank = _AttentionRank(comm, cfg, info, model_factory("attention", []), plan)
+def _attention_main(comm, cfg, info, model_factory, ch: Channels):
+    rank = _AttentionRank(comm, cfg, info, model_factory("attention", []), ch)
     return rank.run()
 
 
 # ----------------------------------------------------------------------------- expert rank
-def _expert_main(comm, cfg, info, model_factory, plan):
-    torch.set_num_threads(1)
+def _expert_main(comm, cfg, info, model_factory, plan: MoEPlan, ch: Channels):
     experts = plan.local_experts(comm.rank)
     model = model_factory("expert", experts)
     hold_transfer = getattr(model, "hold_transfer", None)  # optional hook of an emulated model
-    ex = ExpertEnd(comm, plan)
-    request_mailbox(comm, cfg, info, cfg.num_attention_ranks)
-    _lockstep_signals(comm, cfg)
+    ex, stats = ch.moe, ch.stats
     batcher = ExpertBatcher(cfg.expert_token_budget, cfg.expert_deadline_s, enabled=cfg.expert_batching)
     spans = []
     watch = DeathWatch(comm, range(comm.world_size))
     while True:
+        stats.publish()
         now = time.monotonic()
         layer = batcher.ready(now)
         if layer is not None:
@@ -226,6 +229,8 @@ def _expert_main(comm, cfg, info, model_factory, plan):
                 hold_transfer(batch.num_rows, time.monotonic(), layer)
             ex.combine_send(batch, out)
             spans.append((comm.rank, 0, f"experts L{layer} ({batch.num_rows} rows)", now, time.monotonic() - now))
+            stats.busy(time.monotonic() - now)
+            stats.batch(batch.num_rows)
             continue
         if ex.finished and batcher.held_rows == 0:
             break
@@ -238,22 +243,35 @@ def _expert_main(comm, cfg, info, model_factory, plan):
         now = time.monotonic()
         for b in batches:
             batcher.add(b.layer, b.num_rows, b, now)
+    stats.publish(force=True)
     return spans
 
 
-def _pe_main(comm, cfg, info, model_factory, requests, report_path):
-    plan = _plan(cfg, info)
-    A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
-    if comm.rank < A:
-        return ("attention", _attention_main(comm, cfg, info, model_factory, plan))
-    if comm.rank < A + E:
-        return ("expert", _expert_main(comm, cfg, info, model_factory, plan))
+def role_of(cfg: RuntimeConfig, pe) -> str:
+    """What PE ``pe`` of an async group is, for error messages."""
+    return "attention worker" if pe is not None and pe < cfg.num_attention_ranks else "expert worker"
+
+
+def group_main(comm, cfg, info, model_factory, front):
+    """One PE of an async group: allocate the group's channels (``open_channels``), then run this PE's role;
+    the front end's role is ``front(comm, cfg, info, channels, num_targets, label, role_of)`` (the trace
+    replay, ``frontend.Replay``, or the HTTP service)."""
     torch.set_num_threads(1)
-    join_as_bystander(comm, plan)
-    box = request_mailbox(comm, cfg, info, A)
-    _lockstep_signals(comm, cfg)
-    role = (lambda pe: "attention worker" if pe is not None and pe < A else "expert worker")
-    return ("front", run_front_end(comm, cfg, info, requests, report_path, box, A, "async", role))
+    plan = _plan(cfg, info)
+    ch = open_channels(comm, cfg, info, "async", plan)
+    if ch.role == "attention":
+        return ("attention", _attention_main(comm, cfg, info, model_factory, ch))
+    if ch.role == "expert":
+        return ("expert", _expert_main(comm, cfg, info, model_factory, plan, ch))
+    return ("front", front(comm, cfg, info, ch, cfg.num_attention_ranks, "async", _RoleOf(cfg)))
+
+
+class _RoleOf:
+    def __init__(self, cfg: RuntimeConfig) -> None:
+        self.cfg = cfg
+
+    def __call__(self, pe) -> str:
+        return role_of(self.cfg, pe)
 
 
 def run_async(model_factory: Callable[[str, list], Any], info: ModelInfo, requests: Sequence[PromptRequest],
@@ -272,7 +290,7 @@ def run_async(model_factory: Callable[[str, list], Any], info: ModelInfo, reques
     fd, report = tempfile.mkstemp(prefix="asap-run-", suffix=".pkl")
     os.close(fd)
     try:
-        return run_group(_pe_main, world, (cfg, info, model_factory, list(requests), report), requests, report,
-                         cfg.timeout_s, RunResult, "async")
+        return run_group(group_main, world, (cfg, info, model_factory, Replay(list(requests), report)), requests,
+                         report, cfg.timeout_s, RunResult, "async")
     finally:
         os.unlink(report)

@@ -62,9 +62,10 @@ import torch.distributed as dist
 
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import ExpertBatch, apply_experts, expert_placement
-from .frontend import DeathWatch, finish_chunks, request_mailbox, run_front_end, run_group
+from .frontend import DeathWatch, Replay, finish_chunks, run_group, worker_cancel
 from .policies import MicroBatcher
-from .protocol import STOP, ModelInfo, PromptRequest, RunResult, RuntimeConfig, decode_chunk
+from .protocol import (CANCEL, STOP, Channels, ModelInfo, PromptRequest, RunResult, RuntimeConfig, decode_cancel,
+                       decode_chunk, open_channels)
 
 __all__ = ["run_sync"]
 
@@ -154,8 +155,8 @@ class ShmCollectives:
         return torch.stack([g[0, : 8 * n].view(torch.int64) for g in got]).sum(0)
 
 
-def _shm_collectives(comm, cfg, info, workers: int) -> ShmCollectives:
-    """The collective allocation of the baseline's shm collectives (every PE, in this order)."""
+def shm_collectives(comm, cfg, info, workers: int) -> ShmCollectives:
+    """The collective allocation of the baseline's shm collectives (``protocol.open_channels`` makes it)."""
     max_rows = max(cfg.token_budget, cfg.max_chunk_tokens)
     esize = torch.empty(0, dtype=info.dtype).element_size()
     row_bytes = max(info.hidden * esize + 8 * info.top_k, info.hidden * esize, 16)
@@ -180,7 +181,9 @@ class _Worker:
         self.batcher = MicroBatcher(cfg.token_budget)
         self.tokens: dict = {}  # (request, chunk index) -> token ids
         self.caches: dict = {}  # request -> KV cache
+        self.cancelled: set = set()  # requests cancelled while a chunk of theirs runs
         self.spans: list = []
+        self.stats = None  # protocol.WorkerStats, set by run
         k = info.top_k
         self.hbytes = info.hidden * torch.empty(0, dtype=info.dtype).element_size()
         self.width = self.hbytes + 8 * k  # packed row: hidden bytes, k int32 ids, k float32 weights
@@ -190,9 +193,12 @@ class _Worker:
         self.cp_owned: dict = {}  # request -> deque of its chunks not yet run
         self.cp_done = _Done()
 
-    def _span(self, name: str, start: float) -> float:
+    def _span(self, name: str, start: float, busy: bool = True) -> float:
+        """Record a span (start on the host's monotonic clock); ``busy``: compute, not a wait."""
         now = time.monotonic()
-        self.spans.append((self.rank, 0, name, start, now - start))  # start on the host's monotonic clock
+        self.spans.append((self.rank, 0, name, start, now - start))
+        if busy and self.stats is not None:
+            self.stats.busy(now - start)
         return now
 
     def _take(self, m) -> bool:
@@ -200,6 +206,9 @@ class _Worker:
         with m:
             if m.tag == STOP:
                 return False
+            if m.tag == CANCEL:
+                worker_cancel(decode_cancel(m.tensor), self.batcher, self.tokens, self.caches, self.cancelled)
+                return True
             c, groups, toks = decode_chunk(m.tensor)
         rid = c.request_id
         self.tokens[(rid, c.index)] = toks
@@ -296,7 +305,7 @@ class _Worker:
             if hold is not None:
                 hold("dispatch", max(sum(send_counts), sum(recv_counts)), W, t_d, layer)
         busiest = max(sum(send_counts), sum(recv_counts))
-        t = self._span(f"{tag}dispatch a2a L{layer}", t)
+        t = self._span(f"{tag}dispatch a2a L{layer}", t, busy=False)
         m = recv.shape[0]
         if m:
             batch = ExpertBatch(layer, _from_bytes(recv[:, :self.hbytes], dtype),
@@ -305,6 +314,8 @@ class _Worker:
             model = self.expert_model
             out = apply_experts(batch, lambda e, rows: model.expert(layer, e, rows))
             t = self._span(f"experts L{layer} ({m} rows)", t)
+            if self.stats is not None:
+                self.stats.batch(m)
         else:
             out = torch.empty(0, H, dtype=dtype)
         t_c = time.monotonic()
@@ -316,7 +327,7 @@ class _Worker:
                                    input_split_sizes=recv_counts)
         if hold is not None:
             hold("combine", busiest, W, t_c, layer)
-        t = self._span(f"{tag}combine a2a L{layer}", t)
+        t = self._span(f"{tag}combine a2a L{layer}", t, busy=False)
         acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         y = torch.zeros(T, H, dtype=acc)
         if T:
@@ -374,7 +385,7 @@ class _Worker:
                 continue
             ys = y.split(lens) if len(lens) > 1 else (y,)
             hs = [o.hidden + yi for o, yi in zip(outs, ys)]
-        finish_chunks(model, self.box, self.front, own, hs[:len(own)], self.caches, self.batcher)
+        finish_chunks(model, self.box, self.front, own, hs[:len(own)], self.caches, self.batcher, self.cancelled)
         if cp_chunk is not None:
             finish_chunks(model, self.box, self.front, [cp_chunk], hs[-1:], self.caches, self.cp_done)
             self.cp_owned[cp_chunk.request_id][1].popleft()
@@ -383,12 +394,14 @@ class _Worker:
         if chunks:
             self._span("tail", t)
 
-    def run(self, box) -> list:
-        self.box = box
+    def run(self, ch: Channels) -> list:
+        self.box, self.shm, self.stats = ch.box, ch.shm, ch.stats
+        box = self.box
         watch = DeathWatch(self.comm, range(self.comm.world_size))
         stopped = False
         words = 2 + (_CP_WORDS * self.W if self.cp_on else 0)
         while True:
+            self.stats.publish()
             while (m := box.poll()) is not None:
                 stopped |= not self._take(m)
             flags = torch.zeros(words, dtype=torch.int64)
@@ -424,7 +437,7 @@ class _Worker:
                         mine = [x for x in mine if x[0] != rid]
                     helping = tuple(mine)
                 if not batch and cp_chunk is None and not helping:
-                    self._span("step sync (idle)", t)
+                    self._span("step sync (idle)", t, busy=False)
                 self._step(batch, cp_chunk, share, helping)
                 continue
             if stopped:  # nobody has work: do not spin
@@ -434,6 +447,7 @@ class _Worker:
                     stopped |= not self._take(box.recv(timeout=_IDLE_S))
                 except CommTimeoutError:
                     watch.check()
+        self.stats.publish(force=True)
         return self.spans
 
 
@@ -444,31 +458,43 @@ class _Done:
         pass
 
 
-def _worker_main(comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, store_port: int):
-    torch.set_num_threads(1)
+def _worker_main(comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, store_port: int, ch: Channels):
     W = comm.world_size - 1
     worker = _Worker(comm, cfg, info, model_factory, W)
     store = dist.TCPStore("127.0.0.1", store_port, None, False, timedelta(seconds=cfg.timeout_s))
     dist.init_process_group("gloo", store=dist.PrefixStore("asap-sync", store), rank=comm.rank, world_size=W,
                             timeout=timedelta(seconds=cfg.timeout_s))
     try:
-        if cfg.sync_collectives == "shm":
-            worker.shm = _shm_collectives(comm, cfg, info, W)
-        box = request_mailbox(comm, cfg, info, W)
-        return worker.run(box)
+        return worker.run(ch)
     finally:
         dist.destroy_process_group()
 
 
-def _pe_main(comm, cfg, info, model_factory, requests, report_path, store_port):
-    W = comm.world_size - 1
-    if comm.rank < W:
-        return ("worker", _worker_main(comm, cfg, info, model_factory, store_port))
+def group_main(comm, cfg, info, model_factory, store_port, front):
+    """One PE of a baseline group: allocate the group's channels (``open_channels``), then run this PE's role;
+    the front end's role is ``front(comm, cfg, info, channels, num_targets, label, role_of)``."""
     torch.set_num_threads(1)
-    if cfg.sync_collectives == "shm":
-        _shm_collectives(comm, cfg, info, W)  # collective allocation: the front end joins it, never a call
-    box = request_mailbox(comm, cfg, info, W)
-    return ("front", run_front_end(comm, cfg, info, requests, report_path, box, W, "sync", lambda pe: "worker"))
+    W = comm.world_size - 1
+    ch = open_channels(comm, cfg, info, "sync")
+    if ch.role == "worker":
+        return ("worker", _worker_main(comm, cfg, info, model_factory, store_port, ch))
+    return ("front", front(comm, cfg, info, ch, W, "sync", _worker_role))
+
+
+def _worker_role(pe) -> str:
+    return "worker"
+
+
+def check_config(model_factory, cfg: RuntimeConfig) -> None:
+    """The baseline's refusals (raises ValueError)."""
+    W = cfg.num_attention_ranks + cfg.num_expert_ranks
+    if cfg.cp_threshold is not None and not getattr(model_factory, "emulates_context_parallelism", False):
+        raise ValueError(f"run_sync: cp_threshold={cfg.cp_threshold} needs emulated devices (a model factory with "
+                         "emulates_context_parallelism, such as asap_comm.sim.emulate.EmulatedFactory): context "
+                         "parallelism is emulated (the owner computes a shared chunk; the devices hold their "
+                         "shares), and on this model factory the workers would have to split the chunk for real")
+    if cfg.cp_threshold is not None and W > 62:
+        raise ValueError(f"run_sync: cp_threshold needs at most 62 workers (a group is a 64-bit mask), got {W}")
 
 
 def run_sync(model_factory: Callable[[str, list], Any], info: ModelInfo, requests: Sequence[PromptRequest],
@@ -483,20 +509,14 @@ def run_sync(model_factory: Callable[[str, list], Any], info: ModelInfo, request
     (``timeout_s`` bounds the run and every collective).
     """
     W = cfg.num_attention_ranks + cfg.num_expert_ranks
-    if cfg.cp_threshold is not None and not getattr(model_factory, "emulates_context_parallelism", False):
-        raise ValueError(f"run_sync: cp_threshold={cfg.cp_threshold} needs emulated devices (a model factory with "
-                         "emulates_context_parallelism, such as asap_comm.sim.emulate.EmulatedFactory): context "
-                         "parallelism is emulated (the owner computes a shared chunk; the devices hold their "
-                         "shares), and on this model factory the workers would have to split the chunk for real")
-    if cfg.cp_threshold is not None and W > 62:
-        raise ValueError(f"run_sync: cp_threshold needs at most 62 workers (a group is a 64-bit mask), got {W}")
+    check_config(model_factory, cfg)
     fd, report = tempfile.mkstemp(prefix="asap-sync-", suffix=".pkl")
     os.close(fd)
     # The workers' gloo group rendezvous through a store this process hosts on a free port.
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
     try:
-        return run_group(_pe_main, W + 1, (cfg, info, model_factory, list(requests), report, store.port), requests,
-                         report, cfg.timeout_s, RunResult, "sync")
+        return run_group(group_main, W + 1, (cfg, info, model_factory, store.port, Replay(list(requests), report)),
+                         requests, report, cfg.timeout_s, RunResult, "sync")
     finally:
         del store
         os.unlink(report)
