@@ -81,7 +81,8 @@ def _stop(procs, grace: float = 2.0) -> None:
             p.join(grace)
 
 
-def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: float = 30.0) -> list:
+def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: float = 30.0,
+           leader: "int | None" = None, leader_grace: float = 10.0) -> list:
     """Run ``fn(comm, *args)`` on ``world_size`` PEs of one host; return their results by rank.
 
     Each PE is a fresh process (multiprocessing ``spawn``), so ``fn`` and
@@ -95,6 +96,11 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
     ``PeerFailure`` it caused elsewhere). If the ranks are not done within
     ``timeout`` seconds they are killed and ``asap_comm.TimeoutError`` is
     raised. ``comm_timeout`` is each communicator's default wait bound.
+    ``leader``: a rank that supervises the others (a service's front end): the
+    failure of another rank does not stop the group (the leader sees it and
+    decides), and once the leader has ended the others get ``leader_grace``
+    seconds to end before they are stopped; failures are raised at the end as
+    usual. A rank stopped that way has no result (``None``).
     Shared-memory segments of the run are removed whatever happens.
     """
     if os.environ.get(_GUARD_ENV) and getattr(mp.current_process(), "_inheriting", False):
@@ -107,6 +113,9 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
         raise TypeError(f"launch: fn must be callable, got {type(fn).__name__}")
     if not timeout > 0:
         raise ValueError(f"launch: timeout={timeout!r} must be > 0")
+    if leader is not None and (isinstance(leader, bool) or not isinstance(leader, int)
+                               or not 0 <= leader < world_size):
+        raise ValueError(f"launch: leader={leader!r} must be None or a rank in [0, {world_size})")
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -129,7 +138,7 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
             procs.append(p)
             conns.append(r)
         try:
-            return _collect(procs, conns, timeout)
+            return _collect(procs, conns, timeout, leader, leader_grace)
         except LaunchError as e:
             if e.exitcode is not None and os.path.getsize(guard_file) > 0:
                 raise LaunchError(f"launch: rank {e.rank} exited with code {e.exitcode} while starting: {_UNGUARDED}",
@@ -151,7 +160,7 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
         del store
 
 
-def _collect(procs, conns, timeout: float) -> list:
+def _collect(procs, conns, timeout: float, leader: "int | None" = None, leader_grace: float = 10.0) -> list:
     n = len(procs)
     results: list = [None] * n
     done = [False] * n
@@ -204,7 +213,10 @@ def _collect(procs, conns, timeout: float) -> list:
                     f"launch: rank {r} raised {name}: {text}\n--- traceback of rank {r} ---\n{tb}",
                     rank=r, remote_traceback=tb)))
                 done[r] = True
-            if failures and grace_end is None:
+            if leader is not None:
+                if done[leader] and grace_end is None:
+                    grace_end = time.monotonic() + leader_grace  # the leader has ended: the others follow
+            elif failures and grace_end is None:
                 grace_end = time.monotonic() + 0.5  # let the root cause arrive
     if failures:
         raise min(failures, key=lambda f: (f[0], f[1]))[2]
