@@ -489,7 +489,7 @@ class _Service:
 
         return web.json_response({"object": "list", "data": [
             {"id": self.opts.model_name, "object": "model", "created": int(self.started), "owned_by": "asap",
-             "max_model_len": self.cfg.max_prompt_len}]})
+             "max_model_len": self.cfg.max_prompt_len, "vocab_size": self.info.vocab_size}]})
 
 
 class _WorkerCollector:
