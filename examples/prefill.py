@@ -56,7 +56,7 @@ import torch
 
 from asap_comm.serving import ChromeTrace, load_trace, slo_compliant_throughput, summarize_run
 from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig, run_async
-from asap_comm.serving.traces import LogNormalLengths, scale_trace, synthetic_trace
+from asap_comm.serving.traces import LogNormalLengths, TraceError, scale_trace, synthetic_trace
 from asap_comm.sim.costs import known_profiles
 
 try:
@@ -373,7 +373,73 @@ def table(rows: list, emulated: bool = False) -> str:
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in lines)
 
 
+WAIT_SPANS = ("a2a", "barrier", "idle")  # span names that are waits (collectives, barriers), not compute
+
+
+def rank_usage(result) -> list:
+    """``[(pe, compute fraction, waiting fraction)]`` of a run's workers over the run (from its spans)."""
+    if not result.spans:
+        return []
+    end = max(start + dur for _pe, _t, _n, start, dur in result.spans)
+    per: dict = {}
+    for pe, _track, name, _start, dur in result.spans:
+        c, w = per.get(pe, (0.0, 0.0))
+        per[pe] = (c, w + dur) if any(k in name for k in WAIT_SPANS) else (c + dur, w)
+    return [(pe, min(1.0, c / end), min(1.0, w / end)) for pe, (c, w) in sorted(per.items())] if end > 0 else []
+
+
+def plot_run(path: Path, results: dict, slo: float, cfgs: dict) -> None:
+    """The default picture (one load point per mode): TTFT CDF of both modes, and per-rank compute / waiting /
+    idle bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    colors = {"async": "tab:blue", "sync": "tab:red"}
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
+    for mode, result in results.items():
+        ttfts = sorted(r.ttft_s for r in result.records if r.ok)
+        n = len(result.records)
+        if ttfts:
+            ax.step(ttfts, [(i + 1) / n for i in range(len(ttfts))], where="post", color=colors.get(mode),
+                    label=f"{mode} ({'ASAP' if mode == 'async' else 'DP+EP baseline'})")
+    ax.axvline(slo, color="gray", lw=0.8, ls=":", label=f"SLO {slo:.2f} s")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("TTFT CDF (same trace, same load)")
+    labels, compute, waiting = [], [], []
+    for mode, result in results.items():
+        A = cfgs[mode].num_attention_ranks
+        for pe, c, w in rank_usage(result):
+            role = "W" if mode == "sync" else ("A" if pe < A else "E")
+            labels.append(f"{mode}\n{role}{pe}")
+            compute.append(c)
+            waiting.append(w)
+    x = range(len(labels))
+    bx.bar(x, compute, color="tab:green", label="compute")
+    bx.bar(x, waiting, bottom=compute, color="tab:orange", label="waiting (all-to-all, barrier)")
+    bx.bar(x, [1 - c - w for c, w in zip(compute, waiting)], bottom=[c + w for c, w in zip(compute, waiting)],
+           color="lightgray", label="idle")
+    bx.set_xticks(list(x), labels, fontsize=7)
+    bx.set_ylabel("fraction of the run")
+    bx.set_ylim(0, 1)
+    bx.legend(fontsize=8, loc="upper right")
+    bx.set_title("per-rank time (A: attention, E: expert, W: DP+EP worker)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot(path: Path, points: dict, slo: float) -> None:
+    """The sweep's picture: TTFT p50/p90 against offered load, per mode."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -505,11 +571,19 @@ def main(argv=None) -> int:
             parser.error("--cp-threshold needs --emulate: the baseline's context parallelism is emulated (the owner "
                          "of a shared prompt computes it; the emulated devices hold their shares)")
 
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:  # the plot is drawn after the run: say so before
+        print("prefill.py: matplotlib is missing (ttft.png): pip install -e \".[examples]\"", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
-    factory = StageFactory(args.model, args.seed)
-    mcfg = factory.config()
-    info = model_info(mcfg)
-    requests = make_requests(args, mcfg.vocab_size)
+    try:
+        factory = StageFactory(args.model, args.seed)
+        mcfg = factory.config()
+        info = model_info(mcfg)
+        requests = make_requests(args, mcfg.vocab_size)
+    except (TraceError, ValueError, OSError) as e:  # a bad trace line, an unknown preset, a missing file
+        print(f"prefill.py: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"model {args.model}: {mcfg.num_hidden_layers} layers, {mcfg.n_routed_experts} experts (top "
@@ -538,6 +612,7 @@ def main(argv=None) -> int:
         summary["emulation"] = emulated(args, factory, "async").describe_emulation()
     rows, points, checked, mismatches, details = [], {m: [] for m in modes}, 0, 0, []
     emu_runs: dict = {m: [] for m in modes}
+    last_results: dict = {}  # mode -> its last RunResult (the default picture)
 
     def run_at(mode: str, rate: "float | None") -> float:
         """One run of ``mode`` at ``rate`` req/s (None: the trace as made): recorded; returns its SLO attainment."""
@@ -573,6 +648,7 @@ def main(argv=None) -> int:
                       f" s vs {late['median_modelled_s']:.2e} s modelled): the baseline is slowed by this host; "
                       "raise --time-scale or use --sync-collectives shm", file=sys.stderr, flush=True)
         summary["runs"].append(entry)
+        last_results[mode] = result
         summary.setdefault(mode, {k: v for k, v in s.items()})  # the first load's numbers, per mode
         write_timeline(out / f"timeline_{mode}.json", result, cfgs[mode])
         fmt = (lambda v: "-" if v is None else f"{v:.3f}")
@@ -608,7 +684,10 @@ def main(argv=None) -> int:
             over = sum(e["overruns"] for e in emu_runs[mode])
             summary[mode]["overrun_fraction"] = over / calls if calls else 0.0
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    plot(out / "ttft.png", points, slo)
+    if auto_sweep or len(rates) > 1:
+        plot(out / "ttft.png", points, slo)
+    else:
+        plot_run(out / "ttft.png", last_results, slo, cfgs)
     print()
     print(table(rows, emulated=bool(args.emulate)))
     print(f"\n{describe_slo(slo_info)}")

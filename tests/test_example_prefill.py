@@ -93,3 +93,29 @@ def test_prefill_example_help_lists_every_flag_with_default(tmp_path):
         assert "(default: " in body, f"{flag} shows no default: {body}"
         described = re.sub(r"^--[a-z-]+( [A-Z_]+)?|\(default: [^)]*\)", "", body).strip()
         assert len(described) > 10, f"{flag} has no description: {body}"
+
+
+@pytest.mark.parametrize("case", ["preset", "trace", "matplotlib"])
+def test_prefill_example_user_errors_exit_2_with_one_line(tmp_path, case):
+    """A user's mistake prints one clear line and exits 2, before any run starts: no traceback."""
+    if case == "preset":
+        r = run_example(["--model", "nope", "--out", str(tmp_path / "o")], tmp_path, timeout=120)
+        expected = "unknown name 'nope'"
+    elif case == "trace":
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\nnot json\n')
+        r = run_example(["--trace", str(bad), "--out", str(tmp_path / "o")], tmp_path, timeout=120)
+        expected = "bad.jsonl:2"
+    else:  # matplotlib absent: said before the run, not after it
+        code = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+                f"sys.argv = [{str(EXAMPLE)!r}, '--out', {str(tmp_path / 'o')!r}]; "
+                f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')")
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": path})
+        expected = "matplotlib is missing"
+    err = r.stderr.decode()
+    assert r.returncode == 2, tail(r)
+    assert expected in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists(), "the run started"

@@ -188,6 +188,7 @@ def plot_cdf(path: Path, runs: dict, slo_s: float) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, records in runs.items():
@@ -199,6 +200,8 @@ def plot_cdf(path: Path, runs: dict, slo_s: float) -> None:
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("TTFT CDF over HTTP (failed requests never reach 1.0)")
