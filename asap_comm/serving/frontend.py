@@ -22,10 +22,12 @@ from ..errors import TimeoutError as CommTimeoutError
 from ..launch import launch
 from .metrics import RequestRecord
 from .policies import Placer, split_prompt
-from .protocol import CANCEL, HDR, STOP, PromptRequest, encode_cancel, encode_chunk, request_mailbox
+from .protocol import (CANCEL, HDR, STOP, PromptRequest, decode_cancel, decode_chunk, encode_cancel, encode_chunk,
+                       request_mailbox)
 
 __all__ = ["STOP", "HDR", "request_mailbox", "FrontEnd", "Rejected", "Completion", "run_front_end", "replay_report",
-           "run_group", "validate", "Replay", "worker_cancel"]
+           "run_group", "validate", "Replay", "worker_cancel", "ChunkTaker", "layer_loop",
+           "run_to_end"]
 
 
 
@@ -84,6 +86,45 @@ def finish_chunks(model, box, front: int, chunks, hs, caches: dict, batcher, can
         batcher.done(c)
 
 
+def layer_loop(info, hs: list, attend, moe, dense):
+    """The per-layer loop of one micro-batch, shared by both runtimes (a generator: it yields what ``moe``
+    yields, and returns the sequences' final hidden states).
+
+    ``hs``: the micro-batch's embedded sequences ``[len_i, H]`` (empty: the baseline's dummy batch, which
+    still joins every MoE layer). Per layer: ``attend(layer, hs)`` -> one attention-stage output per sequence
+    (``.hidden``, ``.mlp_input``; ``[]`` for a dummy batch); the MLP input of all sequences goes, concatenated,
+    to ``moe(layer, mlp)`` (a generator returning routed + shared experts' output, or None for a dummy batch)
+    on MoE layers and to ``dense(layer, mlp)`` on the others; its output is split back and added to each
+    sequence's residual.
+    """
+    lens = [int(h.shape[0]) for h in hs]
+    empty = torch.empty(0, info.hidden, dtype=info.dtype)
+    for layer in range(info.num_layers):
+        outs = attend(layer, hs)
+        mlp = (torch.cat([o.mlp_input for o in outs]) if len(outs) > 1 else outs[0].mlp_input) if outs else empty
+        if info.moe_layers[layer]:
+            y = yield from moe(layer, mlp)
+        elif outs:
+            y = dense(layer, mlp)
+        else:
+            y = None
+        if not outs:
+            continue
+        ys = y.split(lens) if len(lens) > 1 else (y,)
+        hs = [o.hidden + yi for o, yi in zip(outs, ys)]
+    return hs
+
+
+def run_to_end(gen):
+    """Drive a generator that never yields (the baseline's ``layer_loop``: its MoE exchange is synchronous) to
+    its return value."""
+    try:
+        value = next(gen)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError(f"run_to_end: the generator yielded {value!r}")
+
+
 def worker_cancel(rid: int, batcher, tokens: dict, caches: dict, cancelled: set) -> None:
     """A worker's side of a :data:`CANCEL` message: drop the request's queued chunks and, unless one of its
     chunks is running (then ``finish_chunks`` drops it after), its KV cache."""
@@ -93,6 +134,29 @@ def worker_cancel(rid: int, batcher, tokens: dict, caches: dict, cancelled: set)
         cancelled.add(rid)
     else:
         caches.pop(rid, None)
+
+
+class ChunkTaker:
+    """The worker side of the chunk protocol, shared by the async attention ranks and the baseline's workers:
+    :meth:`_take` handles one request-mailbox message (a chunk, :data:`CANCEL` or :data:`STOP`). Needs
+    ``batcher`` (a ``MicroBatcher``), ``tokens``, ``caches`` and ``cancelled``; :meth:`_queue_chunk` decides
+    where a chunk goes (by default the micro-batcher)."""
+
+    def _take(self, m) -> bool:
+        """Handle one mailbox message; False on the stop message."""
+        with m:
+            if m.tag == STOP:
+                return False
+            if m.tag == CANCEL:
+                worker_cancel(decode_cancel(m.tensor), self.batcher, self.tokens, self.caches, self.cancelled)
+                return True
+            chunk, groups, toks = decode_chunk(m.tensor)
+        self.tokens[(chunk.request_id, chunk.index)] = toks
+        self._queue_chunk(chunk, groups)
+        return True
+
+    def _queue_chunk(self, chunk, groups: int) -> None:
+        self.batcher.add(chunk)
 
 
 class Rejected(Exception):

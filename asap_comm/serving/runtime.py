@@ -35,10 +35,9 @@ import torch
 
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import ExpertBatch, MoEPlan, apply_experts
-from .frontend import DeathWatch, Replay, finish_chunks, run_group, worker_cancel
+from .frontend import ChunkTaker, DeathWatch, Replay, finish_chunks, layer_loop, run_group
 from .policies import ExpertBatcher, MicroBatcher
-from .protocol import (CANCEL, STOP, Channels, ModelInfo, PromptRequest, RunResult, RuntimeConfig, decode_cancel,
-                       decode_chunk, open_channels)
+from .protocol import Channels, ModelInfo, PromptRequest, RunResult, RuntimeConfig, open_channels
 
 __all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "run_async"]
 
@@ -97,7 +96,7 @@ class _Lockstep:
 
 
 # ----------------------------------------------------------------------------- attention rank
-class _AttentionRank:
+class _AttentionRank(ChunkTaker):
     def __init__(self, comm, cfg: RuntimeConfig, info: ModelInfo, model, ch: Channels) -> None:
         self.comm, self.cfg, self.info, self.model = comm, cfg, info, model
         self.att, self.box, self.stats = ch.moe, ch.box, ch.stats
@@ -115,47 +114,32 @@ class _AttentionRank:
         self.spans.append((self.comm.rank, 0, name, start, dur))
         self.stats.busy(dur)
 
-    def _take(self, m) -> bool:
-        """Handle one mailbox message; False on the stop message."""
-        with m:
-            if m.tag == STOP:
-                return False
-            if m.tag == CANCEL:
-                worker_cancel(decode_cancel(m.tensor), self.batcher, self.tokens, self.caches, self.cancelled)
-                return True
-            chunk, _groups, toks = decode_chunk(m.tensor)
-        self.tokens[(chunk.request_id, chunk.index)] = toks
-        self.batcher.add(chunk)
-        return True
-
     def _microbatch(self, chunks: list):
         """One micro-batch through every layer; yields its DispatchHandle at each MoE layer."""
-        model, info, att = self.model, self.info, self.att
+        model, att = self.model, self.att
         caches = [self.caches.setdefault(c.request_id, model.new_cache()) for c in chunks]
-        lens = [c.length for c in chunks]
         hs = [model.embed(self.tokens.pop((c.request_id, c.index))) for c in chunks]
-        t_start = time.monotonic()
-        for layer in range(info.num_layers):
-            outs = [model.attention_stage(layer, h, cache) for h, cache in zip(hs, caches)]
-            mlp = torch.cat([o.mlp_input for o in outs]) if len(outs) > 1 else outs[0].mlp_input
-            if info.moe_layers[layer]:
-                routing = model.route(layer, mlp)
-                if self.lockstep is not None:
-                    t_wait = time.monotonic()
-                    self.lockstep.arrive_and_wait()
-                    self.spans.append((self.comm.rank, 0, f"barrier L{layer}", t_wait, time.monotonic() - t_wait))
-                handle = att.dispatch_send(mlp, routing.topk_ids, routing.topk_weights, layer)
-                shared = model.shared_experts(layer, mlp)
-                self._busy(f"attn L{layer}", t_start)
-                yield handle
-                t_start = time.monotonic()
-                y = att.combine_recv(handle) + shared
-            else:
-                y = model.dense_mlp(layer, mlp)
-            ys = y.split(lens) if len(lens) > 1 else (y,)
-            hs = [o.hidden + yi for o, yi in zip(outs, ys)]
+        t = [time.monotonic()]  # start of the current stretch of attention-side work
+
+        def attend(layer, hs):
+            return [model.attention_stage(layer, h, cache) for h, cache in zip(hs, caches)]
+
+        def moe(layer, mlp):
+            routing = model.route(layer, mlp)
+            if self.lockstep is not None:
+                t_wait = time.monotonic()
+                self.lockstep.arrive_and_wait()
+                self.spans.append((self.comm.rank, 0, f"barrier L{layer}", t_wait, time.monotonic() - t_wait))
+            handle = att.dispatch_send(mlp, routing.topk_ids, routing.topk_weights, layer)
+            shared = model.shared_experts(layer, mlp)
+            self._busy(f"attn L{layer}", t[0])
+            yield handle
+            t[0] = time.monotonic()
+            return att.combine_recv(handle) + shared
+
+        hs = yield from layer_loop(self.info, hs, attend, moe, model.dense_mlp)
         finish_chunks(model, self.box, self.front, chunks, hs, self.caches, self.batcher, self.cancelled)
-        self._busy("attn tail", t_start)
+        self._busy("attn tail", t[0])
 
     def run(self) -> list:
         self.watch = DeathWatch(self.comm, range(self.comm.world_size))

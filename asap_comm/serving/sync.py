@@ -62,10 +62,9 @@ import torch.distributed as dist
 
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import ExpertBatch, apply_experts, expert_placement
-from .frontend import DeathWatch, Replay, finish_chunks, run_group, worker_cancel
+from .frontend import ChunkTaker, DeathWatch, Replay, finish_chunks, layer_loop, run_group, run_to_end
 from .policies import MicroBatcher
-from .protocol import (CANCEL, STOP, Channels, ModelInfo, PromptRequest, RunResult, RuntimeConfig, decode_cancel,
-                       decode_chunk, open_channels)
+from .protocol import Channels, ModelInfo, PromptRequest, RunResult, RuntimeConfig, open_channels
 
 __all__ = ["run_sync"]
 
@@ -165,7 +164,7 @@ def shm_collectives(comm, cfg, info, workers: int) -> ShmCollectives:
     return ShmCollectives(comm, workers, max_rows, row_bytes)
 
 
-class _Worker:
+class _Worker(ChunkTaker):
     """One DP-attention + EP-expert worker; PE ``rank`` of ``W`` workers."""
 
     def __init__(self, comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, workers: int) -> None:
@@ -201,22 +200,11 @@ class _Worker:
             self.stats.busy(now - start)
         return now
 
-    def _take(self, m) -> bool:
-        """Handle one mailbox message; False on the stop message."""
-        with m:
-            if m.tag == STOP:
-                return False
-            if m.tag == CANCEL:
-                worker_cancel(decode_cancel(m.tensor), self.batcher, self.tokens, self.caches, self.cancelled)
-                return True
-            c, groups, toks = decode_chunk(m.tensor)
-        rid = c.request_id
-        self.tokens[(rid, c.index)] = toks
+    def _queue_chunk(self, c, groups: int) -> None:
         if groups:  # a context-parallel request this worker owns: its chunks run in order, shared
-            self.cp_owned.setdefault(rid, (groups, deque()))[1].append(c)
+            self.cp_owned.setdefault(c.request_id, (groups, deque()))[1].append(c)
         else:
             self.batcher.add(c)
-        return True
 
     # ------------------------------------------------------------------ context parallelism
     def _cp_propose(self, vec: torch.Tensor) -> None:
@@ -347,44 +335,38 @@ class _Worker:
             chunks = chunks + [cp_chunk]
         tag = "" if chunks else "dummy "
         caches = [self.caches.setdefault(c.request_id, model.new_cache()) for c in chunks]
-        lens = [c.length for c in chunks]
         hs = [model.embed(self.tokens.pop((c.request_id, c.index))) for c in chunks]
-        empty = torch.empty(0, info.hidden, dtype=info.dtype)
         if self.cp_on:  # the tokens this worker's MLP stages and dispatches stand for in the emulated CP step
             excess = 0 if cp_chunk is None else cp_chunk.length - cp_share[1]
             model.cp_step(-excess, sum(share[-1] for share in helping) - excess)
-        t = time.monotonic()
-        for layer in range(info.num_layers):
+        t = [time.monotonic()]  # start of the current span
+
+        def attend(layer, hs):
+            outs = []
             if chunks:
                 outs = [model.attention_stage(layer, h, cache) for h, cache in zip(hs[:len(own)], caches)]
                 if cp_chunk is not None:
                     outs.append(model.attention_stage(layer, hs[-1], caches[-1], cp_groups=cp_groups))
-                mlp = torch.cat([o.mlp_input for o in outs]) if len(outs) > 1 else outs[0].mlp_input
-                t = self._span(f"attn L{layer}", t)
-            else:
-                mlp = empty
+                t[0] = self._span(f"attn L{layer}", t[0])
             for _rid, length, start, g, n in helping:  # the shares of others' chunks: held, not computed here
                 model.hold_cp_share(layer, length, start, g, n)
             if helping:
-                t = self._span(f"CP share L{layer}", t)
-            if info.moe_layers[layer]:
-                if chunks:
-                    routing = model.route(layer, mlp)
-                    ids, weights = routing.topk_ids, routing.topk_weights
-                else:
-                    ids = torch.empty(0, info.top_k, dtype=torch.int64)
-                    weights = torch.empty(0, info.top_k, dtype=torch.float32)
-                routed = self._moe(layer, mlp, ids, weights, tag)
-                t = time.monotonic()
-                if not chunks:
-                    continue
-                y = routed + model.shared_experts(layer, mlp)
-            elif chunks:
-                y = model.dense_mlp(layer, mlp)
+                t[0] = self._span(f"CP share L{layer}", t[0])
+            return outs
+
+        def moe(layer, mlp):
+            if chunks:
+                routing = model.route(layer, mlp)
+                ids, weights = routing.topk_ids, routing.topk_weights
             else:
-                continue
-            ys = y.split(lens) if len(lens) > 1 else (y,)
-            hs = [o.hidden + yi for o, yi in zip(outs, ys)]
+                ids = torch.empty(0, info.top_k, dtype=torch.int64)
+                weights = torch.empty(0, info.top_k, dtype=torch.float32)
+            routed = self._moe(layer, mlp, ids, weights, tag)
+            t[0] = time.monotonic()
+            return (routed + model.shared_experts(layer, mlp)) if chunks else None
+            yield  # a generator for layer_loop; the exchange above is synchronous
+
+        hs = run_to_end(layer_loop(info, hs, attend, moe, model.dense_mlp))
         finish_chunks(model, self.box, self.front, own, hs[:len(own)], self.caches, self.batcher, self.cancelled)
         if cp_chunk is not None:
             finish_chunks(model, self.box, self.front, [cp_chunk], hs[-1:], self.caches, self.cp_done)
@@ -392,7 +374,7 @@ class _Worker:
             if cp_chunk.last:
                 del self.cp_owned[cp_chunk.request_id]
         if chunks:
-            self._span("tail", t)
+            self._span("tail", t[0])
 
     def run(self, ch: Channels) -> list:
         self.box, self.shm, self.stats = ch.box, ch.shm, ch.stats
