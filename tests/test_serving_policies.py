@@ -145,3 +145,18 @@ def test_chunk_message_round_trip():
     assert payload.dtype == torch.int64 and payload.numel() == HDR + 3
     chunk, groups, toks = decode_chunk(payload)
     assert chunk == c and groups == 0b1010 and toks.tolist() == [5, 6, 9]
+
+
+def test_micro_batcher_cancel_drops_queued_chunks_and_forgets_a_running_request():
+    mb = MicroBatcher(token_budget=8)
+    a, b = split_prompt(1, 16, 8), split_prompt(2, 4, None)
+    for c in a + b:
+        mb.add(c)
+    first = mb.next_batch()
+    assert [(c.request_id, c.index) for c in first] == [(1, 0)]  # request 1's first chunk runs
+    assert mb.cancel(1) == [a[1]] and mb.running(1)  # its queued second chunk is dropped
+    assert mb.cancel(2) == b and not mb.running(2) and len(mb) == 0
+    mb.done(first[0])
+    assert not mb.running(1) and mb.next_batch() == []
+    mb.add(split_prompt(1, 3, None)[0])  # a reused id starts from chunk 0 again: nothing was left behind
+    assert [c.request_id for c in mb.next_batch()] == [1]
