@@ -6,7 +6,6 @@ the service exits; SIGTERM drains and leaves no process and no shared-memory seg
 import glob
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from asap_comm.serving.client import ServiceProcess
 from models import preset, random_init
 
 CFG = preset("tiny")
@@ -41,33 +41,13 @@ def reference():
     return first_token_and_hidden
 
 
-class Server:
-    """``python -m asap_comm.serving.server`` in a subprocess; ``url`` once it listens."""
+class Server(ServiceProcess):
+    """The service (``--model tiny --port 0 ARGS``) in a subprocess, with an httpx client and metric reads."""
 
     def __init__(self, *args: str) -> None:
         self.segments_before = set(glob.glob("/dev/shm/asap-*"))
-        self.stderr = open(f"/tmp/asap-test-server-{os.getpid()}-{time.monotonic_ns()}.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "asap_comm.serving.server", "--model", "tiny",
-                                      "--port", "0", *args], stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-                                     cwd=REPO)
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        self.url = None
-        while self.url is None:
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                self.stop(force=True)
-                raise AssertionError(f"the server did not start within {START_TIMEOUT_S} s: {self.log()}")
-            if "listening on " in line:
-                self.url = line.split("listening on ")[1].strip()
+        super().__init__(["--model", "tiny", "--port", "0", *args], start_timeout_s=START_TIMEOUT_S, cwd=REPO)
         self.client = httpx.Client(base_url=self.url, timeout=60)
-
-    def log(self) -> str:
-        self.stderr.flush()
-        self.stderr.seek(0)
-        return self.stderr.read()
 
     def metrics(self) -> dict:
         """``{(name, labels as a sorted tuple): value}`` of every sample of /metrics."""
@@ -89,16 +69,6 @@ class Server:
             if pred(v) or time.monotonic() > deadline:
                 return v
             time.sleep(0.02)
-
-    def stop(self, force: bool = False, timeout_s: float = 90.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if force else signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-            raise AssertionError(f"the server did not exit within {timeout_s} s of SIGTERM: {self.log()}")
 
     def new_segments(self) -> set:
         return set(glob.glob("/dev/shm/asap-*")) - self.segments_before

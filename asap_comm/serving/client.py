@@ -38,10 +38,60 @@ import torch
 from .metrics import RequestRecord, percentile, slo_compliant_throughput, summarize_run
 from .traces import LogNormalLengths, TraceError, load_trace, scale_trace, synthetic_trace
 
-__all__ = ["make_prompts", "replay", "summarize", "main"]
+__all__ = ["make_prompts", "replay", "summarize", "ServiceProcess", "main"]
 
 SLO_MULTIPLIER = 3.0  # --slo auto: this many times the unloaded TTFT of a p90-length prompt
 SLO_PROBES = 5
+
+
+class ServiceProcess:
+    """``python -m asap_comm.serving.server ARGS`` in a subprocess (benchmarks, tests, scripts): :attr:`url`
+    once it listens (pass ``--port 0`` for a free port). :meth:`stop` sends SIGTERM (or SIGKILL) and
+    returns the exit status; :meth:`log` is its stderr so far."""
+
+    def __init__(self, args: list, start_timeout_s: float = 240.0, cwd: "str | None" = None) -> None:
+        import queue
+        import subprocess
+        import tempfile
+        import threading
+
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "asap_comm.serving.server", *args],
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True, cwd=cwd)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
+        deadline = time.monotonic() + start_timeout_s
+        self.url = None
+        while self.url is None:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.stop(force=True)
+                raise TimeoutError(f"ServiceProcess: the server did not listen within {start_timeout_s} s; its "
+                                   f"log:\n{self.log()}") from None
+            if "listening on " in line:
+                self.url = line.split("listening on ")[1].strip()
+            elif self.proc.poll() is not None and lines.empty():
+                raise RuntimeError(f"ServiceProcess: the server exited with {self.proc.returncode}:\n{self.log()}")
+
+    def log(self) -> str:
+        self.stderr.flush()
+        self.stderr.seek(0)
+        return self.stderr.read()
+
+    def stop(self, force: bool = False, timeout_s: float = 90.0) -> int:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if force else signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+            raise TimeoutError(f"ServiceProcess: the server did not exit within {timeout_s} s of SIGTERM; its "
+                               f"log:\n{self.log()}") from None
 
 
 def make_trace(args) -> list:

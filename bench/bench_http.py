@@ -1,0 +1,286 @@
+"""HTTP service benchmark: what the front door costs, and what both modes sustain through it.
+
+Usage::
+
+    python bench/bench_http.py [--out bench/results/http] [--quick]
+
+Three measurements, each against a baseline measured in the same run:
+
+1. **Added latency at light load.** The same prompts (``small`` model,
+   64 tokens, evenly spaced at 2 req/s) through the in-process trace replay
+   (``run_async``: TTFT at the front end) and through the HTTP service
+   (``asap_comm.serving.client.replay``: TTFT at the client, and the
+   server's own admission-to-result time). Two rounds each, interleaved
+   (in-process, HTTP, HTTP, in-process); medians and IQRs, and the added
+   latency (HTTP - in-process), split into the HTTP/JSON hop (client - server)
+   and the front end's own difference (server - in-process).
+2. **The largest rate the HTTP front end sustains** with trivially cheap
+   workers (``tiny``, 16-token prompts, Poisson arrivals): offered vs
+   achieved request rate, TTFT p50/p99, at doubling rates, through HTTP and
+   through the in-process replay on the same prompts. A rate is sustained
+   when at least 95% of it is achieved, nothing fails, and p99 TTFT stays
+   under 10x the lowest rate's p50. The client runs on the same host.
+3. **SLO-compliant throughput of both modes through HTTP** beside the
+   in-process numbers, on the example's workload (``small``, the Gamma-bursty
+   synthetic trace, A=2 + E=2 against 4 DP+EP workers), SLO = 3x the
+   baseline's unloaded TTFT of the p90 prompt (measured in process, as the
+   example does). Every answer is checked against the reference forward.
+
+Writes ``http.json`` and ``http.md`` under ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import prefill  # noqa: E402  (the example's load, reference and SLO code)
+
+from asap_comm.serving import slo_compliant_throughput, summarize_run  # noqa: E402
+from asap_comm.serving.client import ServiceProcess, make_prompts, replay, summarize  # noqa: E402
+from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async  # noqa: E402
+from asap_comm.serving.sync import run_sync  # noqa: E402
+from asap_comm.serving.traces import FixedLengths, Request, scale_trace, synthetic_trace  # noqa: E402
+from asap_models import StageFactory  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def log(msg: str) -> None:
+    print(f"[bench_http] {msg}", file=sys.stderr, flush=True)
+
+
+def quartiles(xs: list) -> dict:
+    xs = sorted(xs)
+    q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "q1": q[0], "q3": q[2], "n": len(xs)}
+
+
+def as_requests(trace: list, prompts: list) -> list:
+    return [PromptRequest(r.request_id, r.arrival_s, torch.tensor(p, dtype=torch.int64)) for r, p in zip(trace, prompts)]
+
+
+def server_args(model: str, cfg: RuntimeConfig, mode: str) -> list:
+    return ["--model", model, "--port", "0", "--mode", mode, "--attention-ranks", str(cfg.num_attention_ranks),
+            "--expert-ranks", str(cfg.num_expert_ranks), "--token-budget", str(cfg.token_budget), "--chunk-len",
+            str(cfg.chunk_len), "--max-prompt-len", str(cfg.max_prompt_len), "--sync-collectives",
+            cfg.sync_collectives, "--max-queued-tokens", str(1 << 22)]
+
+
+def http_run(url: str, trace: list, prompts: list, label: str) -> list:
+    return asyncio.run(replay(url, trace, prompts, progress=False, label=label))
+
+
+# ----------------------------------------------------------------------------- 1. added latency
+def added_latency(quick: bool) -> dict:
+    factory = StageFactory("small", 0)
+    info = prefill.model_info(factory.config())
+    cfg = RuntimeConfig(2, 2, token_budget=256, chunk_len=256, max_prompt_len=512)
+    n = 12 if quick else 30
+    trace = [Request(i, 0.5 * i, 64) for i in range(n)]
+    prompts = make_prompts(trace, factory.config().vocab_size, seed=1)
+    samples = {"in_process": [], "http_client": [], "http_server": []}
+
+    def in_process() -> None:
+        res = run_async(factory, info, as_requests(trace, prompts), cfg)
+        bad = [r for r in res.records if not r.ok]
+        assert not bad, bad[0].error
+        samples["in_process"] += [r.ttft_s for r in res.records[1:]]  # the first warms the fresh processes
+
+    log(f"1/3 added latency: {n} requests of 64 tokens at 2 req/s, in process ...")
+    in_process()
+    svc = ServiceProcess(server_args("small", cfg, "async"), cwd=str(REPO))
+    try:
+        for rnd in range(2):
+            log(f"1/3 added latency: through HTTP (round {rnd + 1}) ...")
+            recs = http_run(svc.url, trace, prompts, "light")
+            bad = [r for r in recs if r["status"] != 200]
+            assert not bad, bad[0]["error"]
+            samples["http_client"] += [r["ttft_s"] for r in recs[1:]]
+            samples["http_server"] += [r["server"]["ttft_s"] for r in recs[1:]]
+    finally:
+        svc.stop()
+    log("1/3 added latency: in process (round 2) ...")
+    in_process()
+    q = {k: quartiles(v) for k, v in samples.items()}
+    return {"requests_per_round": n, "prompt_tokens": 64, "rate_req_s": 2.0, "ttft_s": q,
+            "added_s": q["http_client"]["median"] - q["in_process"]["median"],
+            "http_hop_s": q["http_client"]["median"] - q["http_server"]["median"],
+            "front_end_s": q["http_server"]["median"] - q["in_process"]["median"],
+            "ratio": q["http_client"]["median"] / q["in_process"]["median"]}
+
+
+# ----------------------------------------------------------------------------- 2. front-end capacity
+def capacity(quick: bool) -> dict:
+    factory = StageFactory("tiny", 0)
+    info = prefill.model_info(factory.config())
+    cfg = RuntimeConfig(2, 2, token_budget=512, chunk_len=512, max_prompt_len=512)
+    rates = [25, 50, 100, 200] if quick else [25, 50, 100, 200, 400, 800]
+    duration = 2.0 if quick else 4.0
+    rows = []
+    svc = ServiceProcess(server_args("tiny", cfg, "async"), cwd=str(REPO))
+    try:
+        for rate in rates:
+            n = max(40, int(rate * duration))
+            trace = synthetic_trace(rate, num_requests=n, lengths=FixedLengths(16), seed=7)
+            prompts = make_prompts(trace, factory.config().vocab_size, seed=2)
+            log(f"2/3 capacity: {rate} req/s, {n} requests, through HTTP ...")
+            s = summarize(http_run(svc.url, trace, prompts, f"{rate} req/s"), 1.0)
+            rows.append({"path": "http", "offered_req_s": rate, "achieved_req_s": s["request_throughput"],
+                         "ttft_p50_s": s["ttft_p50_s"], "ttft_p99_s": s["ttft_p99_s"], "failed": s["failed"],
+                         "max_send_lag_ms": s["max_send_lag_ms"]})
+    finally:
+        svc.stop()
+    for rate in rates:
+        n = max(40, int(rate * duration))
+        trace = synthetic_trace(rate, num_requests=n, lengths=FixedLengths(16), seed=7)
+        prompts = make_prompts(trace, factory.config().vocab_size, seed=2)
+        log(f"2/3 capacity: {rate} req/s, {n} requests, in process ...")
+        res = run_async(factory, info, as_requests(trace, prompts), cfg)
+        ok = [r for r in res.records if r.ok]
+        span = max(r.done_s for r in ok) - min(r.arrival_s for r in res.records)
+        s = summarize_run(res.records, 1.0)
+        rows.append({"path": "in_process", "offered_req_s": rate, "achieved_req_s": len(ok) / span,
+                     "ttft_p50_s": s.ttft_p50_s, "ttft_p99_s": s.ttft_p99_s, "failed": s.num_failed})
+    sustained = {}
+    for path in ("http", "in_process"):
+        mine = [r for r in rows if r["path"] == path]
+        base = mine[0]["ttft_p50_s"]
+        best = None
+        for r in mine:
+            r["sustained"] = (r["failed"] == 0 and r["achieved_req_s"] >= 0.95 * r["offered_req_s"]
+                              and r["ttft_p99_s"] is not None and r["ttft_p99_s"] <= 10 * base)
+            if not r["sustained"]:
+                break
+            best = r["offered_req_s"]
+        sustained[path] = best
+    return {"model": "tiny", "prompt_tokens": 16, "rows": rows, "sustained_req_s": sustained,
+            "criterion": "achieved >= 0.95 x offered, no failure, p99 TTFT <= 10 x the lowest rate's p50"}
+
+
+# ----------------------------------------------------------------------------- 3. SLO-compliant throughput
+def slo_throughput(quick: bool) -> dict:
+    args = prefill.build_parser().parse_args([])  # the example's defaults
+    factory = StageFactory(args.model, args.seed)
+    mcfg = factory.config()
+    info = prefill.model_info(mcfg)
+    args.num_requests = 24 if quick else 40
+    requests = prefill.make_requests(args, mcfg.vocab_size)
+    refs, single_s = prefill.references(factory, requests)
+    cfg = RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
+                        token_budget=args.token_budget, chunk_len=args.chunk_len, max_prompt_len=args.max_prompt_len,
+                        sync_collectives="shm")
+    args.slo = "auto"
+    log("3/3 SLO: measuring the baseline's unloaded TTFT (in process) ...")
+    slo_info = prefill.resolve_slo(args, factory, info, cfg, requests, single_s, ["sync"])
+    slo = slo_info["ttft_s"]
+    rates = [2.0, 4.0, 8.0] if quick else [2.0, 3.0, 4.0, 6.0, 8.0, 12.0]
+    trace = [Request(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in requests]
+    prompts = [r.token_ids.tolist() for r in requests]
+    mean_len = sum(len(p) for p in prompts) / len(prompts)
+    points: dict = {}
+    mismatches = checked = 0
+    for mode in ("async", "sync"):
+        runner = run_async if mode == "async" else run_sync
+        for rate in rates:
+            load = prefill.at_rate(requests, rate)
+            log(f"3/3 {mode}: {rate:g} req/s in process ...")
+            res = runner(factory, info, load, dataclasses.replace(cfg, progress=False))
+            c, b, _ = prefill.check(res, refs)
+            checked, mismatches = checked + c, mismatches + b
+            att = summarize_run(res.records, slo).slo_attainment
+            points.setdefault((mode, "in_process"), []).append((rate, att))
+        svc = ServiceProcess(server_args(args.model, cfg, mode), cwd=str(REPO))
+        try:
+            for rate in rates:
+                log(f"3/3 {mode}: {rate:g} req/s through HTTP ...")
+                recs = http_run(svc.url, scale_trace(trace, target_rate=rate), prompts, f"{mode} {rate:g}")
+                for r in recs:
+                    if r["status"] == 200:
+                        checked += 1
+                        mismatches += r["token"] != refs[trace[r["index"]].request_id][0]
+                att = summarize(recs, slo)["slo_attainment"]
+                points.setdefault((mode, "http"), []).append((rate, att))
+        finally:
+            svc.stop()
+    sct = {f"{m}/{p}": slo_compliant_throughput(pts) for (m, p), pts in points.items()}
+    to_tok = {k: None if v is None else v * mean_len for k, v in sct.items()}
+    return {"slo_ttft_s": slo, "slo": slo_info, "rates_req_s": rates, "mean_prompt_tokens": mean_len,
+            "points": {f"{m}/{p}": pts for (m, p), pts in points.items()}, "slo_compliant_req_s": sct,
+            "slo_compliant_tokens_s": to_tok, "checked": checked, "mismatches": mismatches,
+            "ratio_http": (sct["async/http"] / sct["sync/http"]) if sct["async/http"] and sct["sync/http"] else None,
+            "ratio_in_process": (sct["async/in_process"] / sct["sync/in_process"])
+            if sct["async/in_process"] and sct["sync/in_process"] else None}
+
+
+def markdown(res: dict) -> str:
+    a = res["added_latency"]
+    t = a["ttft_s"]
+    f = (lambda q: f"{q['median'] * 1e3:.1f} ms (IQR {q['q1'] * 1e3:.1f}-{q['q3'] * 1e3:.1f}, n={q['n']})")
+    out = ["## 1. Added latency at light load (`small`, 64-token prompts, 2 req/s)", "",
+           "| path | TTFT |", "|---|---|",
+           f"| in-process trace replay (front end) | {f(t['in_process'])} |",
+           f"| HTTP, at the client | {f(t['http_client'])} |",
+           f"| HTTP, server-side (admission to result) | {f(t['http_server'])} |", "",
+           f"Added by the HTTP path: **{a['added_s'] * 1e3:+.2f} ms** per request (x{a['ratio']:.3f}): "
+           f"HTTP/JSON hop {a['http_hop_s'] * 1e3:+.2f} ms, front end {a['front_end_s'] * 1e3:+.2f} ms.", ""]
+    c = res["capacity"]
+    out += ["## 2. Front-end capacity (`tiny`, 16-token prompts, Poisson)", "",
+            "| path | offered req/s | achieved req/s | TTFT p50 ms | p99 ms | failed | sustained |",
+            "|---|---|---|---|---|---|---|"]
+    for r in c["rows"]:
+        p99 = "-" if r["ttft_p99_s"] is None else f"{r['ttft_p99_s'] * 1e3:.1f}"
+        p50 = "-" if r["ttft_p50_s"] is None else f"{r['ttft_p50_s'] * 1e3:.1f}"
+        out.append(f"| {r['path']} | {r['offered_req_s']} | {r['achieved_req_s']:.1f} | {p50} | {p99} | "
+                   f"{r['failed']} | {'yes' if r.get('sustained') else 'no'} |")
+    out += ["", f"Sustained ({c['criterion']}): HTTP **{c['sustained_req_s']['http']} req/s**, in process "
+            f"**{c['sustained_req_s']['in_process']} req/s**.", ""]
+    s = res["slo"]
+    out += [f"## 3. SLO-compliant throughput (example workload, SLO {s['slo_ttft_s']:.3f} s)", "",
+            "| mode | in process req/s | through HTTP req/s |", "|---|---|---|"]
+    for m in ("async", "sync"):
+        out.append(f"| {m} | {s['slo_compliant_req_s'][f'{m}/in_process']} | {s['slo_compliant_req_s'][f'{m}/http']} |")
+    fmt = (lambda v: "-" if v is None else f"{v:.2f}x")
+    out += ["", f"ASAP / baseline: in process {fmt(s['ratio_in_process'])}, through HTTP {fmt(s['ratio_http'])}. "
+            f"Outputs checked: {s['checked']}, mismatches: {s['mismatches']}.", ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results/http")
+    ap.add_argument("--quick", action="store_true", help="fewer requests and rates (a smoke run)")
+    ap.add_argument("--parts", default="1,2,3", help="which measurements to run")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = {int(p) for p in args.parts.split(",")}
+    t0 = time.monotonic()
+    res: dict = {}
+    if 1 in parts:
+        res["added_latency"] = added_latency(args.quick)
+    if 2 in parts:
+        res["capacity"] = capacity(args.quick)
+    if 3 in parts:
+        res["slo"] = slo_throughput(args.quick)
+    res["wall_s"] = time.monotonic() - t0
+    (out / "http.json").write_text(json.dumps(res, indent=2, default=str))
+    if {1, 2, 3} <= parts:
+        md = markdown(res)
+        (out / "http.md").write_text(md)
+        print(md)
+    log(f"done in {res['wall_s']:.0f} s; wrote {out}/http.json" + (", http.md" if {1, 2, 3} <= parts else ""))
+    return 1 if res.get("slo", {}).get("mismatches") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
