@@ -23,6 +23,7 @@ from models import preset, random_init
 CFG = preset("tiny")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOONCAKE = os.path.join(REPO, "..", "shared", "traces", "mooncake_conversation.jsonl")
+AZURE = os.path.join(REPO, "..", "shared", "traces", "azure_llm_2023_conv.csv")
 START_TIMEOUT_S = 240  # spawning 5 torch processes on a loaded 2-core host
 
 
@@ -241,8 +242,11 @@ def test_client_replays_traces_and_agrees_with_the_server(server, reference, tmp
 
     ok_before = server.metric("asap_requests_total", outcome="ok")
     tokens_before = server.metric("asap_prompt_tokens_total")
-    runs = [("synthetic", ["--trace", "synthetic", "--num-requests", "16", "--rate", "8", "--seed", "3"]),
-            ("mooncake", ["--trace", MOONCAKE, "--num-requests", "12", "--rate", "6", "--max-prompt-len", "300"])]
+    runs = [("synthetic", ["--trace", "synthetic", "--num-requests", "16", "--rate", "8", "--seed", "3",
+                           "--sweep", "6,12"]),
+            ("mooncake", ["--trace", MOONCAKE, "--num-requests", "12", "--rate", "6", "--max-prompt-len", "300"]),
+            ("azure", ["--trace", AZURE, "--num-requests", "10", "--rate", "5", "--max-prompt-len", "300",
+                       "--length-scale", "0.2"])]
     total_ok = total_tokens = 0
     for name, flags in runs:
         out = tmp_path / name
@@ -252,24 +256,31 @@ def test_client_replays_traces_and_agrees_with_the_server(server, reference, tmp
         assert "Serving Benchmark Result" in proc.stdout and "Median TTFT (ms):" in proc.stdout
         summary = json.loads((out / "summary.json").read_text())
         records = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
-        assert (out / "ttft_cdf.png").stat().st_size > 0
-        # the runtime's summary keys and vllm bench serve's names
+        assert (out / "ttft_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        # the runtime's summary keys and vllm bench serve's names, for the last (or only) run
         for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s", "slo_attainment",
                     "num_requests", "num_failed", "request_throughput", "input_throughput", "mean_ttft_ms",
                     "median_ttft_ms", "p99_ttft_ms", "total_input_tokens", "completed", "duration"):
             assert key in summary, key
-        assert summary["completed"] == len(records) == summary["num_requests"] and summary["failed"] == 0
+        last = [r for r in records if r["run"] == records[-1]["run"]]
+        assert summary["completed"] == len(last) == summary["num_requests"] and summary["failed"] == 0
         assert summary["slo_attainment"] == 1.0
-        assert summary["total_input_tokens"] == sum(r["prompt_len"] for r in records)
+        assert summary["total_input_tokens"] == sum(r["prompt_len"] for r in last)
+        if "--sweep" in flags:
+            sweep = json.loads((out / "sweep.json").read_text())
+            assert [p["rate_req_s"] for p in sweep["points"]] == [6.0, 12.0]
+            assert sweep["slo_compliant_throughput_req_s"] == 12.0  # an SLO of 30 s: every rate passes
+            assert "SLO-compliant throughput: 12 req/s" in proc.stdout
+            assert len(records) == 2 * len(last)
         # the prompts the client sent, rebuilt from its seed: every first token equals the reference
         args = client.build_parser().parse_args(["--url", server.url, *flags])
         prompts = client.make_prompts(client.make_trace(args), CFG.vocab_size, args.seed)
         for r in records:
-            assert len(prompts[r["index"]]) == r["prompt_len"]
+            assert r["status"] == 200 and len(prompts[r["index"]]) == r["prompt_len"]
             assert r["token"] == reference(prompts[r["index"]])[0]
             assert r["server"]["ttft_s"] <= r["ttft_s"]  # the server's own TTFT is inside the client's
-        total_ok += summary["completed"]
-        total_tokens += summary["total_input_tokens"]
+        total_ok += len(records)
+        total_tokens += sum(r["prompt_len"] for r in records)
     assert server.metric("asap_requests_total", outcome="ok") - ok_before == total_ok
     assert server.metric("asap_prompt_tokens_total") - tokens_before == total_tokens
 

@@ -22,8 +22,8 @@ from ..errors import TimeoutError as CommTimeoutError
 from ..launch import launch
 from .metrics import RequestRecord
 from .policies import Placer, split_prompt
-from .protocol import (CANCEL, HDR, STOP, PromptRequest, decode_cancel, decode_chunk, encode_cancel, encode_chunk,
-                       request_mailbox)
+from .protocol import (CANCEL, HDR, STOP, PromptRequest, decode_cancel, decode_chunk, decode_result, encode_cancel,
+                       encode_chunk, encode_result, request_mailbox)
 
 __all__ = ["STOP", "HDR", "request_mailbox", "FrontEnd", "Rejected", "Completion", "run_front_end", "replay_report",
            "run_group", "validate", "Replay", "worker_cancel", "ChunkTaker", "layer_loop",
@@ -81,7 +81,7 @@ def finish_chunks(model, box, front: int, chunks, hs, caches: dict, batcher, can
         elif c.last:
             normed = model.final_norm(h[-1:])
             token = int(model.lm_head_logits(normed).argmax(-1)[0])
-            box.send(front, torch.cat([normed[0].float(), torch.tensor([float(token)])]), c.request_id)
+            box.send(front, encode_result(normed[0], token), c.request_id)
             del caches[c.request_id]
         batcher.done(c)
 
@@ -292,8 +292,7 @@ class FrontEnd:
     def _result(self, m) -> "Completion | None":
         with m:
             rid, src = m.tag, m.src
-            hidden = m.tensor[:-1].clone()
-            token = int(m.tensor[-1])
+            token, hidden = decode_result(m.tensor)
         if rid not in self.inflight:
             return None  # cancelled meanwhile
         _rank, _n, _mask, admitted, _u, queue_s, _c = self._forget(rid)

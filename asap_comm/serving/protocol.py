@@ -12,7 +12,9 @@ simulator (``asap_comm.sim``) must agree on lives here:
   tagged with the request id; :data:`STOP` is the tag of the "no more
   requests" message and :data:`CANCEL` the tag of "drop this request"
   (payload: its id; :func:`encode_cancel`). :func:`encode_chunk` builds a
-  chunk message and :func:`decode_chunk` reads it;
+  chunk message and :func:`decode_chunk` reads it; a rank answers with a
+  result message (:func:`encode_result` / :func:`decode_result`: the final
+  hidden state and the first token, tagged with the request id);
 * the collective allocation order of a serving group, in one function
   (:func:`open_channels`): every PE of a group, whatever its role, allocates
   the same symmetric objects in the same order;
@@ -33,7 +35,7 @@ import torch
 from .policies import Chunk
 
 __all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "HDR", "STOP", "CANCEL", "encode_chunk",
-           "decode_chunk", "encode_cancel", "decode_cancel", "Channels", "open_channels", "WorkerStats",
+           "decode_chunk", "encode_cancel", "decode_cancel", "encode_result", "decode_result", "Channels", "open_channels", "WorkerStats",
            "BATCH_BUCKETS"]
 
 STOP = -1  # tag of the front end's "no more requests" message
@@ -54,6 +56,17 @@ def decode_chunk(payload: torch.Tensor) -> tuple:
     rid, index, n, start, groups = payload[:HDR].tolist()
     toks = payload[HDR:].clone()
     return Chunk(rid, index, start, toks.numel(), n), groups, toks
+
+
+def encode_result(hidden: torch.Tensor, token: int) -> torch.Tensor:
+    """The payload of a result message (rank -> front end, tagged with the request id): the final-normed hidden
+    state of the request's last prompt token as float32, then its first token (exact in float32 below 2**24)."""
+    return torch.cat([hidden.float().reshape(-1), torch.tensor([float(token)])])
+
+
+def decode_result(payload: torch.Tensor) -> tuple:
+    """``(first token, hidden [H] float32 copy)`` of a result message's payload."""
+    return int(payload[-1]), payload[:-1].clone()
 
 
 def encode_cancel(request_id: int) -> torch.Tensor:
