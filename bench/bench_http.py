@@ -10,10 +10,10 @@ Three measurements, each against a baseline measured in the same run:
    64 tokens, evenly spaced at 2 req/s) through the in-process trace replay
    (``run_async``: TTFT at the front end) and through the HTTP service
    (``asap_comm.serving.client.replay``: TTFT at the client, and the
-   server's own admission-to-result time). Two rounds each, interleaved
-   (in-process, HTTP, HTTP, in-process); medians and IQRs, and the added
-   latency (HTTP - in-process), split into the HTTP/JSON hop (client - server)
-   and the front end's own difference (server - in-process).
+   server's own admission-to-result time), in 3 rounds of (in process, then
+   a fresh service); medians and IQRs, the added latency (HTTP - in-process)
+   overall and paired per request, split into the HTTP/JSON hop (client -
+   server) and the front end's own difference (server - in-process).
 2. **The largest rate the HTTP front end sustains** with trivially cheap
    workers (``tiny``, 16-token prompts, Poisson arrivals): offered vs
    achieved request rate, TTFT p50/p99, at doubling rates, through HTTP and
@@ -24,7 +24,10 @@ Three measurements, each against a baseline measured in the same run:
    in-process numbers, on the example's workload (``small``, the Gamma-bursty
    synthetic trace, A=2 + E=2 against 4 DP+EP workers), SLO = 3x the
    baseline's unloaded TTFT of the p90 prompt (measured in process, as the
-   example does). Every answer is checked against the reference forward.
+   example does), 60 requests per point. Each point starts fresh processes
+   on both paths (the in-process runs launch a group per run; the service is
+   started per point), so both include the same warm-up. Every answer is
+   checked against the reference forward.
 
 Writes ``http.json`` and ``http.md`` under ``--out``.
 """
@@ -80,6 +83,9 @@ def http_run(url: str, trace: list, prompts: list, label: str) -> list:
 
 
 # ----------------------------------------------------------------------------- 1. added latency
+ROUNDS = 3
+
+
 def added_latency(quick: bool) -> dict:
     factory = StageFactory("small", 0)
     info = prefill.model_info(factory.config())
@@ -88,32 +94,36 @@ def added_latency(quick: bool) -> dict:
     trace = [Request(i, 0.5 * i, 64) for i in range(n)]
     prompts = make_prompts(trace, factory.config().vocab_size, seed=1)
     samples = {"in_process": [], "http_client": [], "http_server": []}
-
-    def in_process() -> None:
+    paired: list = []  # per request of a round: HTTP (client) TTFT - in-process TTFT of the same prompt and offset
+    rounds = []
+    for rnd in range(1 if quick else ROUNDS):
+        log(f"1/3 added latency, round {rnd + 1}: {n} requests of 64 tokens at 2 req/s, in process ...")
         res = run_async(factory, info, as_requests(trace, prompts), cfg)
         bad = [r for r in res.records if not r.ok]
         assert not bad, bad[0].error
-        samples["in_process"] += [r.ttft_s for r in res.records[1:]]  # the first warms the fresh processes
-
-    log(f"1/3 added latency: {n} requests of 64 tokens at 2 req/s, in process ...")
-    in_process()
-    svc = ServiceProcess(server_args("small", cfg, "async"), cwd=str(REPO))
-    try:
-        for rnd in range(2):
-            log(f"1/3 added latency: through HTTP (round {rnd + 1}) ...")
+        local = [r.ttft_s for r in res.records[1:]]  # the first warms the fresh processes
+        log(f"1/3 added latency, round {rnd + 1}: through HTTP (a fresh service) ...")
+        svc = ServiceProcess(server_args("small", cfg, "async"), cwd=str(REPO))
+        try:
             recs = http_run(svc.url, trace, prompts, "light")
-            bad = [r for r in recs if r["status"] != 200]
-            assert not bad, bad[0]["error"]
-            samples["http_client"] += [r["ttft_s"] for r in recs[1:]]
-            samples["http_server"] += [r["server"]["ttft_s"] for r in recs[1:]]
-    finally:
-        svc.stop()
-    log("1/3 added latency: in process (round 2) ...")
-    in_process()
+        finally:
+            svc.stop()
+        bad = [r for r in recs if r["status"] != 200]
+        assert not bad, bad[0]["error"]
+        client = [r["ttft_s"] for r in recs[1:]]
+        server = [r["server"]["ttft_s"] for r in recs[1:]]
+        samples["in_process"] += local
+        samples["http_client"] += client
+        samples["http_server"] += server
+        paired += [c - x for c, x in zip(client, local)]
+        rounds.append({k: statistics.median(v) for k, v in (("in_process", local), ("http_client", client),
+                                                             ("http_server", server))})
     q = {k: quartiles(v) for k, v in samples.items()}
-    return {"requests_per_round": n, "prompt_tokens": 64, "rate_req_s": 2.0, "ttft_s": q,
+    hop = [r["http_client"] - r["http_server"] for r in rounds]
+    return {"requests_per_round": n, "rounds": rounds, "prompt_tokens": 64, "rate_req_s": 2.0, "ttft_s": q,
+            "paired_added_s": quartiles(paired),
             "added_s": q["http_client"]["median"] - q["in_process"]["median"],
-            "http_hop_s": q["http_client"]["median"] - q["http_server"]["median"],
+            "http_hop_s": statistics.median(hop),
             "front_end_s": q["http_server"]["median"] - q["in_process"]["median"],
             "ratio": q["http_client"]["median"] / q["in_process"]["median"]}
 
@@ -172,7 +182,7 @@ def slo_throughput(quick: bool) -> dict:
     factory = StageFactory(args.model, args.seed)
     mcfg = factory.config()
     info = prefill.model_info(mcfg)
-    args.num_requests = 24 if quick else 40
+    args.num_requests = 24 if quick else 60
     requests = prefill.make_requests(args, mcfg.vocab_size)
     refs, single_s = prefill.references(factory, requests)
     cfg = RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
@@ -198,19 +208,19 @@ def slo_throughput(quick: bool) -> dict:
             checked, mismatches = checked + c, mismatches + b
             att = summarize_run(res.records, slo).slo_attainment
             points.setdefault((mode, "in_process"), []).append((rate, att))
-        svc = ServiceProcess(server_args(args.model, cfg, mode), cwd=str(REPO))
-        try:
-            for rate in rates:
-                log(f"3/3 {mode}: {rate:g} req/s through HTTP ...")
+        for rate in rates:  # a fresh service per point, as the in-process runs start fresh processes
+            log(f"3/3 {mode}: {rate:g} req/s through HTTP ...")
+            svc = ServiceProcess(server_args(args.model, cfg, mode), cwd=str(REPO))
+            try:
                 recs = http_run(svc.url, scale_trace(trace, target_rate=rate), prompts, f"{mode} {rate:g}")
-                for r in recs:
-                    if r["status"] == 200:
-                        checked += 1
-                        mismatches += r["token"] != refs[trace[r["index"]].request_id][0]
-                att = summarize(recs, slo)["slo_attainment"]
-                points.setdefault((mode, "http"), []).append((rate, att))
-        finally:
-            svc.stop()
+            finally:
+                svc.stop()
+            for r in recs:
+                if r["status"] == 200:
+                    checked += 1
+                    mismatches += r["token"] != refs[trace[r["index"]].request_id][0]
+            att = summarize(recs, slo)["slo_attainment"]
+            points.setdefault((mode, "http"), []).append((rate, att))
     sct = {f"{m}/{p}": slo_compliant_throughput(pts) for (m, p), pts in points.items()}
     to_tok = {k: None if v is None else v * mean_len for k, v in sct.items()}
     return {"slo_ttft_s": slo, "slo": slo_info, "rates_req_s": rates, "mean_prompt_tokens": mean_len,
@@ -230,8 +240,13 @@ def markdown(res: dict) -> str:
            f"| in-process trace replay (front end) | {f(t['in_process'])} |",
            f"| HTTP, at the client | {f(t['http_client'])} |",
            f"| HTTP, server-side (admission to result) | {f(t['http_server'])} |", "",
-           f"Added by the HTTP path: **{a['added_s'] * 1e3:+.2f} ms** per request (x{a['ratio']:.3f}): "
-           f"HTTP/JSON hop {a['http_hop_s'] * 1e3:+.2f} ms, front end {a['front_end_s'] * 1e3:+.2f} ms.", ""]
+           f"Added by the HTTP path: **{a['added_s'] * 1e3:+.2f} ms** per request (x{a['ratio']:.3f}; paired "
+           f"per request: median {a['paired_added_s']['median'] * 1e3:+.2f} ms, IQR "
+           f"{a['paired_added_s']['q1'] * 1e3:+.2f} to {a['paired_added_s']['q3'] * 1e3:+.2f}): HTTP/JSON hop "
+           f"{a['http_hop_s'] * 1e3:+.2f} ms, front end {a['front_end_s'] * 1e3:+.2f} ms. Per round (in process / "
+           "HTTP client / HTTP server, ms): " + "; ".join(
+               f"{r['in_process'] * 1e3:.1f} / {r['http_client'] * 1e3:.1f} / {r['http_server'] * 1e3:.1f}"
+               for r in a["rounds"]) + ".", ""]
     c = res["capacity"]
     out += ["## 2. Front-end capacity (`tiny`, 16-token prompts, Poisson)", "",
             "| path | offered req/s | achieved req/s | TTFT p50 ms | p99 ms | failed | sustained |",

@@ -46,7 +46,7 @@ class Server(ServiceProcess):
     """The service (``--model tiny --port 0 ARGS``) in a subprocess, with an httpx client and metric reads."""
 
     def __init__(self, *args: str) -> None:
-        self.segments_before = set(glob.glob("/dev/shm/asap-*"))
+        self.segments_before = _shm()
         super().__init__(["--model", "tiny", "--port", "0", *args], start_timeout_s=START_TIMEOUT_S, cwd=REPO)
         self.client = httpx.Client(base_url=self.url, timeout=60)
 
@@ -72,7 +72,12 @@ class Server(ServiceProcess):
             time.sleep(0.02)
 
     def new_segments(self) -> set:
-        return set(glob.glob("/dev/shm/asap-*")) - self.segments_before
+        return _shm() - self.segments_before
+
+
+def _shm() -> set:
+    """asap_comm's segments and multiprocessing's named semaphores (the service's stop event)."""
+    return set(glob.glob("/dev/shm/asap-*")) | set(glob.glob("/dev/shm/sem.mp-*"))
 
 
 def _alive(pid: int) -> bool:

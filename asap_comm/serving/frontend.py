@@ -179,6 +179,7 @@ class Completion:
     rank: int  # the attention rank (async) or worker (sync) that computed it
     queue_s: float  # admission to its last chunk entering the rank's inbox
     done_s: float  # admission to the result's arrival (server-side TTFT)
+    tokens: int = 0  # its prompt tokens
 
 
 class FrontEnd:
@@ -295,9 +296,9 @@ class FrontEnd:
             token, hidden = decode_result(m.tensor)
         if rid not in self.inflight:
             return None  # cancelled meanwhile
-        _rank, _n, _mask, admitted, _u, queue_s, _c = self._forget(rid)
+        _rank, n, _mask, admitted, _u, queue_s, _c = self._forget(rid)
         done = time.monotonic() - admitted
-        return Completion(rid, token, hidden, src, done if queue_s is None else queue_s, done)
+        return Completion(rid, token, hidden, src, done if queue_s is None else queue_s, done, n)
 
     def pump(self, timeout: float = 0.0) -> list:
         """Send what is queued; return the results that arrived, waiting up to ``timeout`` for the first one

@@ -67,6 +67,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -197,7 +198,7 @@ class _Service:
         self.failed_at = 0.0
         self.stopping = False
         self.drain_until = 0.0
-        self.tokens_done: list = []  # (time, prompt tokens) of recent completions, for Retry-After
+        self.tokens_done: deque = deque()  # (time, prompt tokens) of the last 10 s's completions, for Retry-After
         self.tokenizer = None
         if opts.tokenizer:
             from transformers import AutoTokenizer
@@ -267,6 +268,11 @@ class _Service:
         fut = self.futures.pop(c.request_id, None)
         self.m_ttft.observe(c.done_s)
         self.m_queue.observe(c.queue_s)
+        self.m_prompt.inc(c.tokens)
+        now = time.monotonic()
+        self.tokens_done.append((now, c.tokens))
+        while now - self.tokens_done[0][0] >= 10.0:  # the window Retry-After looks at
+            self.tokens_done.popleft()
         if fut is not None and not fut.done():
             fut.set_result(c)
         self.m_requests.labels("ok").inc()
@@ -299,7 +305,8 @@ class _Service:
     def retry_after_s(self) -> int:
         """How long the admitted tokens take to drain at the recent throughput (1..60 s)."""
         now = time.monotonic()
-        self.tokens_done = [(t, n) for t, n in self.tokens_done if now - t < 10.0]
+        while self.tokens_done and now - self.tokens_done[0][0] >= 10.0:
+            self.tokens_done.popleft()
         if not self.tokens_done:
             return 1
         span = max(now - self.tokens_done[0][0], 0.5)
@@ -436,12 +443,8 @@ class _Service:
                 fut.cancel()
 
     def _answer(self, prompts: list, results: list, hidden: bool) -> dict:
-        now = time.monotonic()
         choices = []
-        for i, (p, c) in enumerate(zip(prompts, results)):
-            n = int(p.numel())
-            self.m_prompt.inc(n)
-            self.tokens_done.append((now, n))
+        for i, c in enumerate(results):
             text = self.tokenizer.decode([c.token]) if self.tokenizer is not None else str(c.token)
             choice = {"index": i, "text": text, "token_ids": [c.token], "logprobs": None, "finish_reason": "length",
                       "metrics": {"request_id": c.request_id, "queue_time_s": c.queue_s, "ttft_s": c.done_s,
