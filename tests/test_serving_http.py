@@ -313,14 +313,39 @@ def test_sigterm_drains_and_leaves_nothing_behind(server):
 
 
 # ----------------------------------------------------------------------------- sync service: deadlines, death
-def test_sync_service_deadline_and_worker_death(reference):
+def _tokenizer(path) -> "object":
+    """A local word-level tokenizer over the tiny model's vocabulary ("w0" .. "w126", "[UNK]" = 127)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(CFG.vocab_size - 1)}
+    vocab["[UNK]"] = CFG.vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def test_sync_service_text_prompts_deadline_and_worker_death(reference, tmp_path):
+    tok = _tokenizer(tmp_path / "tokenizer")
     s = Server("--mode", "sync", "--request-timeout-s", "1.0", "--max-prompt-len", "16384",
-               "--failure-exit-s", "3")
+               "--failure-exit-s", "3", "--tokenizer", str(tmp_path / "tokenizer"))
     try:
         for i, n in enumerate([3, 50, 600]):
             ids = _prompt(n, 900 + i)
             r = s.client.post("/v1/completions", json={"prompt": ids})
             assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [reference(ids)[0]], r.text
+        # text, through the service's tokenizer (one prompt, then a batch)
+        texts = ["w5 w17 w99 w3", "w1 nothing-known w2"]
+        for prompt in (texts[0], texts):
+            r = s.client.post("/v1/completions", json={"prompt": prompt})
+            assert r.status_code == 200, r.text
+            for text, choice in zip(texts, r.json()["choices"]):
+                ids = tok(text)["input_ids"]
+                token = reference(ids)[0]
+                assert choice["token_ids"] == [token] and choice["text"] == tok.decode([token])
+                assert r.json()["usage"]["prompt_tokens"] >= len(ids)
         # a deadline: 504, and the request's work is cancelled (its admission tokens come back at once)
         r = s.client.post("/v1/completions", json={"prompt": _prompt(16000, 1)})
         assert r.status_code == 504 and "deadline of 1 s" in r.json()["error"]["message"]

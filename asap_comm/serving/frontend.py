@@ -240,6 +240,22 @@ class FrontEnd:
         self.placer.complete(rid)
         return entry
 
+    def wait_ready(self, stats, timeout_s: float) -> float:
+        """Wait until every worker has published its statistics (``protocol.WorkerStats``): it built its model
+        and entered its loop, so a request's TTFT does not include the group's start-up. Returns the seconds
+        waited; raises ``PeerFailure`` if a worker died, ``TimeoutError`` after ``timeout_s``."""
+        t0 = time.monotonic()
+        workers = [pe for pe in range(self.comm.world_size) if pe != self.comm.rank]
+        while True:
+            rows = stats.rows()
+            if all(rows[pe]["published"] for pe in workers):
+                return time.monotonic() - t0
+            self.watch.check()
+            if time.monotonic() - t0 > timeout_s:
+                late = [pe for pe in workers if not rows[pe]["published"]]
+                raise CommTimeoutError(f"front end: workers {late} were not ready within {timeout_s} s")
+            time.sleep(0.005)
+
     def cancel(self, request_id: int) -> bool:
         """Forget an admitted request (its result, if it still comes, is dropped); False if not in flight.
         Its chunks not yet sent are dropped here; if some were sent, its rank gets a cancel message (not for
@@ -326,22 +342,30 @@ class FrontEnd:
 
 
 def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets: int,
-                  label: str, role_of: Callable[[int], str]) -> tuple:
+                  label: str, role_of: Callable[[int], str], stats=None) -> tuple:
     """The trace replay: one client of :class:`FrontEnd`, submitting each request at its arrival time.
 
     Rejects bad requests (recorded with their error), places every request's
     chunks on PEs ``0..num_targets-1`` and collects results. Appends every
     event to ``report_path`` so the records survive a worker's death
     (``replay_report``). Returns ``(records in request order, {request_id:
-    (first token, hidden)})``.
+    (first token, hidden)})``. With ``stats`` (the group's ``WorkerStats``),
+    the trace clock starts once every worker is ready (:meth:`FrontEnd.wait_ready`).
     """
     fe = FrontEnd(comm, cfg, info, box, num_targets, label)
     records = {r.request_id: RequestRecord(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in requests}
     outputs: dict = {}
     order = sorted(requests, key=lambda r: r.arrival_s)
+    failure = None
+    if stats is not None:
+        try:
+            fe.wait_ready(stats, cfg.timeout_s)
+        except PeerFailure as e:
+            failure = f"worker failure: {role_of(e.pe)} PE {e.pe} {e.reason} ({e})"
+        except CommTimeoutError as e:
+            failure = f"worker failure: {e}"
     t0 = time.monotonic()
     i = 0
-    failure = None
     report = open(report_path, "ab")
 
     def log(event: tuple) -> None:
@@ -355,7 +379,7 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
     every_s = 0.5 if live else 5.0
     try:
         last_report = 0.0
-        while i < len(order) or fe.inflight:
+        while failure is None and (i < len(order) or fe.inflight):
             now = time.monotonic() - t0
             if progress and now - last_report >= every_s:
                 last_report = now
@@ -407,7 +431,8 @@ class Replay:
         self.requests, self.report_path = list(requests), report_path
 
     def __call__(self, comm, cfg, info, ch, num_targets: int, label: str, role_of) -> tuple:
-        return run_front_end(comm, cfg, info, self.requests, self.report_path, ch.box, num_targets, label, role_of)
+        return run_front_end(comm, cfg, info, self.requests, self.report_path, ch.box, num_targets, label, role_of,
+                             ch.stats)
 
 
 def replay_report(path: str, requests: Sequence) -> tuple:

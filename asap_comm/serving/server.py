@@ -549,6 +549,13 @@ class HttpFront:
         from aiohttp import web
 
         svc = _Service(comm, cfg, info, ch, num_targets, label, role_of, self.opts, self.stop_event)
+        try:  # "listening" means ready: every worker built its model and entered its loop
+            waited = svc.fe.wait_ready(ch.stats, cfg.timeout_s)
+        except (PeerFailure, CommTimeoutError) as e:
+            print(f"asap serve: the workers did not start: {e}", file=sys.stderr, flush=True)
+            return {"failure": f"start-up: {e}", "requests": 0}
+        print(f"asap serve: {num_targets} {'attention ranks' if label == 'async' else 'workers'} ready after "
+              f"{waited:.1f} s", file=sys.stderr, flush=True)
         runner = web.AppRunner(svc.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.opts.host, self.opts.port)
