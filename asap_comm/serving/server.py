@@ -81,7 +81,7 @@ __all__ = ["ServiceOptions", "HttpFront", "service_main", "main"]
 
 MAX_BATCH = 256  # prompts in one /v1/completions call
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
-_POLL_S = 0.0005  # result polling period while requests are in flight
+_BLOCK_S = 0.0005  # while requests are in flight: the longest the loop blocks in the result inbox at a time
 _IDLE_S = 0.02  # health check period while idle
 
 
@@ -234,9 +234,10 @@ class _Service:
                 self.drain_until = time.monotonic() + self.opts.drain_timeout_s
                 print(f"asap serve: stopping: draining {len(fe.inflight)} request(s) in flight "
                       f"(at most {self.opts.drain_timeout_s:g} s)", file=sys.stderr, flush=True)
+            busy = bool(fe.inflight or fe.has_unsent)
             if self.failure is None:
-                try:
-                    for c in fe.pump(0.0):
+                try:  # busy: block in the inbox (a result wakes it at once), then let HTTP run
+                    for c in fe.pump(_BLOCK_S if busy else 0.0):
                         self._complete(c)
                 except PeerFailure as e:
                     self._fail(f"{self.role_of(e.pe)} PE {e.pe} {e.reason}")
@@ -255,7 +256,7 @@ class _Service:
                     self._reject(rid, HttpError(503, "the service stopped before this request finished"))
                 break
             if fe.inflight or fe.has_unsent:
-                await asyncio.sleep(_POLL_S)
+                await asyncio.sleep(0)
             else:
                 self.wake.clear()
                 try:
