@@ -229,6 +229,11 @@ def test_burst_past_the_admission_bound_gets_429_and_loses_nothing_admitted(serv
         else:
             assert r.json()["choices"][0]["token_ids"] == [reference(p)[0]]
     assert server.wait_metric("asap_admitted_prompt_tokens", lambda v: v == 0) == 0
+    # a call over the bound on its own is admitted whole when nothing else is in flight (never a 429 forever)
+    batch = prompts[:3]
+    r = server.client.post("/v1/completions", json={"prompt": batch})
+    assert r.status_code == 200, r.text
+    assert [c["token_ids"][0] for c in r.json()["choices"]] == [reference(p)[0] for p in batch]
 
 
 def test_a_client_that_disconnects_frees_its_slot(server):

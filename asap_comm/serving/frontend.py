@@ -207,8 +207,10 @@ class FrontEnd:
         self.watch = DeathWatch(comm, range(comm.world_size))
         self._cp = cfg.cp_threshold if label == "sync" else None
 
-    def admit(self, request_id: int, token_ids: torch.Tensor) -> int:
-        """Admit a request or raise :class:`Rejected`; returns the rank it was placed on."""
+    def admit(self, request_id: int, token_ids: torch.Tensor, check_bound: bool = True) -> int:
+        """Admit a request or raise :class:`Rejected`; returns the rank it was placed on. A request is over
+        the bound only if others are in flight (a lone one always fits); ``check_bound=False``: the caller
+        has decided already (the HTTP service admits a batch whole or not at all)."""
         error = validate(PromptRequest(request_id, 0.0, token_ids), self.info, self.cfg)
         if error is not None:
             raise Rejected("invalid", error)
@@ -216,7 +218,7 @@ class FrontEnd:
             raise Rejected("invalid", f"request id {request_id} is already in flight")
         n = int(token_ids.numel())
         bound = self.max_queued_tokens
-        if bound is not None and self.queued_tokens + n > bound and self.inflight:
+        if check_bound and bound is not None and self.queued_tokens + n > bound and self.inflight:
             raise Rejected("overloaded", f"{self.queued_tokens} prompt tokens are in flight; {n} more would pass "
                                          f"the admission bound of {bound}")
         chunks = split_prompt(request_id, n, self.cfg.effective_chunk_len)

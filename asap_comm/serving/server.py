@@ -421,12 +421,10 @@ class _Service:
             rid = self.next_id
             self.next_id += 1
             try:
-                fe.admit(rid, p)
-            except Rejected as e:  # validated above; a batch may still pass the bound prompt by prompt
+                fe.admit(rid, p, check_bound=False)  # the whole call was checked against the bound above
+            except Rejected as e:  # validated above: not expected
                 self._cancel(rids)
-                status = 429 if e.kind == "overloaded" else 400
-                raise HttpError(status, e.reason, "prompt" if status == 400 else None,
-                                retry_after=self.retry_after_s() if status == 429 else None) from None
+                raise HttpError(400, e.reason, "prompt") from None
             fut = loop.create_future()
             self.futures[rid] = fut
             heapq.heappush(self.deadlines, (deadline, rid))
