@@ -379,3 +379,18 @@ def test_sync_service_text_prompts_deadline_and_worker_death(reference, tmp_path
     finally:
         if s.proc.poll() is None:
             s.stop(force=True)
+
+
+def test_server_refuses_an_unknown_model_and_a_busy_port_before_starting_workers():
+    import socket
+    r = subprocess.run([sys.executable, "-m", "asap_comm.serving.server", "--model", "nope", "--port", "0"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and "unknown name 'nope'" in r.stderr and "Traceback" not in r.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "asap_comm.serving.server", "--model", "tiny", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert "starting" not in r.stderr  # no worker was started

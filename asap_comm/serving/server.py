@@ -628,6 +628,15 @@ def main(argv=None) -> int:
     except (ValueError, LookupError, OSError) as e:
         print(f"asap serve: {e}", file=sys.stderr)
         return 2
+    if opts.port:  # say it now, not from a worker group that took seconds to start
+        import socket
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((opts.host, opts.port))
+        except OSError as e:
+            print(f"asap serve: cannot listen on {opts.host}:{opts.port}: {e.strerror or e}", file=sys.stderr)
+            return 2
     front = HttpFront(opts, stop)
     signals = [0]
 
