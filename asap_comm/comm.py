@@ -701,7 +701,7 @@ class Communicator:
         t = self._timeout("signal_wait_until", timeout)
         mask = None if peers is None else self._peer_mask("signal_wait_until", peers)
         _, addr = self._sig_addr("signal_wait_until", sig, idx)
-        if timeout is None and mask is None and sig.__class__ is torch.Tensor:
+        if mask is None and sig.__class__ is torch.Tensor:  # the native path takes any valid timeout too
             self._fastpath.add_wait(sig, idx, c, addr)  # holds sig: its identity stays its own
         try:
             if mask is None:

@@ -59,6 +59,14 @@ def _generic_handles(comm, dst, src, sig):
             functools.partial(comm.signal_wait_until, sig, 0, ">="))
 
 
+def _generic_keyword_handles(comm, dst, src, sig):
+    """(send, wait) through ``comm.put_signal(..., op="set")`` / ``comm.signal_wait_until(..., timeout=30)``: the
+    generic calls as users write them, with keyword arguments and a bounded wait."""
+    put_signal, wait_until, peer = comm.put_signal, comm.signal_wait_until, PEER[comm.rank]
+    return (lambda v: put_signal(dst, src, peer, sig, 0, v, op="set"),
+            lambda v: wait_until(sig, 0, ">=", v, timeout=30))
+
+
 def _torch_ops_handles(comm, dst, src, sig):
     """(send, wait) through ``torch.ops.asap_comm.put_signal`` / ``signal_wait_until`` (wait result as int)."""
     put_signal, wait_until = torch.ops.asap_comm.put_signal, torch.ops.asap_comm.signal_wait_until
@@ -67,7 +75,8 @@ def _torch_ops_handles(comm, dst, src, sig):
             lambda v: int(wait_until(sig, 0, ">=", v, None, cid)))
 
 
-PINGPONG_PATHS = {"prepared": _prepared_handles, "generic": _generic_handles, "torch_ops": _torch_ops_handles}
+PINGPONG_PATHS = {"prepared": _prepared_handles, "generic": _generic_handles, "generic_kw": _generic_keyword_handles,
+                  "torch_ops": _torch_ops_handles}
 
 
 def _pingpong(comm, plan: BatchPlan, make_handles) -> dict:

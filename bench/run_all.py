@@ -64,6 +64,8 @@ PP_PREPARED = Measurement("asap_pingpong_prepared", "put_signal+wait ping-pong, 
                           US, PAYLOAD_BYTES)
 PP_GENERIC = Measurement("asap_pingpong_generic", "same, comm.put_signal / comm.signal_wait_until", US,
                          PAYLOAD_BYTES)
+PP_GENERIC_KW = Measurement("asap_pingpong_generic_kw", "same, generic calls with op= and timeout= keywords", US,
+                            PAYLOAD_BYTES)
 PP_TORCH_OPS = Measurement("asap_pingpong_torch_ops", "same, torch.ops.asap_comm.put_signal / signal_wait_until",
                            US, PAYLOAD_BYTES)
 MPI_PP = Measurement("mpi_put_flush_pingpong", "Open MPI (osc sm) Put+Flush ping-pong, one-way, mpi4py", US,
@@ -84,6 +86,7 @@ GLOO_PP64 = Measurement("gloo_pingpong_64", "gloo send/recv ping-pong, one-way (
 GLOO_BW = Measurement("gloo_send_bw", "gloo send of float32 + 8-byte ack (127.0.0.1)", GBPS, BW_BYTES)
 
 PINGPONG_TARGET = Target("<=0.5 us and >=2x vs MPI", max_median=0.5, min_ratio=2.0)
+KEYWORD_TARGET = Target("<=0.5 us and within 1.5x of prepared", max_median=0.5, min_ratio=1 / 1.5)
 PUT_TARGET = Target(">=90% of copy_", min_ratio=0.9)
 MAILBOX_TARGET = Target("<=3 us and >=10x vs Pipe", max_median=3.0, min_ratio=10.0)
 
@@ -96,9 +99,9 @@ def measured(spec: Measurement, samples: list, bad: int, note: str = "") -> Meas
 
 # ---------------------------------------------------------------------------- benchmark families
 def run_asap_pingpong(cfg: Config) -> list:
-    plans = {"prepared": cfg.pingpong, "generic": cfg.pingpong, "torch_ops": cfg.torch_ops}
+    plans = {"prepared": cfg.pingpong, "generic": cfg.pingpong, "generic_kw": cfg.pingpong, "torch_ops": cfg.torch_ops}
     r0, r1 = asap_bench.launch(asap_bench.pingpong_pe, plans, timeout=GROUP_TIMEOUT_S)
-    specs = {"prepared": PP_PREPARED, "generic": PP_GENERIC, "torch_ops": PP_TORCH_OPS}
+    specs = {"prepared": PP_PREPARED, "generic": PP_GENERIC, "generic_kw": PP_GENERIC_KW, "torch_ops": PP_TORCH_OPS}
     return [measured(spec, ns_to_us(r0[path]["samples_ns"], 2), r0[path]["bad"] + r1[path]["bad"])
             for path, spec in specs.items()]
 
@@ -154,7 +157,8 @@ class Family:
 
 
 FAMILIES = (  # each ASAP family is followed by its baseline, so the two see the same machine state
-    Family("ASAP put_signal ping-pong (prepared, generic, torch.ops)", (PP_PREPARED, PP_GENERIC, PP_TORCH_OPS),
+    Family("ASAP put_signal ping-pong (prepared, generic, keywords, torch.ops)",
+           (PP_PREPARED, PP_GENERIC, PP_GENERIC_KW, PP_TORCH_OPS),
            run_asap_pingpong),
     Family("Open MPI one-sided ping-pong (mpirun)", (MPI_PP,), run_mpi),
     Family("ASAP put bandwidth vs torch copy_", (PUT_BW, COPY_BW, PUT_BW_1T, COPY_BW_1T), run_put_bandwidth),
@@ -209,6 +213,7 @@ def build_rows(m: dict) -> list:
     return [
         make_row(m[PP_PREPARED.name], mpi, PINGPONG_TARGET, gloo=gloo8),
         make_row(m[PP_GENERIC.name], mpi, PINGPONG_TARGET, gloo=gloo8),
+        make_row(m[PP_GENERIC_KW.name], m[PP_PREPARED.name], KEYWORD_TARGET),
         make_row(m[PP_TORCH_OPS.name], mpi, None, gloo=gloo8),
         make_row(m[PUT_BW.name], m[COPY_BW.name], PUT_TARGET, gloo=gloo_bw),
         make_row(m[PUT_BW_1T.name], m[COPY_BW_1T.name], PUT_TARGET, gloo=gloo_bw),

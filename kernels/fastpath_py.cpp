@@ -11,6 +11,8 @@
 // errors are always raised by one piece of code.
 #include <Python.h>
 
+#include <cmath>
+
 #include <cstring>
 #include <string>
 
@@ -104,14 +106,39 @@ bool u64_value(PyObject* o, uint64_t* out) {
   return true;
 }
 
-// put_signal(dst, src, pe, sig, idx, value, op="set")
-PyObject* fp_put_signal(PyObject* self_, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+// Lays a vectorcall's positional and keyword arguments out by parameter (``names``, ``n`` of them) into
+// ``out``; an absent parameter is nullptr. False (the call goes to the validating slow path, which raises the
+// proper TypeError) on too many arguments, an unknown keyword or a parameter given twice.
+bool arrange(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, const char* const* names, int n,
+             PyObject** out) {
+  if (nargs > n) return false;
+  for (int i = 0; i < n; ++i) out[i] = i < nargs ? args[i] : nullptr;
+  if (kwnames == nullptr) return true;
+  const Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+  for (Py_ssize_t k = 0; k < nk; ++k) {
+    PyObject* key = PyTuple_GET_ITEM(kwnames, k);
+    int j = static_cast<int>(nargs);
+    while (j < n && PyUnicode_CompareWithASCIIString(key, names[j]) != 0) ++j;
+    if (j == n || out[j] != nullptr) return false;
+    out[j] = args[nargs + k];
+  }
+  return true;
+}
+
+const char* const kPutSignalParams[] = {"dst", "src", "pe", "sig", "idx", "value", "op"};
+const char* const kWaitParams[] = {"sig", "idx", "cmp", "value", "timeout"};
+
+// put_signal(dst, src, pe, sig, idx, value, op="set"): any mix of positional and keyword arguments
+PyObject* fp_put_signal(PyObject* self_, PyObject* const* in, Py_ssize_t nargs, PyObject* kwnames) {
   auto* self = reinterpret_cast<FastPath*>(self_);
-  auto slow = [&] { return PyObject_Vectorcall(self->slow_put_signal, args, static_cast<size_t>(nargs), kwnames); };
-  if (kwnames != nullptr || (nargs != 6 && nargs != 7) || self->group->closed()) return slow();
+  auto slow = [&] { return PyObject_Vectorcall(self->slow_put_signal, in, static_cast<size_t>(nargs), kwnames); };
+  PyObject* args[7];
+  if (!arrange(in, nargs, kwnames, kPutSignalParams, 7, args) || self->group->closed()) return slow();
+  for (int i = 0; i < 6; ++i)
+    if (args[i] == nullptr) return slow();
   long long pe, idx;
   uint64_t value;
-  const int op = nargs == 7 ? op_code(args[6]) : 0;
+  const int op = args[6] != nullptr ? op_code(args[6]) : 0;
   if (op < 0 || !small_int(args[2], &pe) || !small_int(args[4], &idx) || !u64_value(args[5], &value)) return slow();
   PsEntry& e = self->ps[mix(reinterpret_cast<uintptr_t>(args[0]), reinterpret_cast<uintptr_t>(args[1]),
                             reinterpret_cast<uintptr_t>(args[3]), static_cast<uint64_t>(pe * 1315423911ll + idx * 2 + op))];
@@ -131,11 +158,40 @@ PyObject* fp_put_signal(PyObject* self_, PyObject* const* args, Py_ssize_t nargs
   Py_RETURN_NONE;
 }
 
-// signal_wait_until(sig, idx, cmp, value, timeout=None)
-PyObject* fp_wait(PyObject* self_, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+// A timeout argument the fast path takes as is (None: the communicator's; an exact int or float that is finite
+// and >= 0); anything else goes to the slow path, which raises the error.
+bool fast_timeout(PyObject* t, double fallback, double* out) {
+  if (t == nullptr || t == Py_None) {
+    *out = fallback;
+    return true;
+  }
+  double v;
+  if (PyFloat_CheckExact(t)) {
+    v = PyFloat_AS_DOUBLE(t);
+  } else if (PyLong_CheckExact(t)) {
+    v = PyLong_AsDouble(t);
+    if (v == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+  } else {
+    return false;
+  }
+  if (!(v >= 0.0) || std::isinf(v)) return false;
+  *out = v;
+  return true;
+}
+
+// signal_wait_until(sig, idx, cmp, value, timeout=None): any mix of positional and keyword arguments (peers=
+// goes to the slow path)
+PyObject* fp_wait(PyObject* self_, PyObject* const* in, Py_ssize_t nargs, PyObject* kwnames) {
   auto* self = reinterpret_cast<FastPath*>(self_);
-  auto slow = [&] { return PyObject_Vectorcall(self->slow_wait, args, static_cast<size_t>(nargs), kwnames); };
-  if (kwnames != nullptr || nargs < 4 || nargs > 5 || (nargs == 5 && args[4] != Py_None) || self->group->closed())
+  auto slow = [&] { return PyObject_Vectorcall(self->slow_wait, in, static_cast<size_t>(nargs), kwnames); };
+  PyObject* args[5];
+  double timeout;
+  if (!arrange(in, nargs, kwnames, kWaitParams, 5, args) || args[0] == nullptr || args[1] == nullptr ||
+      args[2] == nullptr || args[3] == nullptr || !fast_timeout(args[4], self->timeout, &timeout) ||
+      self->group->closed())
     return slow();
   long long idx;
   uint64_t value;
@@ -143,12 +199,12 @@ PyObject* fp_wait(PyObject* self_, PyObject* const* args, Py_ssize_t nargs, PyOb
   if (cmp < 0 || !small_int(args[1], &idx) || !u64_value(args[3], &value)) return slow();
   WaitEntry& e = self->wait[mix(reinterpret_cast<uintptr_t>(args[0]), 0, 0, static_cast<uint64_t>(idx * 8 + cmp))];
   if (e.sig != args[0] || e.idx != idx || e.cmp != cmp) return slow();
-  WaitResult r = wait_until(reinterpret_cast<const uint64_t*>(e.addr), cmp, value, self->local, self->timeout,
+  WaitResult r = wait_until(reinterpret_cast<const uint64_t*>(e.addr), cmp, value, self->local, timeout,
                             self->group, kDepAny);
   if (r.status == kWaitOk) return PyLong_FromUnsignedLongLong(r.value);
   PyObject* what = PyUnicode_FromFormat("signal_wait_until: waiting for sig[%lld] %s %llu", idx, kCmpText[cmp],
                                         static_cast<unsigned long long>(value));
-  raise_wait_error(r, self->timeout, what);
+  raise_wait_error(r, timeout, what);
   Py_XDECREF(what);
   return nullptr;
 }

@@ -346,3 +346,39 @@ def test_torch_ops_compile_fullgraph(comm1):
     compiled = torch.compile(step, backend="eager", fullgraph=True)
     assert int(compiled(torch.ones(4), 3)) == 3
     assert torch.equal(x, torch.full((4,), 2.0))
+
+
+def test_generic_calls_with_keywords_and_timeouts_take_the_native_path_and_keep_their_errors(comm1):
+    """Keyword arguments (op=, timeout=, or every argument by name) and explicit timeouts give the same results and
+    the same errors as positional calls: the native path lays them out by name, and anything irregular still
+    reaches the validating path."""
+    dst = comm1.zeros((4,), torch.int64)
+    sig = comm1.signals(2)
+    src = torch.arange(4, dtype=torch.int64)
+    for v in range(1, 4):  # the first call registers, the next ones are served natively
+        comm1.put_signal(dst, src + 0, 0, sig, 0, v, op="set") if v == 1 else \
+            comm1.put_signal(dst=dst, src=src, pe=0, sig=sig, idx=0, value=v, op="set")
+        assert comm1.signal_wait_until(sig, 0, ">=", v, timeout=5) == v
+        assert comm1.signal_wait_until(sig=sig, idx=0, cmp="==", value=v, timeout=5.0) == v
+        assert comm1.signal_wait_until(sig, 0, ">=", v, 5) == v
+    assert torch.equal(dst, src)
+    for _ in range(2):
+        comm1.put_signal(dst, src, 0, sig, 1, 10, op="add")
+    assert comm1.signal_fetch(sig, 1) == 20
+    with pytest.raises(asap_comm.TimeoutError, match="timed out"):
+        comm1.signal_wait_until(sig, 0, ">=", 100, timeout=0.01)
+    with pytest.raises(asap_comm.TimeoutError, match="timed out"):
+        comm1.signal_wait_until(sig, 0, ">=", 100, timeout=0)
+    with pytest.raises(ValueError, match="timeout must be finite and >= 0"):
+        comm1.signal_wait_until(sig, 0, ">=", 1, timeout=-1.0)
+    with pytest.raises(TypeError, match="timeout must be a number"):
+        comm1.signal_wait_until(sig, 0, ">=", 1, timeout="5")
+    with pytest.raises(ValueError, match="op must be 'set' or 'add'"):
+        comm1.put_signal(dst, src, 0, sig, 0, 1, op="xor")
+    with pytest.raises(TypeError):
+        comm1.put_signal(dst, src, 0, sig, 0, 1, bogus=1)
+    with pytest.raises(TypeError):
+        comm1.signal_wait_until(sig, 0, ">=", 1, cmp=">=")  # given twice
+    with pytest.raises(TypeError):
+        comm1.put_signal(dst, src, 0, sig, 0)  # value missing
+    assert comm1.signal_wait_until(sig, 0, ">=", 1, timeout=5, peers=[0]) == 3  # peers=: the validating path
