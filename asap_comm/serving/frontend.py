@@ -182,6 +182,19 @@ class Completion:
     tokens: int = 0  # its prompt tokens
 
 
+@dataclass
+class _Admitted:
+    """The front end's record of an admitted request."""
+
+    rank: int  # the rank (the first of its context-parallel group) that runs it
+    tokens: int
+    mask: int  # context-parallel group mask (0: none)
+    admitted_at: float
+    unsent: int  # chunks not yet in the rank's inbox
+    chunks: int
+    queue_s: "float | None" = None  # admission until its last chunk entered the inbox
+
+
 class FrontEnd:
     """The admission path of both runtimes, used by the trace replay and by the HTTP service alike.
 
@@ -202,7 +215,7 @@ class FrontEnd:
         self.max_queued_tokens = max_queued_tokens
         self.placer = Placer(num_targets, load_aware=cfg.load_aware)
         self.pending = [deque() for _ in range(num_targets)]  # per rank: [request id, payload, tag, queued at]
-        self.inflight: dict = {}  # request -> [rank, tokens, group mask, admitted at, chunks unsent, queue_s, chunks]
+        self.inflight: dict = {}  # request -> _Admitted
         self.queued_tokens = 0
         self.watch = DeathWatch(comm, range(comm.world_size))
         self._cp = cfg.cp_threshold if label == "sync" else None
@@ -232,13 +245,13 @@ class FrontEnd:
         for c in chunks:
             self.pending[rank].append((request_id, encode_chunk(c, token_ids[c.start:c.start + c.length], mask),
                                        request_id, now))
-        self.inflight[request_id] = [rank, n, mask, now, len(chunks), None, len(chunks)]
+        self.inflight[request_id] = _Admitted(rank, n, mask, now, len(chunks), len(chunks))
         self.queued_tokens += n
         return rank
 
-    def _forget(self, rid: int) -> list:
+    def _forget(self, rid: int) -> "_Admitted":
         entry = self.inflight.pop(rid)
-        self.queued_tokens -= entry[1]
+        self.queued_tokens -= entry.tokens
         self.placer.complete(rid)
         return entry
 
@@ -264,10 +277,10 @@ class FrontEnd:
         a context-parallel request of the baseline, whose shared steps run to the end)."""
         if request_id not in self.inflight:
             return False
-        rank, _n, mask, _t, unsent, _q, chunks = self._forget(request_id)
-        sent_some = unsent < chunks
+        a = self._forget(request_id)
+        rank = a.rank
         self.pending[rank] = deque(e for e in self.pending[rank] if e[0] != request_id)
-        if sent_some and mask == 0:
+        if a.unsent < a.chunks and a.mask == 0:  # some chunks reached the rank
             self.pending[rank].append((None, encode_cancel(request_id), CANCEL, time.monotonic()))
         return True
 
@@ -304,9 +317,9 @@ class FrontEnd:
                 q.popleft()
                 entry = self.inflight.get(rid) if rid is not None else None
                 if entry is not None:
-                    entry[4] -= 1
-                    if entry[4] == 0:
-                        entry[5] = time.monotonic() - entry[3]
+                    entry.unsent -= 1
+                    if entry.unsent == 0:
+                        entry.queue_s = time.monotonic() - entry.admitted_at
 
     def _result(self, m) -> "Completion | None":
         with m:
@@ -314,9 +327,9 @@ class FrontEnd:
             token, hidden = decode_result(m.tensor)
         if rid not in self.inflight:
             return None  # cancelled meanwhile
-        _rank, n, _mask, admitted, _u, queue_s, _c = self._forget(rid)
-        done = time.monotonic() - admitted
-        return Completion(rid, token, hidden, src, done if queue_s is None else queue_s, done, n)
+        a = self._forget(rid)
+        done = time.monotonic() - a.admitted_at
+        return Completion(rid, token, hidden, src, done if a.queue_s is None else a.queue_s, done, a.tokens)
 
     def pump(self, timeout: float = 0.0) -> list:
         """Send what is queued; return the results that arrived, waiting up to ``timeout`` for the first one

@@ -226,10 +226,15 @@ class _Service:
     async def engine(self) -> None:
         """The one place that drives the group: admission results, deadlines, health, shutdown."""
         fe = self.fe
+        next_check, stop_requested = 0.0, False
         while True:
-            if os.getppid() != self.parent and not self.stopping:  # the launcher is gone: nobody to report to
-                self.stop_event.set()
-            if self.stop_event.is_set() and not self.stopping:
+            now = time.monotonic()
+            if now >= next_check:  # the launcher's signals: often enough to react, not on every turn
+                next_check = now + _IDLE_S
+                if os.getppid() != self.parent and not self.stopping:  # the launcher is gone: nobody to report to
+                    self.stop_event.set()
+                stop_requested = self.stop_event.is_set()
+            if stop_requested and not self.stopping:
                 self.stopping = True
                 self.drain_until = time.monotonic() + self.opts.drain_timeout_s
                 print(f"asap serve: stopping: draining {len(fe.inflight)} request(s) in flight "
@@ -248,7 +253,7 @@ class _Service:
             self._expire()
             now = time.monotonic()
             if self.failure is not None:
-                if now - self.failed_at >= self.opts.failure_exit_s or self.stop_event.is_set():
+                if now - self.failed_at >= self.opts.failure_exit_s or stop_requested:
                     break
             elif self.stopping and (not fe.inflight or now >= self.drain_until):
                 for rid in list(self.futures):
