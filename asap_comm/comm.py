@@ -92,7 +92,7 @@ class Communicator:
     """
 
     def __init__(self, rank: int, world_size: int, store, *, timeout: float,
-                 heap_chunk_bytes: int, shm_prefix: str) -> None:
+                 heap_chunk_bytes: int, shm_prefix: str, backend: str = "auto", host_id: "str | None" = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.timeout = float(timeout)
@@ -107,11 +107,17 @@ class Communicator:
         self._linked: list[str] = []  # segment names this PE created and has not unlinked
         self._epoch = 0
         self._barrier_pending: "int | None" = None  # round this PE arrived at but timed out in
+        self._barrier_released = 0  # PE 0 across hosts: the last round it released
         self._hosted: "tuple | None" = None  # (addr, port) of the TCPStore this PE hosts, if any
         self._group = _C.Group(rank, world_size)
         self._ghandle = self._group.handle
         self._pid = os.getpid()
         self._prefix = ""
+        self._backend_arg = backend
+        self.host_id = host_id if host_id is not None else _host_id()
+        self.hosts: "list[str]" = [self.host_id] * world_size  # host id of every PE
+        self._remote = [False] * world_size  # True for PEs on another host
+        self._net = None  # _C.NetEngine once a PE of this group is on another host
         try:
             self._bootstrap()
         except BaseException:
@@ -150,16 +156,33 @@ class Communicator:
     def _bootstrap(self) -> None:
         joined = self._store.add("asap/join", 1)
         self._prefix = f"asap/{(joined - 1) // self.world_size}/"
+        self._store.set(self._prefix + f"host/{self.rank}", self.host_id)
+        self.hosts = [self.host_id if pe == self.rank else self._store_get(f"host/{pe}")
+                      for pe in range(self.world_size)]
+        self._remote = [h != self.host_id for h in self.hosts]
+        spans = any(self._remote)
+        if spans and self._backend_arg == "shm":
+            raise CommError(f"init: backend='shm' needs every PE on one host, but this group spans "
+                            f"{len(set(self.hosts))} hosts ({_host_summary(self.hosts)}); use backend='auto'")
+        self.local_pes = [pe for pe in range(self.world_size) if not self._remote[pe]]
+        self.local_rank = self.local_pes.index(self.rank)
+        self.local_world_size = len(self.local_pes)
         name = self._new_name()
         self._ctrl_map = _C.create_segment(name, _C.CTRL_BYTES)
         self._linked.append(name)
         self._ctrl_local = self._ctrl_map.addr
         _C.ctrl_init(self._ctrl_local, self.rank, self._pid)
         self._store.set(self._prefix + f"ctrl/{self.rank}", name)
+        if spans:
+            self._net = _net_engine(self)
+            self._store.set(self._prefix + f"net/{self.rank}", self._net.address())
         self._ctrl_maps = []
         for pe in range(self.world_size):
             if pe == self.rank:
                 mp = self._ctrl_map
+            elif self._remote[pe]:
+                self._ctrl_maps.append(None)
+                continue
             else:
                 peer_name = self._store_get(f"ctrl/{pe}")
                 mp = _C.map_segment(peer_name, _C.CTRL_BYTES)
@@ -167,7 +190,16 @@ class Communicator:
                     raise CommError(f"init: control segment of PE {pe} is not initialised")
             self._ctrl_maps.append(mp)
             self._group.set_peer(pe, mp.addr, _C.ctrl_pid(mp.addr))
-        self._ctrl = [mp.addr for mp in self._ctrl_maps]
+        self._ctrl = [0 if mp is None else mp.addr for mp in self._ctrl_maps]
+        if spans:
+            for pe in range(self.world_size):
+                if self._remote[pe]:
+                    try:
+                        addr = self._store.get(self._prefix + f"net/{pe}")
+                    except Exception as e:
+                        raise TimeoutError(f"init: waiting for PE {pe}'s network address failed: {e}") from None
+                    self._net.connect(pe, addr)
+            self._net.start()
         self._store_rendezvous("ctrl_mapped")
         self._unlink_own()
         self.barrier()
@@ -184,6 +216,10 @@ class Communicator:
         linked.clear()
 
     def _teardown(self) -> None:
+        net = getattr(self, "_net", None)
+        if net is not None:
+            net.shutdown()  # says goodbye to remote PEs, stops its thread, frees UCX's resources
+            self._net = None
         self._unlink_own()
         self._chunks = []
         self._allocs = {}
@@ -229,7 +265,23 @@ class Communicator:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"Communicator(rank={self.rank}, world_size={self.world_size}, backend='shm', {state})"
+        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
+                f"host={self.host_id!r}, {state})")
+
+    @property
+    def backend(self) -> str:
+        """``'shm'`` when every PE shares this host, ``'auto'`` (shm within a host + net across) otherwise."""
+        return "shm" if not any(self._remote) else "auto"
+
+    def is_remote(self, pe: int) -> bool:
+        """True when PE ``pe`` is on another host (reached through the network engine)."""
+        pe = self._check_pe("is_remote", pe)
+        return self._remote[pe]
+
+    def net_stats(self) -> dict:
+        """Counters of the network engine (``{}`` on one host): messages sent and received, heart-beats,
+        ``disorder`` (messages applied out of send order: must stay 0) and ``bad_messages``."""
+        return {} if self._net is None else dict(self._net.stats())
 
     # ------------------------------------------------------------ checks
     def _check_open(self, fn: str) -> None:
@@ -319,15 +371,20 @@ class Communicator:
                 if pe == self.rank:
                     peers.append(local)
                     continue
+                if self._remote[pe]:
+                    peers.append(None)
+                    continue
                 peer_name, peer_size = self._store_get(f"chunk/{index}/{pe}").rsplit(":", 1)
                 if int(peer_size) != size:
                     raise CommError(f"alloc: PE {pe} created heap chunk {index} with {peer_size} bytes, "
                                     f"this PE with {size}: collective calls were made in a different order")
                 peers.append(_C.map_segment(peer_name, size))
+            if self._net is not None:
+                self._net.add_region(index + 1, local)  # remote PEs name it as region index + 1
             self.barrier()  # every PE has mapped every chunk
         finally:
             self._unlink_own()
-        deltas = [mp.addr - local.addr for mp in peers]
+        deltas = [None if mp is None else mp.addr - local.addr for mp in peers]
         chunk = _Chunk(index, size, 0, local, peers, deltas, local.addr, [None] * self.world_size)
         self._chunks.append(chunk)
         return chunk
@@ -371,6 +428,13 @@ class Communicator:
     # barrier every PE checks that every peer made the same call #k; when the
     # call cannot complete, the error names the call and what each peer did.
     def _coll_view(self, pe: int) -> torch.Tensor:
+        if self._remote[pe]:  # a copy, read across the network (collective calls are set-up time)
+            v = torch.zeros(2 * _C.CTRL_COLL_SLOT_BYTES, dtype=torch.uint8)
+            try:
+                self._net.get(pe, 0, _C.CTRL_COLL_OFFSET, v.data_ptr(), v.numel(), min(self.timeout, 5.0))
+            except Exception:  # a dead or closed peer: reported by the caller's own error
+                pass
+            return v
         views = self.__dict__.setdefault("_coll_views", {})
         v = views.get(pe)
         if v is None:
@@ -547,6 +611,10 @@ class Communicator:
         a = self._alloc_of("remote", "t", t)
         if pe == self.rank:
             return t
+        if self._remote[pe]:
+            raise CommError(f"remote: PE {pe} is on host {self.hosts[pe]!r}, this PE on {self.host_id!r}: remote() "
+                            "aliases a peer's memory and exists only between PEs of one host (backend 'shm'); "
+                            "use put/get/put_signal, which work on every backend")
         return self._remote_view(t, a, pe)
 
     def _check_pair(self, fn: str, dst, src) -> None:
@@ -576,6 +644,9 @@ class Communicator:
         self._check_pair("put", dst, src)
         if dst.numel() == 0:
             return
+        if self._remote[pe]:
+            self._net_put(pe, a, dst, src)
+            return
         if dst.is_contiguous() and src.is_contiguous() and dst.nbytes < _COPY_WITH_TORCH:
             _C.copy(dst.data_ptr() + a.chunk.deltas[pe], src.data_ptr(), dst.nbytes)
         else:
@@ -592,6 +663,9 @@ class Communicator:
         a = self._alloc_of("get", "src", src)
         self._check_pair("get", dst, src)
         if dst.numel() == 0:
+            return
+        if self._remote[pe]:
+            self._net_get(pe, a, dst, src)
             return
         if dst.is_contiguous() and src.is_contiguous() and dst.nbytes < _COPY_WITH_TORCH:
             _C.copy(dst.data_ptr(), src.data_ptr() + a.chunk.deltas[pe], dst.nbytes)
@@ -623,6 +697,9 @@ class Communicator:
         d = self._info("put_signal", "dst", dst, symmetric=True)
         self._check_pair("put_signal", dst, src)
         g, addr = self._sig_addr("put_signal", sig, idx)
+        if self._remote[pe]:
+            self._net_put_signal(pe, dst, src, sig, addr, value, _OPS[op])
+            return
         if d[2] == 0:  # nothing to copy (an empty view's data_ptr may be 0): the signal alone
             _C.signal_update(addr + g[6][pe], value, _OPS[op], self._ctrl[pe])
         elif d[4] and src.is_contiguous() and src.__class__ is torch.Tensor and d[2] < _COPY_WITH_TORCH:
@@ -649,6 +726,9 @@ class Communicator:
         pe = self._check_pe("signal_op", pe)
         value = self._check_value("signal_op", value)
         g, addr = self._sig_addr("signal_op", sig, idx)
+        if self._remote[pe]:
+            region, off = self._region_of("signal_op", sig, addr, 8)
+            return self._net.signal(pe, region, off, value, _OPS[op], True, self.timeout)
         return _C.signal_update(addr + g[6][pe], value, _OPS[op], self._ctrl[pe])
 
     def signal_fetch(self, sig: torch.Tensor, idx: int) -> int:
@@ -738,6 +818,14 @@ class Communicator:
             raise ValueError("prepare_put_signal: dst and src must be contiguous "
                              f"(dst strides {dst.stride()}, src strides {src.stride()})")
         g, addr = self._sig_addr("prepare_put_signal", sig, idx)
+        if self._remote[pe]:
+            code = _OPS[op]
+
+            def remote_put_signal(value):
+                self._check_open("put_signal")
+                self._net_put_signal(pe, dst, src, sig, addr, self._check_value("put_signal", value), code)
+
+            return remote_put_signal
         keep = (dst, src, sig, self._alloc_of("", "", dst).chunk.peers[pe],
                 self._alloc_of("", "", sig).chunk.peers[pe], self._group)
         dst_addr = d[1] + d[6][pe] if d[2] else 0  # an empty view copies nothing (its data_ptr may be 0)
@@ -762,14 +850,22 @@ class Communicator:
                             (sig, self._group), f"signal_wait_until: waiting for sig[{idx}] {cmp}", mask)
 
     def fence(self) -> None:
-        """Order: this PE's puts issued before reach every PE before those issued after."""
+        """Order: this PE's puts issued before reach every PE before those issued after.
+
+        Across hosts every message from one PE to another is applied in the
+        order it was sent, so the fence costs nothing there."""
         self._check_open("fence")
         _C.fence()
 
     def quiet(self) -> None:
-        """Complete: every put this PE issued is in its target's memory on return."""
+        """Complete: every put this PE issued is in its target's memory on return.
+
+        Across hosts this is one round trip to each remote PE written to since
+        the last ``quiet``."""
         self._check_open("quiet")
         _C.fence()
+        if self._net is not None:
+            self._net.quiet(self.timeout)
 
     def barrier(self, timeout=None) -> None:
         """Collective rendezvous and full fence: writes of every PE before it are visible to all after it.
@@ -782,6 +878,9 @@ class Communicator:
         t = self._timeout("barrier", timeout)
         if self.world_size == 1:
             _C.fence()
+            return
+        if self._net is not None:
+            self._barrier_net(t)
             return
         ctrl0 = self._ctrl[0]
         gen = ctrl0 + _C.BARRIER_GEN_OFFSET
@@ -800,6 +899,101 @@ class Communicator:
             raise self._wait_error("barrier", f"barrier #{k}", e) from None
         self._barrier_pending = None
 
+    def _barrier_net(self, t: float) -> None:
+        """The barrier of a group that spans hosts: every PE completes its puts (``quiet``), then
+        announces itself to PE 0 (an atomic add on PE 0's arrival word); PE 0 waits for all, then
+        raises every PE's own generation word. Each message is applied after everything its
+        sender issued before it, so whatever any PE wrote before the barrier is visible after."""
+        ctrl = self._ctrl_local
+        arrive_off, gen_off = _C.BARRIER_ARRIVE_OFFSET, _C.BARRIER_GEN_OFFSET
+        if self._barrier_pending is None:
+            self._epoch += 1
+            k = self._epoch
+            self._net.quiet(t)
+            _C.fence()
+            if self.rank == 0:
+                _C.signal_update(ctrl + arrive_off, 1, 1, ctrl)
+            elif self._remote[0]:
+                self._net.signal(0, 0, arrive_off, 1, 1, False, t)
+            else:
+                _C.signal_update(self._ctrl[0] + arrive_off, 1, 1, self._ctrl[0])
+        else:
+            k = self._barrier_pending
+        self._barrier_pending = k
+        try:
+            if self.rank == 0:
+                if self._barrier_released < k:
+                    _C.wait_until(ctrl + arrive_off, _CMPS[">="], k * self.world_size, ctrl, t, self._ghandle,
+                                  _C.DEP_ALL)
+                    for pe in range(1, self.world_size):
+                        if self._remote[pe]:
+                            self._net.signal(pe, 0, gen_off, k, 0, False, t)
+                        else:
+                            _C.signal_update(self._ctrl[pe] + gen_off, k, 0, self._ctrl[pe])
+                    self._barrier_released = k
+            else:
+                _C.wait_until(ctrl + gen_off, _CMPS[">="], k, ctrl, t, self._ghandle, _C.DEP_ALL)
+        except (TimeoutError, PeerFailure) as e:
+            raise self._wait_error("barrier", f"barrier #{k}", e) from None
+        self._barrier_pending = None
+
+    # ------------------------------------------------------------ across hosts
+    def _region_of(self, fn: str, t: torch.Tensor, addr: int, nbytes: int) -> "tuple[int, int]":
+        """(region, offset) naming ``nbytes`` at ``addr`` inside symmetric tensor ``t`` for remote PEs."""
+        a = self._alloc_of(fn, "tensor", t)
+        off = addr - a.chunk.base
+        if not 0 <= off <= a.chunk.size - nbytes:
+            raise ValueError(f"{fn}: range [{off}, {off + nbytes}) lies outside heap chunk {a.chunk.index}")
+        return a.chunk.index + 1, off
+
+    @staticmethod
+    def _runs(t: torch.Tensor) -> "list[tuple[int, int]]":
+        """Byte runs (offset from t.data_ptr(), nbytes) covering view ``t`` in element order."""
+        es = t.element_size()
+        if t.is_contiguous():
+            return [(0, t.numel() * es)]
+        idx = torch.as_strided(torch.arange(t.storage_offset() + 1 + sum((s - 1) * abs(st) for s, st in
+                                                                         zip(t.shape, t.stride()))),
+                               t.shape, t.stride(), t.storage_offset()).reshape(-1) - t.storage_offset()
+        runs: "list[tuple[int, int]]" = []
+        if idx.numel() == 0:
+            return runs
+        brk = torch.nonzero(idx[1:] - idx[:-1] != 1).reshape(-1) + 1
+        starts = [0] + brk.tolist()
+        ends = brk.tolist() + [idx.numel()]
+        first = idx[starts].tolist()
+        return [(f * es, (e - s) * es) for f, s, e in zip(first, starts, ends)]
+
+    def _net_put(self, pe: int, a: _Alloc, dst: torch.Tensor, src: torch.Tensor) -> None:
+        src = src.contiguous()
+        base = dst.data_ptr() - a.chunk.base
+        pos = 0
+        for off, n in self._runs(dst):
+            self._net.put(pe, a.chunk.index + 1, base + off, src.data_ptr() + pos, n)
+            pos += n
+
+    def _net_get(self, pe: int, a: _Alloc, dst: torch.Tensor, src: torch.Tensor) -> None:
+        out = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype)
+        base = src.data_ptr() - a.chunk.base
+        pos = 0
+        for off, n in self._runs(src):
+            self._net.get(pe, a.chunk.index + 1, base + off, out.data_ptr() + pos, n, self.timeout)
+            pos += n
+        if out is not dst:
+            dst.copy_(out)
+
+    def _net_put_signal(self, pe: int, dst, src, sig, sig_addr: int, value: int, op: int) -> None:
+        sregion, soff = self._region_of("put_signal", sig, sig_addr, 8)
+        a = self._alloc_of("put_signal", "dst", dst)
+        if dst.numel() and dst.is_contiguous():
+            src = src.contiguous()
+            self._net.put_signal(pe, a.chunk.index + 1, dst.data_ptr() - a.chunk.base, src.data_ptr(), dst.nbytes,
+                                 sregion, soff, value, op)
+            return
+        if dst.numel():
+            self._net_put(pe, a, dst, src)  # applied in order, before the signal below
+        self._net.signal(pe, sregion, soff, value, op, False, self.timeout)
+
     # ------------------------------------------------------------ liveness
     def peer_alive(self, pe: int) -> bool:
         """True while PE ``pe`` is running and has not closed."""
@@ -815,6 +1009,49 @@ class Communicator:
         return "alive" if bad is None else ("closed" if bad[1].startswith("closed") else "died")
 
 
+def _host_id() -> str:
+    """This host's identity: ``$ASAP_HOST_ID`` if set, else the hostname (as on real clusters)."""
+    v = os.environ.get("ASAP_HOST_ID")
+    if v:
+        return v
+    import socket
+
+    return socket.gethostname()
+
+
+def _host_summary(hosts: "list[str]") -> str:
+    by: "dict[str, list[int]]" = {}
+    for pe, h in enumerate(hosts):
+        by.setdefault(h, []).append(pe)
+    return ", ".join(f"{h!r}: PEs {pes}" for h, pes in by.items())
+
+
+def _net_engine(comm: "Communicator"):
+    """The network engine of a group that spans hosts (UCX, loaded from the libucx wheel)."""
+    if not getattr(_C, "NET_AVAILABLE", False):
+        raise CommError("init: this group spans hosts (" + _host_summary(comm.hosts) + "), but asap_comm was built "
+                        "without the network backend (UCX headers were missing at build time): reinstall with "
+                        "pip install -e \".[net]\" (or set UCX_HOME) so that kernels/net.cpp is compiled")
+    try:
+        import libucx
+    except ImportError:
+        raise CommError("init: this group spans hosts (" + _host_summary(comm.hosts) + ") and needs the network "
+                        "backend: pip install 'asap-comm[net]' (from a clone: pip install -e \".[net]\"), which "
+                        "installs UCX (libucx-cu12)") from None
+    # UCX's InfiniBand and CUDA modules are left out unless the user asks for them: without the hardware they
+    # only slow start-up, and the bundled InfiniBand module crashes at exit on hosts without it.
+    os.environ.setdefault("UCX_MODULES", "^ib,cuda")
+    lib = os.path.join(os.path.dirname(libucx.__file__), "lib")
+    libucx.load_library()
+    _C.net_load(os.path.join(lib, "libucp.so"), os.path.join(lib, "libucs.so"))
+    tls = "" if "UCX_TLS" in os.environ else "tcp"  # same-host peers use shared memory, not UCX
+    peer_timeout = float(os.environ.get("ASAP_NET_PEER_TIMEOUT_S", "3"))
+    try:
+        return _C.NetEngine(comm._group, comm._ctrl_local, peer_timeout, tls)
+    except RuntimeError as e:
+        raise CommError(f"init: starting the network engine failed: {e}") from None
+
+
 def _env_int(name: str, fn: str) -> int:
     v = os.environ.get(name)
     if v is None:
@@ -827,22 +1064,28 @@ def _env_int(name: str, fn: str) -> int:
 
 
 def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_addr: "str | None" = None,
-         master_port: "int | None" = None, backend: str = "shm", timeout: float = 30.0, store=None,
+         master_port: "int | None" = None, backend: str = "auto", timeout: float = 30.0, store=None,
          heap_chunk_bytes: "int | None" = None, shm_prefix: "str | None" = None) -> Communicator:
-    """Join (collectively) a group of ``world_size`` PEs on this host.
+    """Join (collectively) a group of ``world_size`` PEs, on one host or several.
 
     ``rank``/``world_size``/``master_addr``/``master_port`` default to
     ``$RANK``/``$WORLD_SIZE``/``$MASTER_ADDR``/``$MASTER_PORT`` as torchrun
     sets them. Bootstraps through a ``torch.distributed.TCPStore`` (rank 0
     hosts it unless torchrun's agent does, or ``store`` is given).
+    PEs are grouped by host: the hostname, or ``$ASAP_HOST_ID`` when set
+    (``comm.hosts``, ``comm.local_rank``, ``comm.local_world_size``).
+    ``backend``: ``"auto"`` (default) uses shared memory between PEs of one
+    host and the network engine (UCX, ``pip install "asap-comm[net]"``)
+    between hosts; ``"shm"`` insists on one host and fails otherwise.
     ``timeout`` is the default bound of every wait, in seconds.
     ``heap_chunk_bytes``: symmetric heap growth step (default 64 MiB, env
     ``ASAP_HEAP_CHUNK_BYTES``); segments are sparse, so untouched bytes cost
     nothing. Returns a :class:`Communicator` (also a context manager).
     """
-    if backend != "shm":
-        raise ValueError(f"init: backend={backend!r} is not available; built backends: ['shm'] "
-                         "(cuda, npu and inter-node are planned, see DESIGN.md)")
+    if backend not in ("auto", "shm"):
+        raise ValueError(f"init: backend={backend!r} is not available; built backends: ['auto', 'shm'] "
+                         "(auto: shared memory within a host, the network engine across hosts; cuda and npu "
+                         "are planned, see DESIGN.md)")
     rank = _env_int("RANK", "init") if rank is None else rank
     world_size = _env_int("WORLD_SIZE", "init") if world_size is None else world_size
     for nm, v in (("rank", rank), ("world_size", world_size)):
@@ -892,12 +1135,12 @@ def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_a
             raise CommError(f"init: cannot {'host' if is_master else 'reach'} the TCPStore at "
                             f"{addr}:{port}: {e}") from None
         comm = Communicator(rank, world_size, store, timeout=t, heap_chunk_bytes=heap_chunk_bytes,
-                            shm_prefix=shm_prefix)
+                            shm_prefix=shm_prefix, backend=backend)
         if is_master:
             comm._hosted = (addr, port)
         return comm
     return Communicator(rank, world_size, store, timeout=t, heap_chunk_bytes=heap_chunk_bytes,
-                        shm_prefix=shm_prefix)
+                        shm_prefix=shm_prefix, backend=backend)
 
 
 def _by_id(comm_id: int) -> Communicator:

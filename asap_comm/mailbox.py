@@ -67,7 +67,7 @@ class Mailbox(_C.Inbox):
     """
 
     def __init__(self, comm, buf: torch.Tensor, base: int, deltas: list, slot_bytes: int, num_slots: int) -> None:
-        super().__init__(base, [base + d for d in deltas], list(comm._ctrl), num_slots, slot_bytes, comm.world_size,
+        super().__init__(base, [0 if d is None else base + d for d in deltas], list(comm._ctrl), num_slots, slot_bytes, comm.world_size,
                          comm.rank, comm._ghandle, comm.timeout, (comm._group, buf))
         self._comm = comm
         self._buf = buf  # uint8 view of this PE's inbox; keeps the mapping alive

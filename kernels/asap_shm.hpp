@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -49,7 +50,7 @@ bool unlink_segment(const std::string& name);
 // ---------------------------------------------------------------------------
 
 constexpr uint64_t kCtrlMagic = 0x41534150434f4d31ull;  // "ASAPCOM1"
-enum PeState : uint32_t { kStateInit = 0, kStateAlive = 1, kStateClosed = 2 };
+enum PeState : uint32_t { kStateInit = 0, kStateAlive = 1, kStateClosed = 2, kStateDead = 3 };
 
 struct alignas(64) Ctrl {
   uint64_t magic;
@@ -83,11 +84,44 @@ constexpr int kDepOthers = -4;  // any other PE may satisfy it (a mailbox
                                 // died or closed
 // dep >= 0: that one PE must act: fails if it died or closed.
 
+enum WaitStatus : int { kWaitOk = 0, kWaitTimeout = 1, kWaitPeer = 2, kWaitInterrupted = 3, kWaitAbandoned = 4 };
+
+struct WaitResult {
+  int status;
+  uint64_t value;  // last value seen
+  int pe;          // failing PE for kWaitPeer
+  const char* why;
+};
+
+// The network engine as the shared-memory code sees it (kernels/net.cpp):
+// waits help it progress while they spin, and a mailbox send to a PE on
+// another host goes through it. Null when every PE is on this host.
+class NetIface {
+ public:
+  virtual ~NetIface() = default;
+  // Progresses the engine if no other thread is doing so; never blocks.
+  virtual void poll() = 0;
+  // Delivers one mailbox message into PE `pe`'s inbox at the same symmetric
+  // place as `local_base` is in this PE. Same results as ring_send. Called
+  // with the GIL held; releases it while waiting.
+  virtual WaitResult mbox_send(int pe, uintptr_t local_base, size_t nslots, size_t slot_bytes, int64_t tag,
+                               uint32_t dtype, int ndim, const int64_t* dims, const void* payload, size_t nbytes,
+                               double timeout_s) = 0;
+};
+
 class Group {
  public:
   Group(int rank, int world_size);
   ~Group();
   void set_peer(int pe, uintptr_t ctrl_addr, int pid);
+  // `pe` lives on another host: no control block, its state is what the
+  // network engine reports (set_remote_state).
+  void set_remote(int pe);
+  bool is_remote(int pe) const { return remote_[pe] != 0; }
+  void set_remote_state(int pe, uint32_t state);  // kStateClosed, or kStateDead
+  uint32_t remote_state(int pe) const { return rstate_[pe].load(std::memory_order_acquire); }
+  void set_net(NetIface* net) { net_ = net; }
+  NetIface* net() const { return net_; }
   // Returns -1 if the wait may go on, else the PE whose death or close makes
   // it hopeless; *why says what happened. `mask` (world_size bytes) is read
   // for dep == kDepSet only.
@@ -103,8 +137,12 @@ class Group {
   bool closed() const { return closed_.load(std::memory_order_relaxed); }
 
  private:
+  bool closed_state(int pe) const;
   std::atomic<bool> closed_{false};
   int rank_, world_;
+  std::vector<uint8_t> remote_;
+  std::unique_ptr<std::atomic<uint32_t>[]> rstate_;
+  NetIface* net_ = nullptr;
   std::vector<Ctrl*> ctrl_;
   std::vector<int> pid_;
   std::vector<int> pidfd_;
@@ -126,14 +164,6 @@ inline bool cmp_ok(uint64_t v, int cmp, uint64_t ref) {
   }
 }
 
-enum WaitStatus : int { kWaitOk = 0, kWaitTimeout = 1, kWaitPeer = 2, kWaitInterrupted = 3, kWaitAbandoned = 4 };
-
-struct WaitResult {
-  int status;
-  uint64_t value;  // last value seen
-  int pe;          // failing PE for kWaitPeer
-  const char* why;
-};
 
 // A wait-specific check run once per sleep slice (about every 20 ms): returns
 // a PE >= 0 to end the wait with kWaitAbandoned (the awaited word was left in
@@ -237,6 +267,10 @@ void mailbox_init(uintptr_t base, size_t slot_bytes, size_t num_slots);
 WaitResult ring_send(uintptr_t base, size_t nslots, size_t slot_bytes, Ctrl* owner, uint32_t src_pe, int64_t tag,
                      uint32_t dtype, int ndim, const int64_t* dims, const void* payload, size_t nbytes,
                      double timeout_s, const Group* group, int dst_pe);
+// The same, for the network engine delivering a remote producer's message:
+// never waits and never touches the GIL. kWaitTimeout: the ring is full.
+WaitResult ring_try_send(uintptr_t base, size_t nslots, size_t slot_bytes, Ctrl* owner, uint32_t src_pe, int64_t tag,
+                         uint32_t dtype, int ndim, const int64_t* dims, const void* payload, size_t nbytes);
 
 struct RecvResult {
   WaitResult wait;

@@ -19,6 +19,10 @@
 namespace py = pybind11;
 using namespace asap;
 
+namespace asap {
+void bind_net(py::module& m);  // kernels/net.cpp
+}
+
 namespace {
 
 // Exception types registered from Python (asap_comm/errors.py).
@@ -259,6 +263,7 @@ PYBIND11_MODULE(_C, m) {
     g_timeout_error = timeout_error.release().ptr();
     g_peer_failure = peer_failure.release().ptr();
   });
+  bind_net(m);
   if (PyModule_AddFunctions(m.ptr(), g_fast_methods) != 0) throw py::error_already_set();
   if (!register_prepared_types(m.ptr())) throw py::error_already_set();
   if (!register_inbox_types(m.ptr())) throw py::error_already_set();

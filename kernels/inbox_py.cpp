@@ -129,6 +129,19 @@ PyType_Slot message_slots[] = {
     {0, nullptr}};
 PyType_Spec message_spec = {"asap_comm.Message", sizeof(Message), 0, Py_TPFLAGS_DEFAULT, message_slots};
 
+// One mailbox message to PE `pe`: straight into its ring when it shares this
+// host, through the network engine when it does not.
+WaitResult deliver(Inbox* b, int pe, int64_t tag, uint32_t code, int ndim, const int64_t* dims, const void* payload,
+                   size_t nbytes, double timeout) {
+  if (b->group->is_remote(pe)) {
+    NetIface* net = b->group->net();
+    if (net == nullptr) return {kWaitPeer, 0, pe, "is on another host and the network engine is closed"};
+    return net->mbox_send(pe, b->base, b->nslots, b->slot_bytes, tag, code, ndim, dims, payload, nbytes, timeout);
+  }
+  return ring_send((*b->remote)[pe], b->nslots, b->slot_bytes, (*b->ctrl)[pe], b->rank, tag, code, ndim, dims, payload,
+                   nbytes, timeout, b->group, pe);
+}
+
 // ------------------------------------------------------------------ Inbox
 int inbox_init(PyObject* self_, PyObject* args, PyObject*) {
   auto* self = reinterpret_cast<Inbox*>(self_);
@@ -251,9 +264,8 @@ PyObject* inbox_send(PyObject* self_, PyObject* const* args, Py_ssize_t nargs, P
   const uintptr_t ptr = PyLong_AsUnsignedLongLong(ptr_o);
   Py_DECREF(ptr_o);
   if (PyErr_Occurred()) return nullptr;
-  WaitResult r = ring_send((*self->remote)[pe], self->nslots, self->slot_bytes, (*self->ctrl)[pe], self->rank, tag,
-                           code, static_cast<int>(ndim), dims, reinterpret_cast<const void*>(ptr),
-                           static_cast<size_t>(nbytes), self->timeout, self->group, static_cast<int>(pe));
+  WaitResult r = deliver(self, static_cast<int>(pe), tag, code, static_cast<int>(ndim), dims,
+                         reinterpret_cast<const void*>(ptr), static_cast<size_t>(nbytes), self->timeout);
   if (r.status == kWaitOk) Py_RETURN_NONE;
   PyObject* what = PyUnicode_FromFormat("send: waiting for a free slot in PE %lld's inbox", pe);
   raise_wait_error(r, self->timeout, what);
@@ -398,9 +410,8 @@ PyObject* inbox_ring_send(PyObject* self_, PyObject* const* a, Py_ssize_t n) {
   const int ndim = static_cast<int>(PyTuple_GET_SIZE(a[4]));
   for (int i = 0; i < ndim; ++i) dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(a[4], i));
   if (PyErr_Occurred()) return nullptr;
-  WaitResult r = ring_send((*self->remote)[pe], self->nslots, self->slot_bytes, (*self->ctrl)[pe], self->rank, tag,
-                           static_cast<uint32_t>(code), ndim, dims, reinterpret_cast<const void*>(ptr), nbytes,
-                           timeout, self->group, static_cast<int>(pe));
+  WaitResult r = deliver(self, static_cast<int>(pe), tag, static_cast<uint32_t>(code), ndim, dims,
+                         reinterpret_cast<const void*>(ptr), nbytes, timeout);
   if (r.status == kWaitOk) Py_RETURN_NONE;
   PyObject* what = PyUnicode_FromFormat("send: waiting for a free slot in PE %lld's inbox", pe);
   raise_wait_error(r, timeout, what);
@@ -453,9 +464,8 @@ PyObject* prepared_send_call(PyObject* self_, PyObject* const* args, size_t narg
   }
   Inbox* b = self->box;
   if (b->group->closed()) return closed_error("send");
-  WaitResult r = ring_send((*b->remote)[self->pe], b->nslots, b->slot_bytes, (*b->ctrl)[self->pe], b->rank, tag,
-                           self->code, self->ndim, self->dims, reinterpret_cast<const void*>(self->ptr), self->nbytes,
-                           b->timeout, b->group, self->pe);
+  WaitResult r = deliver(b, self->pe, tag, self->code, self->ndim, self->dims, reinterpret_cast<const void*>(self->ptr),
+                         self->nbytes, b->timeout);
   if (r.status == kWaitOk) Py_RETURN_NONE;
   PyObject* what = PyUnicode_FromFormat("send: waiting for a free slot in PE %d's inbox", self->pe);
   raise_wait_error(r, b->timeout, what);

@@ -18,9 +18,11 @@ inline SlotHeader* slot_at(uintptr_t base, size_t stride, uint64_t i) {
 }
 }  // namespace
 
-WaitResult ring_send(uintptr_t base, size_t nslots, size_t slot_bytes, Ctrl* owner, uint32_t src_pe, int64_t tag,
-                     uint32_t dtype, int ndim, const int64_t* dims, const void* payload, size_t nbytes,
-                     double timeout_s, const Group* group, int dst_pe) {
+namespace {
+// may_wait: false for the network engine's delivery thread (no GIL, no wait).
+WaitResult ring_send_impl(uintptr_t base, size_t nslots, size_t slot_bytes, Ctrl* owner, uint32_t src_pe, int64_t tag,
+                          uint32_t dtype, int ndim, const int64_t* dims, const void* payload, size_t nbytes,
+                          double timeout_s, const Group* group, int dst_pe, bool may_wait) {
   auto* hdr = reinterpret_cast<MailboxHeader*>(base);
   const size_t stride = slot_stride(slot_bytes);
   const auto start = std::chrono::steady_clock::now();
@@ -41,7 +43,10 @@ WaitResult ring_send(uintptr_t base, size_t nslots, size_t slot_bytes, Ctrl* own
       s->dtype = dtype;
       s->ndim = static_cast<uint32_t>(ndim);
       for (int i = 0; i < ndim; ++i) s->shape[i] = dims[i];
-      if (nbytes) copy_bytes(reinterpret_cast<char*>(s) + kSlotHeaderBytes, payload, nbytes);
+      if (nbytes) {
+        if (may_wait) copy_bytes(reinterpret_cast<char*>(s) + kSlotHeaderBytes, payload, nbytes);
+        else std::memcpy(reinterpret_cast<char*>(s) + kSlotHeaderBytes, payload, nbytes);
+      }
       A(s->seq).store(slot_full(pos), std::memory_order_seq_cst);  // publish (release)
       wake_if_sleeping(owner);
       return {kWaitOk, pos, -1, nullptr};
@@ -51,6 +56,7 @@ WaitResult ring_send(uintptr_t base, size_t nslots, size_t slot_bytes, Ctrl* own
       // or not yet released). Wait until the consumer frees it for position
       // pos, with one deadline for the whole send however often the race is
       // lost.
+      if (!may_wait) return {kWaitTimeout, seq, -1, nullptr};
       const double spent = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       WaitResult r = wait_until(&s->seq, kGe, slot_free(pos), owner, timeout_s > spent ? timeout_s - spent : 0.0,
                                 group, dst_pe);
@@ -64,6 +70,20 @@ WaitResult ring_send(uintptr_t base, size_t nslots, size_t slot_bytes, Ctrl* own
       A(hdr->tail).compare_exchange_strong(expect, pos + 1, std::memory_order_acq_rel);
     }
   }
+}
+}  // namespace
+
+WaitResult ring_send(uintptr_t base, size_t nslots, size_t slot_bytes, Ctrl* owner, uint32_t src_pe, int64_t tag,
+                     uint32_t dtype, int ndim, const int64_t* dims, const void* payload, size_t nbytes,
+                     double timeout_s, const Group* group, int dst_pe) {
+  return ring_send_impl(base, nslots, slot_bytes, owner, src_pe, tag, dtype, ndim, dims, payload, nbytes, timeout_s,
+                        group, dst_pe, true);
+}
+
+WaitResult ring_try_send(uintptr_t base, size_t nslots, size_t slot_bytes, Ctrl* owner, uint32_t src_pe, int64_t tag,
+                         uint32_t dtype, int ndim, const int64_t* dims, const void* payload, size_t nbytes) {
+  return ring_send_impl(base, nslots, slot_bytes, owner, src_pe, tag, dtype, ndim, dims, payload, nbytes, 0.0,
+                        nullptr, -1, false);
 }
 
 namespace {

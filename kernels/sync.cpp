@@ -82,7 +82,34 @@ int64_t spin_budget_ns() {
 }
 
 Group::Group(int rank, int world_size)
-    : rank_(rank), world_(world_size), ctrl_(world_size, nullptr), pid_(world_size, 0), pidfd_(world_size, -1) {}
+    : rank_(rank),
+      world_(world_size),
+      remote_(world_size, 0),
+      rstate_(new std::atomic<uint32_t>[world_size]),
+      ctrl_(world_size, nullptr),
+      pid_(world_size, 0),
+      pidfd_(world_size, -1) {
+  for (int i = 0; i < world_size; ++i) rstate_[i].store(kStateAlive, std::memory_order_relaxed);
+}
+
+void Group::set_remote(int pe) { remote_[pe] = 1; }
+
+void Group::set_remote_state(int pe, uint32_t state) {
+  uint32_t cur = kStateAlive;
+  // The first verdict stands: a PE that said goodbye and then dropped its
+  // connection stays "closed".
+  rstate_[pe].compare_exchange_strong(cur, state, std::memory_order_seq_cst);
+  Ctrl* own = ctrl_[rank_];
+  if (own != nullptr) {  // wake this PE's sleepers: they re-check liveness
+    A(own->futex_seq).fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&own->futex_seq);
+  }
+}
+
+bool Group::closed_state(int pe) const {
+  if (remote_[pe]) return rstate_[pe].load(std::memory_order_acquire) == kStateClosed;
+  return A(ctrl_[pe]->state).load(std::memory_order_acquire) == kStateClosed;
+}
 
 Group::~Group() {
   for (int fd : pidfd_)
@@ -101,6 +128,7 @@ void Group::set_peer(int pe, uintptr_t ctrl_addr, int pid) {
 
 bool Group::is_dead(int pe) const {
   if (pe == rank_) return false;
+  if (remote_[pe]) return rstate_[pe].load(std::memory_order_acquire) == kStateDead;
   if (pidfd_[pe] >= 0) {
     struct pollfd p = {pidfd_[pe], POLLIN, 0};
     int r = poll(&p, 1, 0);
@@ -111,11 +139,11 @@ bool Group::is_dead(int pe) const {
 
 bool Group::gone(int pe) const {
   if (pe == rank_) return false;
-  return A(ctrl_[pe]->state).load(std::memory_order_acquire) == kStateClosed || is_dead(pe);
+  return closed_state(pe) || is_dead(pe);
 }
 
 int Group::check(int dep, const char** why, const uint8_t* mask) const {
-  auto closed = [&](int pe) { return A(ctrl_[pe]->state).load(std::memory_order_acquire) == kStateClosed; };
+  auto closed = [&](int pe) { return closed_state(pe); };
   if (dep >= 0) {
     if (dep == rank_) return -1;
     if (closed(dep)) { *why = "closed"; return dep; }
@@ -209,8 +237,10 @@ WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner
   // we wait for shares this CPU (oversubscribed hosts), it runs at once
   // instead of after the whole spin budget.
   const int64_t spin_ns = std::min(spin_budget_ns(), timeout_ns);
+  NetIface* net = group != nullptr ? group->net() : nullptr;
   for (uint32_t i = 1;; ++i) {
     ASAP_CPU_RELAX();
+    if (net != nullptr && (i & 7) == 0) net->poll();  // a remote update may be waiting in the engine
     v = A(*w).load(std::memory_order_acquire);
     if (cmp_ok(v, cmp, value)) return {kWaitOk, v, -1, nullptr};
     if ((i & 63) == 0) {

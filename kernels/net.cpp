@@ -1,0 +1,1060 @@
+// The network engine: PEs on other hosts, over UCX active messages.
+//
+// Why active messages, not UCX RMA: over TCP (and any transport without
+// hardware RMA) UCX emulates put and atomics with active messages anyway, and
+// needs the target to progress. One active message carries a whole operation
+// (data, then the signal update), so the target applies it in order, with the
+// same atomics and futex wake-ups that same-host peers use, and no memory
+// registration or remote key travels. Measured across two network
+// namespaces, a UCX active-message round trip costs less than half a UCX put
+// round trip (bench/README.md).
+//
+// Rules (DESIGN.md, "Rules every primitive keeps"):
+// * Nothing on the wire is an address: a message names a region (0 = the
+//   control block, 1 + i = heap chunk i, the same on every PE because chunks
+//   are allocated collectively) and an offset; the target bounds-checks both
+//   before touching memory and reports a bad message instead of writing.
+// * Order: messages from one PE to another are applied in the order they were
+//   sent (one endpoint, one lane; every message carries a sequence number and
+//   the target counts any gap, which the tests require to stay 0). A put is
+//   complete at the source when it returns (the buffer may be reused); a
+//   rendezvous-sized put returns only once the target holds the data.
+// * Waiting: the caller progresses the engine while it spins; afterwards a
+//   progress thread sleeps on the worker's event file descriptor and wakes
+//   only when something arrives (or every 100 ms for heart-beats), so an idle
+//   PE burns no core.
+// * Liveness: a PE that closes says so (CLOSE); a broken connection (the
+//   process died: the kernel resets its sockets) or a silence longer than the
+//   peer timeout (the host or link disappeared) marks the PE dead, and every
+//   wait that depends on it raises PeerFailure.
+//
+// UCX is loaded at run time (dlopen of the libraries the libucx wheel ships),
+// so this module builds against UCX's headers but imports and runs without
+// UCX when every PE is on one host.
+#include <Python.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "asap_shm.hpp"
+#include "prepared.hpp"
+
+#ifdef ASAP_HAVE_UCX
+
+#include <dlfcn.h>
+#include <sys/epoll.h>
+#include <unistd.h>
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace asap {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+template <typename T>
+inline std::atomic_ref<T> A(T& x) {
+  return std::atomic_ref<T>(x);
+}
+
+// ------------------------------------------------------------------ UCX, loaded at run time
+struct Ucx {
+#define ASAP_UCX_FN(name) decltype(&::name) name = nullptr
+  ASAP_UCX_FN(ucp_config_read);
+  ASAP_UCX_FN(ucp_config_modify);
+  ASAP_UCX_FN(ucp_config_release);
+  ASAP_UCX_FN(ucp_init_version);
+  ASAP_UCX_FN(ucp_cleanup);
+  ASAP_UCX_FN(ucp_worker_create);
+  ASAP_UCX_FN(ucp_worker_destroy);
+  ASAP_UCX_FN(ucp_worker_query);
+  ASAP_UCX_FN(ucp_worker_release_address);
+  ASAP_UCX_FN(ucp_worker_progress);
+  ASAP_UCX_FN(ucp_worker_get_efd);
+  ASAP_UCX_FN(ucp_worker_arm);
+  ASAP_UCX_FN(ucp_worker_signal);
+  ASAP_UCX_FN(ucp_worker_set_am_recv_handler);
+  ASAP_UCX_FN(ucp_ep_create);
+  ASAP_UCX_FN(ucp_ep_close_nbx);
+  ASAP_UCX_FN(ucp_am_send_nbx);
+  ASAP_UCX_FN(ucp_am_recv_data_nbx);
+  ASAP_UCX_FN(ucp_request_check_status);
+  ASAP_UCX_FN(ucp_request_free);
+  ASAP_UCX_FN(ucs_status_string);
+#undef ASAP_UCX_FN
+  bool loaded = false;
+};
+Ucx ucx;
+std::mutex g_load_mu;
+
+void load_ucx(const std::string& ucp_path, const std::string& ucs_path) {
+  std::lock_guard<std::mutex> g(g_load_mu);
+  if (ucx.loaded) return;
+  void* hs = dlopen(ucs_path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (hs == nullptr) throw std::runtime_error(std::string("net: cannot load ") + ucs_path + ": " + dlerror());
+  void* hp = dlopen(ucp_path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (hp == nullptr) throw std::runtime_error(std::string("net: cannot load ") + ucp_path + ": " + dlerror());
+  auto sym = [&](void* h, const char* name) {
+    void* p = dlsym(h, name);
+    if (p == nullptr) throw std::runtime_error(std::string("net: UCX library lacks ") + name);
+    return p;
+  };
+#define ASAP_UCX_LOAD(h, name) ucx.name = reinterpret_cast<decltype(ucx.name)>(sym(h, #name))
+  ASAP_UCX_LOAD(hp, ucp_config_read);
+  ASAP_UCX_LOAD(hp, ucp_config_modify);
+  ASAP_UCX_LOAD(hp, ucp_config_release);
+  ASAP_UCX_LOAD(hp, ucp_init_version);
+  ASAP_UCX_LOAD(hp, ucp_cleanup);
+  ASAP_UCX_LOAD(hp, ucp_worker_create);
+  ASAP_UCX_LOAD(hp, ucp_worker_destroy);
+  ASAP_UCX_LOAD(hp, ucp_worker_query);
+  ASAP_UCX_LOAD(hp, ucp_worker_release_address);
+  ASAP_UCX_LOAD(hp, ucp_worker_progress);
+  ASAP_UCX_LOAD(hp, ucp_worker_get_efd);
+  ASAP_UCX_LOAD(hp, ucp_worker_arm);
+  ASAP_UCX_LOAD(hp, ucp_worker_signal);
+  ASAP_UCX_LOAD(hp, ucp_worker_set_am_recv_handler);
+  ASAP_UCX_LOAD(hp, ucp_ep_create);
+  ASAP_UCX_LOAD(hp, ucp_ep_close_nbx);
+  ASAP_UCX_LOAD(hp, ucp_am_send_nbx);
+  ASAP_UCX_LOAD(hp, ucp_am_recv_data_nbx);
+  ASAP_UCX_LOAD(hp, ucp_request_check_status);
+  ASAP_UCX_LOAD(hp, ucp_request_free);
+  ASAP_UCX_LOAD(hs, ucs_status_string);
+#undef ASAP_UCX_LOAD
+  ucx.loaded = true;
+}
+
+std::string ucs_err(const char* what, ucs_status_t st) {
+  return std::string("net: ") + what + " failed: " + ucx.ucs_status_string(st);
+}
+
+// ------------------------------------------------------------------ wire format
+constexpr unsigned kAmId = 0xA5A;
+enum Kind : uint32_t {
+  kPut = 1,
+  kPutSignal = 2,
+  kSignal = 3,       // no reply
+  kSignalFetch = 4,  // reply carries the previous value
+  kGet = 5,          // reply carries the bytes
+  kMbox = 6,         // reply: delivered / full / bad
+  kQuiet = 7,        // reply once everything before it is applied
+  kHeartbeat = 8,
+  kClose = 9,
+  kReply = 10,
+};
+enum ReplyStatus : int32_t { kReplyOk = 0, kReplyFull = 1, kReplyBad = 2 };
+
+struct Hdr {
+  uint32_t kind, src;
+  uint64_t seq;
+  uint32_t region, sig_region;
+  uint64_t off, nbytes, sig_off, value;
+  uint32_t op, token;
+  int32_t status;
+  uint32_t ndim;
+  int64_t tag;
+  uint32_t dtype, pad;
+  uint64_t nslots, slot_bytes;
+  int64_t dims[kMaxDims];
+};
+
+const char* kind_name(uint32_t k) {
+  switch (k) {
+    case kPut: return "put";
+    case kPutSignal: return "put_signal";
+    case kSignal: return "signal_op";
+    case kSignalFetch: return "signal_op";
+    case kGet: return "get";
+    case kMbox: return "mailbox send";
+    case kQuiet: return "quiet";
+    default: return "message";
+  }
+}
+
+struct Pending {
+  void* dst = nullptr;  // get: where the bytes go
+  size_t cap = 0;
+  uint32_t gen = 0;
+  bool busy = false;
+  std::atomic<int> done{0};
+  int32_t status = 0;
+  uint64_t value = 0;
+  int pe = -1;
+  char error[160] = {0};
+};
+
+class NetEngine;
+
+// Context of a rendezvous receive (freed in its completion).
+struct RndvCtx {
+  NetEngine* eng;
+  Hdr h;
+  std::vector<char> tmp;  // mailbox payloads land here first
+};
+
+class NetEngine final : public NetIface {
+ public:
+  NetEngine(Group* group, uintptr_t own_ctrl, double peer_timeout_s, const std::string& tls)
+      : group_(group), rank_(group->rank()), world_(group->world_size()), own_(reinterpret_cast<Ctrl*>(own_ctrl)),
+        peer_timeout_ns_(static_cast<int64_t>(peer_timeout_s * 1e9)),
+        eps_(world_, nullptr), tx_seq_(world_, 0), rx_seq_(world_, 0), last_rx_(world_), last_tx_(world_),
+        pending_(256) {
+    if (!ucx.loaded) throw std::runtime_error("net: UCX is not loaded");
+    ucp_config_t* cfg = nullptr;
+    ucs_status_t st = ucx.ucp_config_read(nullptr, nullptr, &cfg);
+    if (st != UCS_OK) throw std::runtime_error(ucs_err("ucp_config_read", st));
+    if (!tls.empty()) {
+      st = ucx.ucp_config_modify(cfg, "TLS", tls.c_str());
+      if (st != UCS_OK) {
+        ucx.ucp_config_release(cfg);
+        throw std::runtime_error(ucs_err(("setting UCX_TLS=" + tls).c_str(), st));
+      }
+    }
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 0;
+    st = ucx.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, cfg, &ctx_);
+    ucx.ucp_config_release(cfg);
+    if (st != UCS_OK) throw std::runtime_error(ucs_err("ucp_init", st));
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // our mutex serialises every call
+    st = ucx.ucp_worker_create(ctx_, &wp, &worker_);
+    if (st != UCS_OK) {
+      ucx.ucp_cleanup(ctx_);
+      throw std::runtime_error(ucs_err("ucp_worker_create", st));
+    }
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                    UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    hp.id = kAmId;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    hp.cb = &NetEngine::on_am;
+    hp.arg = this;
+    st = ucx.ucp_worker_set_am_recv_handler(worker_, &hp);
+    if (st == UCS_OK) st = ucx.ucp_worker_get_efd(worker_, &efd_);
+    if (st != UCS_OK) {
+      ucx.ucp_worker_destroy(worker_);
+      ucx.ucp_cleanup(ctx_);
+      throw std::runtime_error(ucs_err("worker set-up", st));
+    }
+    const auto now = Clock::now();
+    for (int i = 0; i < world_; ++i) last_rx_[i] = last_tx_[i] = now;
+    // region 0: this PE's control block
+    regions_.push_back({reinterpret_cast<char*>(own_ctrl), 4096});
+  }
+
+  ~NetEngine() override { shutdown(); }
+
+  // ---------------------------------------------------------------- set-up
+  py::bytes address() {
+    std::lock_guard<std::mutex> g(mu_);
+    ucp_worker_attr_t attr{};
+    attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+    ucs_status_t st = ucx.ucp_worker_query(worker_, &attr);
+    if (st != UCS_OK) throw std::runtime_error(ucs_err("ucp_worker_query", st));
+    py::bytes out(reinterpret_cast<const char*>(attr.address), attr.address_length);
+    ucx.ucp_worker_release_address(worker_, attr.address);
+    return out;
+  }
+
+  void connect(int pe, const std::string& addr) {
+    check_pe("connect", pe);
+    std::lock_guard<std::mutex> g(mu_);
+    if (eps_[pe] != nullptr) throw std::runtime_error("net: connect: PE " + std::to_string(pe) + " already connected");
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(addr.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &NetEngine::on_ep_error;
+    ep.err_handler.arg = this;
+    ucs_status_t st = ucx.ucp_ep_create(worker_, &ep, &eps_[pe]);
+    if (st != UCS_OK) throw std::runtime_error(ucs_err(("ucp_ep_create to PE " + std::to_string(pe)).c_str(), st));
+    group_->set_remote(pe);
+    last_rx_[pe] = Clock::now();
+  }
+
+  // Starts the progress thread (after every connect).
+  void start() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (thread_.joinable()) return;
+    stop_ = false;
+    thread_ = std::thread([this] { progress_loop(); });
+  }
+
+  void add_region(uint32_t index, uintptr_t base, size_t size) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (index != regions_.size())
+      throw std::runtime_error("net: add_region: region " + std::to_string(index) + " out of order (have " +
+                               std::to_string(regions_.size()) + ")");
+    regions_.push_back({reinterpret_cast<char*>(base), size});
+  }
+
+  // ---------------------------------------------------------------- operations (GIL held on entry)
+  void put(int pe, uint32_t region, uint64_t off, uintptr_t src, uint64_t nbytes) {
+    Hdr h = make(kPut, pe);
+    h.region = region;
+    h.off = off;
+    h.nbytes = nbytes;
+    send_blocking(pe, h, reinterpret_cast<const void*>(src), nbytes, "put");
+  }
+
+  void put_signal(int pe, uint32_t region, uint64_t off, uintptr_t src, uint64_t nbytes, uint32_t sig_region,
+                  uint64_t sig_off, uint64_t value, int op) {
+    Hdr h = make(kPutSignal, pe);
+    h.region = region;
+    h.off = off;
+    h.nbytes = nbytes;
+    h.sig_region = sig_region;
+    h.sig_off = sig_off;
+    h.value = value;
+    h.op = static_cast<uint32_t>(op);
+    send_blocking(pe, h, reinterpret_cast<const void*>(src), nbytes, "put_signal");
+  }
+
+  // fetch: wait for the target's answer and return the previous value.
+  uint64_t signal(int pe, uint32_t region, uint64_t off, uint64_t value, int op, bool fetch, double timeout_s) {
+    Hdr h = make(fetch ? kSignalFetch : kSignal, pe);
+    h.sig_region = region;
+    h.sig_off = off;
+    h.value = value;
+    h.op = static_cast<uint32_t>(op);
+    if (!fetch) {
+      send_blocking(pe, h, nullptr, 0, "signal_op");
+      return 0;
+    }
+    Pending* p = request(pe, h, nullptr, 0, nullptr, 0, timeout_s, "signal_op");
+    const uint64_t v = p->value;
+    free_pending(p);
+    return v;
+  }
+
+  void get(int pe, uint32_t region, uint64_t off, uintptr_t dst, uint64_t nbytes, double timeout_s) {
+    Hdr h = make(kGet, pe);
+    h.region = region;
+    h.off = off;
+    h.nbytes = nbytes;
+    Pending* p = request(pe, h, nullptr, 0, reinterpret_cast<void*>(dst), nbytes, timeout_s, "get");
+    free_pending(p);
+  }
+
+  // Completes every operation this PE issued to the named remote PEs (all
+  // when empty): their effects are visible at the targets on return.
+  void quiet(double timeout_s) {
+    for (int pe = 0; pe < world_; ++pe) {
+      if (eps_[pe] == nullptr || !dirty_[pe]) continue;
+      if (group_->remote_state(pe) != kStateAlive) continue;
+      Hdr h = make(kQuiet, pe);
+      Pending* p = request(pe, h, nullptr, 0, nullptr, 0, timeout_s, "quiet");
+      free_pending(p);
+      dirty_[pe] = 0;
+    }
+  }
+
+  WaitResult mbox_send(int pe, uintptr_t local_base, size_t nslots, size_t slot_bytes, int64_t tag, uint32_t dtype,
+                       int ndim, const int64_t* dims, const void* payload, size_t nbytes, double timeout_s) override {
+    uint32_t region = 0;
+    uint64_t off = 0;
+    if (!locate(local_base, mailbox_bytes(slot_bytes, nslots), &region, &off))
+      return {kWaitPeer, 0, pe, "cannot be reached: the mailbox is not in a registered region"};
+    const auto start = Clock::now();
+    int64_t backoff_us = 20;
+    for (;;) {
+      Hdr h = make(kMbox, pe);
+      h.region = region;
+      h.off = off;
+      h.nslots = nslots;
+      h.slot_bytes = slot_bytes;
+      h.tag = tag;
+      h.dtype = dtype;
+      h.ndim = static_cast<uint32_t>(ndim);
+      for (int i = 0; i < ndim; ++i) h.dims[i] = dims[i];
+      h.nbytes = nbytes;
+      const double spent = std::chrono::duration<double>(Clock::now() - start).count();
+      WaitResult r{kWaitOk, 0, -1, nullptr};
+      Pending* p = request_nothrow(pe, h, payload, nbytes, nullptr, 0, timeout_s - spent, &r);
+      if (p == nullptr) return r;
+      const int32_t status = p->status;
+      const uint64_t pos = p->value;
+      free_pending(p);
+      if (status == kReplyOk) return {kWaitOk, pos, -1, nullptr};
+      if (status == kReplyBad) return {kWaitPeer, 0, pe, "rejected the message (mailbox region out of bounds)"};
+      // Full: back off and offer it again (the message was not kept).
+      const double now_spent = std::chrono::duration<double>(Clock::now() - start).count();
+      if (now_spent >= timeout_s) return {kWaitTimeout, 0, -1, nullptr};
+      const char* why = nullptr;
+      if (group_->check(pe, &why) >= 0) return {kWaitPeer, 0, pe, why};
+      Py_BEGIN_ALLOW_THREADS
+      std::this_thread::sleep_for(std::chrono::microseconds(backoff_us));
+      Py_END_ALLOW_THREADS
+      if (PyErr_CheckSignals() != 0) return {kWaitInterrupted, 0, -1, nullptr};
+      backoff_us = std::min<int64_t>(backoff_us * 2, 1000);
+    }
+  }
+
+  void poll() override {
+    std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+    if (!g.owns_lock() || worker_ == nullptr) return;
+    while (ucx.ucp_worker_progress(worker_) != 0) {
+    }
+    run_deferred();
+  }
+
+  py::dict stats() {
+    std::lock_guard<std::mutex> g(mu_);
+    py::dict d;
+    d["disorder"] = disorder_;
+    d["bad_messages"] = bad_;
+    d["received"] = received_;
+    d["sent"] = sent_;
+    d["heartbeats_sent"] = hb_sent_;
+    d["progress_wakeups"] = wakeups_;
+    d["last_error"] = last_error_;
+    return d;
+  }
+
+  // Tells the remote PEs this one leaves, stops the progress thread, closes
+  // the endpoints and frees the worker. Idempotent.
+  void shutdown() {
+    if (worker_ == nullptr) return;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      for (int pe = 0; pe < world_; ++pe) {
+        if (eps_[pe] == nullptr || group_->remote_state(pe) != kStateAlive) continue;
+        Hdr h = make_locked(kClose, pe);
+        void* req = send_nb(pe, h, nullptr, 0);
+        if (req != nullptr) wait_req_locked(req, 0.5);
+      }
+      stop_ = true;
+      ucx.ucp_worker_signal(worker_);
+    }
+    if (thread_.joinable()) thread_.join();
+    std::lock_guard<std::mutex> g(mu_);
+    for (int pe = 0; pe < world_; ++pe) {
+      if (eps_[pe] == nullptr) continue;
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      void* req = ucx.ucp_ep_close_nbx(eps_[pe], &rp);
+      if (req != nullptr && !UCS_PTR_IS_ERR(req)) wait_req_locked(req, 1.0);
+      eps_[pe] = nullptr;
+    }
+    ucx.ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+    ucx.ucp_cleanup(ctx_);
+    ctx_ = nullptr;
+    group_->set_net(nullptr);
+  }
+
+  static NetEngine* of(Group* g) { return static_cast<NetEngine*>(g->net()); }
+
+ private:
+  struct Region {
+    char* base;
+    size_t size;
+  };
+
+  void check_pe(const char* fn, int pe) const {
+    if (pe < 0 || pe >= world_)
+      throw std::invalid_argument(std::string("net: ") + fn + ": PE " + std::to_string(pe) + " out of range [0, " +
+                                  std::to_string(world_) + ")");
+  }
+
+  Hdr make(uint32_t kind, int pe) {
+    check_pe(kind_name(kind), pe);
+    if (eps_[pe] == nullptr)
+      throw std::invalid_argument(std::string("net: ") + kind_name(kind) + ": PE " + std::to_string(pe) +
+                                  " is not a remote PE of this group");
+    Hdr h{};
+    h.kind = kind;
+    h.src = static_cast<uint32_t>(rank_);
+    return h;
+  }
+  Hdr make_locked(uint32_t kind, int) {
+    Hdr h{};
+    h.kind = kind;
+    h.src = static_cast<uint32_t>(rank_);
+    return h;
+  }
+
+  bool locate(uintptr_t addr, size_t n, uint32_t* region, uint64_t* off) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (size_t i = 1; i < regions_.size(); ++i) {
+      const auto b = reinterpret_cast<uintptr_t>(regions_[i].base);
+      if (addr >= b && addr - b <= regions_[i].size && n <= regions_[i].size - (addr - b)) {
+        *region = static_cast<uint32_t>(i);
+        *off = addr - b;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // Resolves (region, off, n) in this PE's memory; nullptr if out of bounds.
+  char* resolve(uint32_t region, uint64_t off, uint64_t n) const {
+    if (region >= regions_.size()) return nullptr;
+    const Region& r = regions_[region];
+    if (off > r.size || n > r.size - off) return nullptr;
+    return r.base + off;
+  }
+
+  // Issues one send (mu_ held). Returns the UCX request, or nullptr when done.
+  void* send_nb(int pe, Hdr& h, const void* data, size_t n) {
+    h.seq = tx_seq_[pe]++;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_AM_SEND_FLAG_COPY_HEADER;
+    void* req = ucx.ucp_am_send_nbx(eps_[pe], kAmId, &h, sizeof h, data, n, &rp);
+    last_tx_[pe] = Clock::now();
+    ++sent_;
+    if (UCS_PTR_IS_ERR(req)) {
+      last_error_ = ucs_err("ucp_am_send_nbx", UCS_PTR_STATUS(req));
+      return reinterpret_cast<void*>(-1);
+    }
+    return req;
+  }
+
+  // Waits (mu_ held, progressing) for a request; frees it. False on timeout
+  // or error (the request is then freed too).
+  bool wait_req_locked(void* req, double timeout_s) {
+    if (req == reinterpret_cast<void*>(-1)) return false;
+    const auto deadline = Clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(timeout_s * 1e9));
+    ucs_status_t st;
+    while ((st = ucx.ucp_request_check_status(req)) == UCS_INPROGRESS) {
+      ucx.ucp_worker_progress(worker_);
+      if (Clock::now() > deadline) break;
+    }
+    ucx.ucp_request_free(req);
+    return st == UCS_OK;
+  }
+
+  // A send whose completion the caller waits for (the source buffer is free
+  // again on return). Raises the documented errors. The engine's lock is
+  // dropped between progress calls, so the progress thread keeps answering
+  // (and heart-beating) while a large message drains.
+  void send_blocking(int pe, Hdr& h, const void* data, size_t n, const char* fn) {
+    ensure_alive(pe, fn);
+    void* req;
+    PyThreadState* ts = nullptr;
+    {
+      std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+      if (!g.owns_lock()) {
+        ts = PyEval_SaveThread();  // the progress thread holds it briefly
+        g.lock();
+      }
+      dirty_[pe] = 1;
+      req = send_nb(pe, h, data, n);
+    }
+    int outcome = 0;  // 0 ok, 1 send error, 2 peer gone, 3 timeout
+    if (req != nullptr) {
+      if (ts == nullptr) ts = PyEval_SaveThread();
+      outcome = wait_req(req, pe, send_timeout_s_);
+    }
+    if (ts != nullptr) PyEval_RestoreThread(ts);
+    if (outcome == 0) return;
+    const char* why = nullptr;
+    if (group_->check(pe, &why) >= 0) throw_peer(fn, pe, why);
+    if (outcome == 3) {
+      WaitResult r{kWaitTimeout, 0, -1, nullptr};
+      PyObject* what = PyUnicode_FromString(fn);
+      raise_wait_error(r, send_timeout_s_, what, false);
+      Py_XDECREF(what);
+      throw py::error_already_set();
+    }
+    throw std::runtime_error(std::string(fn) + ": sending to PE " + std::to_string(pe) + " failed: " + last_error_);
+  }
+
+  // Waits for a send request without holding the lock between progress
+  // calls (GIL released by the caller). 0 done, 1 error, 2 peer gone, 3 timeout.
+  int wait_req(void* req, int pe, double timeout_s) {
+    if (req == reinterpret_cast<void*>(-1)) return 1;
+    const auto deadline = Clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(timeout_s * 1e9));
+    for (uint32_t i = 0;; ++i) {
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        ucs_status_t st = ucx.ucp_request_check_status(req);
+        if (st != UCS_INPROGRESS) {
+          ucx.ucp_request_free(req);
+          return st == UCS_OK ? 0 : 1;
+        }
+        ucx.ucp_worker_progress(worker_);
+        run_deferred();
+      }
+      const char* why = nullptr;
+      int bad = (i & 63) == 0 ? group_->check(pe, &why) : -1;
+      if (bad >= 0 || Clock::now() > deadline) {
+        std::lock_guard<std::mutex> g(mu_);
+        ucx.ucp_request_free(req);  // released by UCX when it ends (the endpoint's error ends it)
+        return bad >= 0 ? 2 : 3;
+      }
+      if (i > 256) std::this_thread::yield();
+    }
+  }
+
+  void ensure_alive(int pe, const char* fn) {
+    const char* why = nullptr;
+    if (group_->check(pe, &why) >= 0) throw_peer(fn, pe, why);
+  }
+
+  [[noreturn]] void throw_peer(const char* fn, int pe, const char* why) {
+    WaitResult r{kWaitPeer, 0, pe, why};
+    PyObject* what = PyUnicode_FromString(fn);
+    raise_wait_error(r, 0, what);
+    Py_XDECREF(what);
+    throw py::error_already_set();
+  }
+
+  Pending* alloc_pending(int pe, void* dst, size_t cap, uint32_t* token) {
+    std::lock_guard<std::mutex> g(pend_mu_);
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      Pending& p = pending_[i];
+      if (p.busy) continue;
+      p.busy = true;
+      p.gen = (p.gen + 1) & 0xffff;
+      p.dst = dst;
+      p.cap = cap;
+      p.done.store(0, std::memory_order_relaxed);
+      p.status = 0;
+      p.value = 0;
+      p.pe = pe;
+      p.error[0] = 0;
+      *token = static_cast<uint32_t>(i) | (p.gen << 16);
+      return &p;
+    }
+    return nullptr;
+  }
+  void free_pending(Pending* p) {
+    std::lock_guard<std::mutex> g(pend_mu_);
+    p->busy = false;
+    p->dst = nullptr;
+  }
+  Pending* lookup(uint32_t token) {
+    std::lock_guard<std::mutex> g(pend_mu_);
+    const size_t i = token & 0xffff;
+    if (i >= pending_.size()) return nullptr;
+    Pending& p = pending_[i];
+    if (!p.busy || p.gen != (token >> 16)) return nullptr;  // stale: its request gave up
+    return &p;
+  }
+
+  Pending* request(int pe, Hdr& h, const void* data, size_t n, void* dst, size_t cap, double timeout_s,
+                   const char* fn) {
+    WaitResult r{kWaitOk, 0, -1, nullptr};
+    Pending* p = request_nothrow(pe, h, data, n, dst, cap, timeout_s, &r);
+    if (p != nullptr) {
+      if (p->status != kReplyOk) {
+        std::string err = std::string(fn) + ": PE " + std::to_string(pe) + " rejected the request: " + p->error;
+        free_pending(p);
+        throw std::invalid_argument(err);
+      }
+      return p;
+    }
+    if (r.status == kWaitInterrupted) throw py::error_already_set();
+    PyObject* what = PyUnicode_FromString(fn);
+    raise_wait_error(r, timeout_s, what, false);
+    Py_XDECREF(what);
+    throw py::error_already_set();
+  }
+
+  // Sends a request and waits for its reply. On failure returns nullptr with
+  // *res set (timeout, peer failure, interrupted).
+  Pending* request_nothrow(int pe, Hdr& h, const void* data, size_t n, void* dst, size_t cap, double timeout_s,
+                           WaitResult* res) {
+    const char* why = nullptr;
+    if (group_->check(pe, &why) >= 0) {
+      *res = {kWaitPeer, 0, pe, why};
+      return nullptr;
+    }
+    uint32_t token = 0;
+    Pending* p = alloc_pending(pe, dst, cap, &token);
+    if (p == nullptr) {
+      *res = {kWaitTimeout, 0, -1, nullptr};
+      return nullptr;
+    }
+    h.token = token;
+    PyThreadState* ts = PyEval_SaveThread();
+    void* req;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      dirty_[pe] = 1;
+      req = send_nb(pe, h, data, n);
+    }
+    const bool sent_ok = req == nullptr || wait_req(req, pe, std::max(timeout_s, 0.0) + 1.0) == 0;
+    const auto start = Clock::now();
+    const int64_t timeout_ns = timeout_s <= 0 ? 0 : static_cast<int64_t>(std::min(timeout_s, 1e9) * 1e9);
+    const int64_t spin_ns = std::min(spin_budget_ns(), timeout_ns);
+    int outcome = 0;  // 1 ok, 2 timeout, 3 peer
+    while (outcome == 0) {
+      if (p->done.load(std::memory_order_acquire)) { outcome = 1; break; }
+      const int64_t e = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+      if (!sent_ok || group_->check(pe, &why) >= 0) {
+        if (p->done.load(std::memory_order_acquire)) { outcome = 1; break; }
+        outcome = 3;
+        if (why == nullptr) why = "could not be reached";
+        break;
+      }
+      if (e >= timeout_ns) { outcome = 2; break; }
+      if (e < spin_ns) {
+        poll();
+        continue;
+      }
+      std::unique_lock<std::mutex> lk(cv_mu_);
+      cv_.wait_for(lk, std::chrono::milliseconds(2), [&] { return p->done.load(std::memory_order_acquire) != 0; });
+    }
+    PyEval_RestoreThread(ts);
+    if (outcome == 1) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      return p;
+    }
+    free_pending(p);  // a late reply finds the slot's generation changed and is dropped
+    *res = outcome == 2 ? WaitResult{kWaitTimeout, 0, -1, nullptr} : WaitResult{kWaitPeer, 0, pe, why};
+    return nullptr;
+  }
+
+  void complete(Pending* p) {
+    p->done.store(1, std::memory_order_release);
+    std::lock_guard<std::mutex> lk(cv_mu_);
+    cv_.notify_all();
+  }
+
+  // ---------------------------------------------------------------- receiving (mu_ held)
+  static ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                            const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<NetEngine*>(arg);
+    if (header_length != sizeof(Hdr)) {
+      ++self->bad_;
+      return UCS_OK;
+    }
+    Hdr h;
+    std::memcpy(&h, header, sizeof h);
+    const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    return self->handle(h, data, length, rndv);
+  }
+
+  static void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
+    auto* self = static_cast<NetEngine*>(arg);
+    for (int pe = 0; pe < self->world_; ++pe)
+      if (self->eps_[pe] == ep) self->mark(pe, kStateDead);
+  }
+
+  void mark(int pe, uint32_t state) {
+    group_->set_remote_state(pe, state);
+    std::lock_guard<std::mutex> lk(cv_mu_);
+    cv_.notify_all();
+  }
+
+  void reply(int pe, const Hdr& req, int32_t status, uint64_t value, const char* data, size_t n, const char* err) {
+    Deferred d;
+    d.pe = pe;
+    d.h = Hdr{};
+    d.h.kind = kReply;
+    d.h.src = static_cast<uint32_t>(rank_);
+    d.h.token = req.token;
+    d.h.status = status;
+    d.h.value = value;
+    d.data = data;
+    d.n = n;
+    if (err != nullptr) snprintf(d.err, sizeof d.err, "%s", err);
+    deferred_.push_back(d);
+  }
+
+  ucs_status_t handle(Hdr& h, void* data, size_t length, bool rndv) {
+    ++received_;
+    const int src = static_cast<int>(h.src);
+    if (src < 0 || src >= world_ || eps_[src] == nullptr) {
+      ++bad_;
+      return UCS_OK;
+    }
+    last_rx_[src] = Clock::now();
+    if (h.seq != rx_seq_[src]) ++disorder_;
+    rx_seq_[src] = h.seq + 1;
+    switch (h.kind) {
+      case kHeartbeat: return UCS_OK;
+      case kClose: mark(src, kStateClosed); return UCS_OK;
+      case kReply: return on_reply(h, data, length, rndv);
+      case kQuiet: reply(src, h, kReplyOk, 0, nullptr, 0, nullptr); return UCS_OK;
+      case kSignal:
+      case kSignalFetch: {
+        char* s = resolve(h.sig_region, h.sig_off, 8);
+        if (s == nullptr || (h.sig_off & 7) != 0 || h.op > 1) {
+          ++bad_;
+          if (h.kind == kSignalFetch) reply(src, h, kReplyBad, 0, nullptr, 0, "signal word out of bounds");
+          return UCS_OK;
+        }
+        const uint64_t old = signal_update(reinterpret_cast<uint64_t*>(s), h.value, static_cast<int>(h.op), own_);
+        if (h.kind == kSignalFetch) reply(src, h, kReplyOk, old, nullptr, 0, nullptr);
+        return UCS_OK;
+      }
+      case kGet: {
+        char* p = resolve(h.region, h.off, h.nbytes);
+        if (p == nullptr) {
+          ++bad_;
+          reply(src, h, kReplyBad, 0, nullptr, 0, "range out of bounds");
+          return UCS_OK;
+        }
+        reply(src, h, kReplyOk, 0, p, h.nbytes, nullptr);
+        return UCS_OK;
+      }
+      case kPut:
+      case kPutSignal: {
+        char* dst = resolve(h.region, h.off, h.nbytes);
+        char* sig = h.kind == kPutSignal ? resolve(h.sig_region, h.sig_off, 8) : nullptr;
+        if (dst == nullptr || length != h.nbytes || (h.kind == kPutSignal && (sig == nullptr || (h.sig_off & 7)))) {
+          ++bad_;
+          last_error_ = std::string("dropped a ") + kind_name(h.kind) + " from PE " + std::to_string(src) +
+                        ": range out of bounds";
+          return UCS_OK;
+        }
+        if (!rndv) {
+          if (length) std::memcpy(dst, data, length);
+          finish_put(h);
+          return UCS_OK;
+        }
+        return recv_rndv(h, data, dst, length);
+      }
+      case kMbox: {
+        char* base = resolve(h.region, h.off, 0);
+        const bool fits = base != nullptr && h.nslots > 0 && h.slot_bytes >= h.nbytes && h.ndim <= kMaxDims &&
+                          resolve(h.region, h.off, mailbox_bytes(h.slot_bytes, h.nslots)) != nullptr &&
+                          length == h.nbytes && (h.off & 63) == 0;
+        if (!fits) {
+          ++bad_;
+          reply(src, h, kReplyBad, 0, nullptr, 0, "mailbox out of bounds");
+          return UCS_OK;
+        }
+        if (!rndv) {
+          deliver_mbox(h, data);
+          return UCS_OK;
+        }
+        return recv_rndv(h, data, nullptr, length);
+      }
+      default: ++bad_; return UCS_OK;
+    }
+  }
+
+  void finish_put(const Hdr& h) {
+    if (h.kind == kPutSignal) {
+      char* sig = resolve(h.sig_region, h.sig_off, 8);
+      signal_update(reinterpret_cast<uint64_t*>(sig), h.value, static_cast<int>(h.op), own_);
+    }
+  }
+
+  void deliver_mbox(const Hdr& h, const void* payload) {
+    const uintptr_t base = reinterpret_cast<uintptr_t>(resolve(h.region, h.off, 0));
+    WaitResult r = ring_try_send(base, h.nslots, h.slot_bytes, own_, h.src, h.tag, h.dtype, static_cast<int>(h.ndim),
+                                 h.dims, payload, h.nbytes);
+    reply(static_cast<int>(h.src), h, r.status == kWaitOk ? kReplyOk : kReplyFull, r.value, nullptr, 0, nullptr);
+  }
+
+  ucs_status_t recv_rndv(const Hdr& h, void* desc, char* dst, size_t length) {
+    auto* c = new RndvCtx{this, h, {}};
+    if (dst == nullptr) {
+      c->tmp.resize(length);
+      dst = c->tmp.data();
+    }
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.recv_am = &NetEngine::on_rndv_done;
+    rp.user_data = c;
+    void* req = ucx.ucp_am_recv_data_nbx(worker_, desc, dst, length, &rp);
+    if (req == nullptr) {
+      rndv_finished(c, UCS_OK);
+    } else if (UCS_PTR_IS_ERR(req)) {
+      rndv_finished(c, UCS_PTR_STATUS(req));
+    } else {
+      ++rndv_live_count_;
+    }
+    return UCS_INPROGRESS;
+  }
+
+  static void on_rndv_done(void* req, ucs_status_t st, size_t, void* user) {
+    auto* c = static_cast<RndvCtx*>(user);
+    --c->eng->rndv_live_count_;
+    c->eng->rndv_finished(c, st);
+    ucx.ucp_request_free(req);
+  }
+
+  void rndv_finished(RndvCtx* c, ucs_status_t st) {
+    const Hdr& h = c->h;
+    if (st != UCS_OK) {
+      last_error_ = ucs_err("receiving a rendezvous message", st);
+      if (h.kind == kMbox) reply(static_cast<int>(h.src), h, kReplyFull, 0, nullptr, 0, nullptr);
+    } else if (h.kind == kMbox) {
+      deliver_mbox(h, c->tmp.data());
+    } else if (h.kind == kReply) {
+      Pending* p = lookup(h.token);
+      if (p != nullptr) complete(p);
+    } else {
+      finish_put(h);
+    }
+    delete c;
+  }
+
+  ucs_status_t on_reply(const Hdr& h, void* data, size_t length, bool rndv) {
+    Pending* p = lookup(h.token);
+    if (p == nullptr) return UCS_OK;  // its requester gave up
+    p->status = h.status;
+    p->value = h.value;
+    if (length > 0 && h.status == kReplyOk) {
+      if (p->dst == nullptr || length > p->cap) {
+        p->status = kReplyBad;
+        snprintf(p->error, sizeof p->error, "reply of %zu bytes does not fit %zu", length, p->cap);
+        if (rndv) return UCS_OK;  // drops the descriptor
+      } else if (rndv) {
+        return recv_rndv(h, data, static_cast<char*>(p->dst), length);
+      } else {
+        std::memcpy(p->dst, data, length);
+      }
+    }
+    if (h.status == kReplyBad && p->error[0] == 0) snprintf(p->error, sizeof p->error, "%s", "out of bounds");
+    complete(p);
+    return UCS_OK;
+  }
+
+  struct Deferred {
+    int pe;
+    Hdr h;
+    const char* data = nullptr;
+    size_t n = 0;
+    char err[96] = {0};
+  };
+
+  // Sends the replies the handlers queued (mu_ held; not from a callback).
+  void run_deferred() {
+    while (!deferred_.empty()) {
+      Deferred d = deferred_.front();
+      deferred_.pop_front();
+      if (eps_[d.pe] == nullptr || group_->remote_state(d.pe) != kStateAlive) continue;
+      void* req = send_nb(d.pe, d.h, d.data, d.n);
+      // Nobody waits for a reply's completion: UCX frees the request when it
+      // ends. The data it reads (a get's range) lives in a registered region.
+      if (req != nullptr && req != reinterpret_cast<void*>(-1)) ucx.ucp_request_free(req);
+    }
+  }
+
+  void tick() {
+    const auto now = Clock::now();
+    for (int pe = 0; pe < world_; ++pe) {
+      if (eps_[pe] == nullptr || group_->remote_state(pe) != kStateAlive) continue;
+      if (now - last_rx_[pe] > std::chrono::nanoseconds(peer_timeout_ns_)) {
+        last_error_ = "PE " + std::to_string(pe) + " silent for longer than the peer timeout";
+        mark(pe, kStateDead);
+        continue;
+      }
+      if (now - last_tx_[pe] > std::chrono::milliseconds(200)) {
+        Hdr h = make_locked(kHeartbeat, pe);
+        void* req = send_nb(pe, h, nullptr, 0);
+        ++hb_sent_;
+        if (req != nullptr && req != reinterpret_cast<void*>(-1)) ucx.ucp_request_free(req);
+      }
+    }
+  }
+
+  void progress_loop() {
+    int ep = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event ev {};
+    ev.events = EPOLLIN;
+    epoll_ctl(ep, EPOLL_CTL_ADD, efd_, &ev);
+    auto last_tick = Clock::now();
+    for (;;) {
+      ucs_status_t armed;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        if (stop_) break;
+        while (ucx.ucp_worker_progress(worker_) != 0) {
+        }
+        run_deferred();
+        const auto now = Clock::now();
+        if (now - last_tick > std::chrono::milliseconds(100)) {
+          tick();
+          last_tick = now;
+        }
+        armed = ucx.ucp_worker_arm(worker_);
+      }
+      if (armed == UCS_ERR_BUSY) continue;
+      struct epoll_event out {};
+      epoll_wait(ep, &out, 1, 100);
+      ++wakeups_;
+    }
+    close(ep);
+  }
+
+  Group* group_;
+  int rank_, world_;
+  Ctrl* own_;
+  int64_t peer_timeout_ns_;
+  double send_timeout_s_ = 30.0;
+  ucp_context_h ctx_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int efd_ = -1;
+  std::vector<ucp_ep_h> eps_;
+  std::vector<uint64_t> tx_seq_, rx_seq_;
+  std::vector<Clock::time_point> last_rx_, last_tx_;
+  std::vector<uint8_t> dirty_ = std::vector<uint8_t>(world_, 0);
+  std::vector<Region> regions_;
+  std::deque<Pending> pending_;
+  std::deque<Deferred> deferred_;
+  int64_t rndv_live_count_ = 0;
+  std::mutex mu_, pend_mu_, cv_mu_;
+  std::condition_variable cv_;
+  std::thread thread_;
+  bool stop_ = false;
+  uint64_t disorder_ = 0, bad_ = 0, received_ = 0, sent_ = 0, hb_sent_ = 0, wakeups_ = 0;
+  std::string last_error_;
+};
+
+}  // namespace
+
+void bind_net(py::module& m) {
+  m.attr("NET_AVAILABLE") = true;
+  m.def("net_load", &load_ucx, py::arg("ucp_path"), py::arg("ucs_path"),
+        "Load UCX's libraries (paths of libucp.so and libucs.so) once per process.");
+  py::class_<NetEngine>(m, "NetEngine")
+      .def(py::init([](Group& g, uintptr_t own_ctrl, double peer_timeout_s, const std::string& tls) {
+             auto* e = new NetEngine(&g, own_ctrl, peer_timeout_s, tls);
+             g.set_net(e);
+             return e;
+           }),
+           py::arg("group"), py::arg("own_ctrl"), py::arg("peer_timeout_s"), py::arg("tls"), py::keep_alive<1, 2>())
+      .def("address", &NetEngine::address)
+      .def("connect", &NetEngine::connect, py::arg("pe"), py::arg("address"))
+      .def("start", &NetEngine::start)
+      .def("add_region",
+           [](NetEngine& e, uint32_t index, const Mapping& mp) { e.add_region(index, mp.addr(), mp.size()); },
+           py::arg("index"), py::arg("mapping"), "Region `index` (1 + heap chunk) is this mapping.")
+      .def("put", &NetEngine::put, py::arg("pe"), py::arg("region"), py::arg("off"), py::arg("src"), py::arg("nbytes"))
+      .def("put_signal", &NetEngine::put_signal, py::arg("pe"), py::arg("region"), py::arg("off"), py::arg("src"),
+           py::arg("nbytes"), py::arg("sig_region"), py::arg("sig_off"), py::arg("value"), py::arg("op"))
+      .def("signal", &NetEngine::signal, py::arg("pe"), py::arg("region"), py::arg("off"), py::arg("value"),
+           py::arg("op"), py::arg("fetch"), py::arg("timeout_s"))
+      .def("get", &NetEngine::get, py::arg("pe"), py::arg("region"), py::arg("off"), py::arg("dst"),
+           py::arg("nbytes"), py::arg("timeout_s"))
+      .def("quiet", &NetEngine::quiet, py::arg("timeout_s"))
+      .def("poll", &NetEngine::poll)
+      .def("stats", &NetEngine::stats)
+      .def("shutdown", &NetEngine::shutdown, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace asap
+
+#else  // !ASAP_HAVE_UCX
+
+namespace py = pybind11;
+namespace asap {
+void bind_net(py::module& m) { m.attr("NET_AVAILABLE") = false; }
+}  // namespace asap
+
+#endif
