@@ -1045,7 +1045,7 @@ def _net_engine(comm: "Communicator"):
     libucx.load_library()
     _C.net_load(os.path.join(lib, "libucp.so"), os.path.join(lib, "libucs.so"))
     tls = "" if "UCX_TLS" in os.environ else "tcp"  # same-host peers use shared memory, not UCX
-    peer_timeout = float(os.environ.get("ASAP_NET_PEER_TIMEOUT_S", "3"))
+    peer_timeout = float(os.environ.get("ASAP_NET_PEER_TIMEOUT_S", "5"))
     try:
         return _C.NetEngine(comm._group, comm._ctrl_local, peer_timeout, tls)
     except RuntimeError as e:

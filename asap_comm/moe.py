@@ -202,9 +202,17 @@ class AttentionEnd:
         self._buf = _Buffers(comm, plan)
         a, A, S = comm.rank, plan.num_attention_ranks, plan.max_inflight
         # Views of every expert PE's dispatch region (a, s), writable in place.
-        self._remote = {(pe, s): (comm.remote(self._buf.tokens[a, s], pe), comm.remote(self._buf.expert_ids[a, s], pe),
-                                  comm.remote(self._buf.weights[a, s], pe))
+        # Views of every same-host expert PE's dispatch region (a, s), writable in place; None for expert
+        # PEs on other hosts, whose rows are staged here and put (the path every backend has).
+        self._remote = {(pe, s): None if comm.is_remote(pe) else
+                        (comm.remote(self._buf.tokens[a, s], pe), comm.remote(self._buf.expert_ids[a, s], pe),
+                         comm.remote(self._buf.weights[a, s], pe))
                         for pe in range(A, plan.world_size) for s in range(S)}
+        self._stage = None
+        if any(v is None for v in self._remote.values()):
+            self._stage = (torch.empty(plan.max_tokens, plan.hidden, dtype=plan.dtype),
+                           torch.empty(plan.max_tokens, plan.top_k, dtype=torch.int32),
+                           torch.empty(plan.max_tokens, plan.top_k, dtype=torch.float32))
         self._minus1 = torch.tensor(-1, dtype=torch.int32)
         self._desc = torch.zeros(_DESC_WORDS, dtype=torch.int64)  # staging for descriptors
         self._desc_words = memoryview(self._desc.numpy()).cast("B").cast("q")
@@ -276,7 +284,8 @@ class AttentionEnd:
                 if n == 0:
                     continue  # not contacted
                 pe = plan.num_attention_ranks + r
-                tok, eid, w = self._remote[(pe, slot)]
+                views = self._remote[(pe, slot)]
+                tok, eid, w = views if views is not None else self._stage
                 # rows, routing ids (-1: expert elsewhere) and weights straight into the peer's region
                 if n == T:  # every token: plain copies, rows are 0..T-1
                     tok[:n].copy_(x)
@@ -286,6 +295,11 @@ class AttentionEnd:
                     torch.index_select(x, 0, rows, out=tok[:n])
                     torch.index_select(torch.where(on_r, ids32, self._minus1), 0, rows, out=eid[:n])
                     torch.index_select(weights, 0, rows, out=w[:n])
+                if views is None:  # another host: put the staged rows (applied before the descriptor below)
+                    a, comm, buf = self.comm.rank, self.comm, self._buf
+                    comm.put(buf.tokens[a, slot, :n], tok[:n], pe)
+                    comm.put(buf.expert_ids[a, slot, :n], eid[:n], pe)
+                    comm.put(buf.weights[a, slot, :n], w[:n], pe)
                 words = self._desc_words
                 words[0], words[1], words[2], words[3] = slot, layer, n, off
                 self._send_desc[pe]()  # release: the rows above are visible before the descriptor
@@ -468,7 +482,9 @@ class ExpertEnd:
         self.experts = plan.local_experts(comm.rank)
         self._finished: set[int] = set()
         # address of combine[0, 0] on each attention PE, as mapped here
-        self._combine_remote = [comm.remote(self._buf.combine, a).data_ptr() for a in range(plan.num_attention_ranks)]
+        # (None for attention PEs on other hosts: their rows travel with put_signal)
+        self._combine_remote = [None if comm.is_remote(a) else comm.remote(self._buf.combine, a).data_ptr()
+                                for a in range(plan.num_attention_ranks)]
 
     @property
     def finished(self) -> bool:
@@ -552,6 +568,8 @@ class ExpertEnd:
         if len(batch.parts) != 1:
             return torch.empty(batch.num_rows, self.plan.hidden, dtype=self.plan.dtype)
         a, slot, off, n, _first = batch.parts[0]
+        if self._combine_remote[a] is None:  # another host: computed here, then put
+            return torch.empty(n, self.plan.hidden, dtype=self.plan.dtype)
         return self.comm.remote(self._buf.combine[slot, off:off + n], a)
 
     def combine_send(self, batch: ExpertBatch, out: torch.Tensor) -> None:
@@ -575,6 +593,9 @@ class ExpertEnd:
         buf, comm = self._buf, self.comm
         row_bytes = plan.hidden * out.element_size()
         for a, slot, off, n, first in batch.parts:
+            if self._combine_remote[a] is None:  # another host: rows and counter in one message
+                comm.put_signal(buf.combine[slot, off:off + n], out[first:first + n], a, buf.done, slot, 1, op="add")
+                continue
             dst = self._combine_remote[a] + (slot * plan.combine_rows + off) * row_bytes
             if len(batch.parts) != 1 or out.data_ptr() != dst or not out.is_contiguous():
                 comm.remote(buf.combine[slot, off:off + n], a).copy_(out[first:first + n])

@@ -358,8 +358,18 @@ class NetEngine final : public NetIface {
       if (eps_[pe] == nullptr || !dirty_[pe]) continue;
       if (group_->remote_state(pe) != kStateAlive) continue;
       Hdr h = make(kQuiet, pe);
-      Pending* p = request(pe, h, nullptr, 0, nullptr, 0, timeout_s, "quiet");
-      free_pending(p);
+      WaitResult r{kWaitOk, 0, -1, nullptr};
+      Pending* p = request_nothrow(pe, h, nullptr, 0, nullptr, 0, timeout_s, &r);
+      if (p != nullptr) {
+        free_pending(p);
+      } else if (!(r.status == kWaitPeer && group_->remote_state(pe) == kStateClosed)) {
+        // (a PE that closed meanwhile has nothing left to complete)
+        if (r.status == kWaitInterrupted) throw py::error_already_set();
+        PyObject* what = PyUnicode_FromString("quiet");
+        raise_wait_error(r, timeout_s, what, false);
+        Py_XDECREF(what);
+        throw py::error_already_set();
+      }
       dirty_[pe] = 0;
     }
   }
@@ -430,14 +440,39 @@ class NetEngine final : public NetIface {
   // the endpoints and frees the worker. Idempotent.
   void shutdown() {
     if (worker_ == nullptr) return;
+    // Goodbye first, acknowledged (within a second), so that peers record
+    // this PE as closed, not dead, before its endpoints go away.
+    std::vector<Pending*> byes;
     {
       std::lock_guard<std::mutex> g(mu_);
       for (int pe = 0; pe < world_; ++pe) {
         if (eps_[pe] == nullptr || group_->remote_state(pe) != kStateAlive) continue;
+        uint32_t token = 0;
+        Pending* p = alloc_pending(pe, nullptr, 0, &token);
+        if (p == nullptr) continue;
         Hdr h = make_locked(kClose, pe);
+        h.token = token;
         void* req = send_nb(pe, h, nullptr, 0);
-        if (req != nullptr) wait_req_locked(req, 0.5);
+        if (req != nullptr && req != reinterpret_cast<void*>(-1)) ucx.ucp_request_free(req);
+        byes.push_back(p);
       }
+    }
+    const auto deadline = Clock::now() + std::chrono::seconds(1);
+    for (;;) {
+      bool all = true;
+      for (Pending* p : byes)
+        if (!p->done.load(std::memory_order_acquire) && group_->remote_state(p->pe) == kStateAlive) all = false;
+      if (all || Clock::now() > deadline) break;
+      poll();
+      std::this_thread::yield();
+    }
+    if (debug_)
+      for (Pending* p : byes)
+        fprintf(stderr, "[asap net] PE %d: goodbye to PE %d %s\n", rank_, p->pe,
+                p->done.load() ? "acknowledged" : "not acknowledged");
+    for (Pending* p : byes) free_pending(p);
+    {
+      std::lock_guard<std::mutex> g(mu_);
       stop_ = true;
       ucx.ucp_worker_signal(worker_);
     }
@@ -751,6 +786,9 @@ class NetEngine final : public NetIface {
   }
 
   void mark(int pe, uint32_t state) {
+    if (debug_)
+      fprintf(stderr, "[asap net] PE %d: PE %d -> %s (was %u)\n", rank_, pe, state == kStateClosed ? "closed" : "dead",
+              group_->remote_state(pe));
     group_->set_remote_state(pe, state);
     std::lock_guard<std::mutex> lk(cv_mu_);
     cv_.notify_all();
@@ -783,7 +821,10 @@ class NetEngine final : public NetIface {
     rx_seq_[src] = h.seq + 1;
     switch (h.kind) {
       case kHeartbeat: return UCS_OK;
-      case kClose: mark(src, kStateClosed); return UCS_OK;
+      case kClose:
+        mark(src, kStateClosed);
+        reply(src, h, kReplyOk, 0, nullptr, 0, nullptr);
+        return UCS_OK;
       case kReply: return on_reply(h, data, length, rndv);
       case kQuiet: reply(src, h, kReplyOk, 0, nullptr, 0, nullptr); return UCS_OK;
       case kSignal:
@@ -937,7 +978,7 @@ class NetEngine final : public NetIface {
     while (!deferred_.empty()) {
       Deferred d = deferred_.front();
       deferred_.pop_front();
-      if (eps_[d.pe] == nullptr || group_->remote_state(d.pe) != kStateAlive) continue;
+      if (eps_[d.pe] == nullptr || group_->remote_state(d.pe) == kStateDead) continue;
       void* req = send_nb(d.pe, d.h, d.data, d.n);
       // Nobody waits for a reply's completion: UCX frees the request when it
       // ends. The data it reads (a get's range) lives in a registered region.
@@ -1012,6 +1053,7 @@ class NetEngine final : public NetIface {
   std::condition_variable cv_;
   std::thread thread_;
   bool stop_ = false;
+  bool debug_ = std::getenv("ASAP_NET_DEBUG") != nullptr;
   uint64_t disorder_ = 0, bad_ = 0, received_ = 0, sent_ = 0, hb_sent_ = 0, wakeups_ = 0;
   std::string last_error_;
 };

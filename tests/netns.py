@@ -29,15 +29,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-_WRAP = ('mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && hostname "$ASAP_NETNS_HOSTNAME" '
-         '&& exec "$@"')
+# Inside the new namespaces: a private /dev/shm, the host's name, and an /etc/hosts that resolves it (as a
+# cluster's DNS would; gloo and c10d look their own hostname up).
+_SETUP = ('mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && hostname "$ASAP_NETNS_HOSTNAME" '
+          '&& printf "127.0.0.1 localhost\\n%s\\n" "$ASAP_NETNS_HOSTS" > /dev/shm/.asap-hosts '
+          '&& mount --bind /dev/shm/.asap-hosts /etc/hosts && echo ready && exec sleep 86400')
 
 
 def unavailable() -> "str | None":
     """Why simulated hosts cannot be built here, or None if they can."""
     if sys.platform != "linux":
         return "network namespaces need Linux"
-    for tool in ("ip", "unshare"):
+    for tool in ("ip", "unshare", "nsenter"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (iproute2 / util-linux)"
     if os.geteuid() != 0:
@@ -65,23 +68,35 @@ class Host:
     addr: str
     link: str  # the host's end of its veth pair (inside ns)
     procs: list = field(default_factory=list)
+    hosts_file: str = ""  # lines of /etc/hosts naming every simulated host
+
+    holder: "subprocess.Popen | None" = None  # the process whose namespaces are this host
 
     def popen(self, argv: "list[str]", env: "dict | None" = None, **kw) -> subprocess.Popen:
-        """Start ``argv`` on this host (its namespaces, hostname and /dev/shm)."""
-        e = dict(os.environ if env is None else env)
-        e["ASAP_NETNS_HOSTNAME"] = self.hostname
-        cmd = ["ip", "netns", "exec", self.ns, "unshare", "--mount", "--uts", "--propagation", "private",
-               "sh", "-c", _WRAP, "sh", *argv]
-        p = subprocess.Popen(cmd, env=e, start_new_session=True, **kw)
+        """Start ``argv`` on this host (its network, mount and UTS namespaces: hostname, /dev/shm)."""
+        cmd = ["nsenter", "-t", str(self.holder.pid), "-m", "-u", "-n", f"--wd={os.getcwd()}", "--", *argv]
+        p = subprocess.Popen(cmd, env=env, start_new_session=True, **kw)
         self.procs.append(p)
         return p
+
+    def _start_holder(self) -> None:
+        e = dict(os.environ, ASAP_NETNS_HOSTNAME=self.hostname, ASAP_NETNS_HOSTS=self.hosts_file)
+        self.holder = subprocess.Popen(["ip", "netns", "exec", self.ns, "unshare", "--mount", "--uts",
+                                        "--propagation", "private", "sh", "-c", _SETUP], env=e,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       start_new_session=True)
+        line = self.holder.stdout.readline().strip()
+        if line != "ready":
+            self.holder.kill()
+            raise RuntimeError(f"simulated host {self.hostname}: setting up its namespaces failed: "
+                               f"{self.holder.stderr.read().strip()}")
 
     def link_down(self) -> None:
         """Cut this host off the network (its processes keep running)."""
         _ip("-n", self.ns, "link", "set", "dev", self.link, "down")
 
     def kill_all(self) -> None:
-        """SIGKILL every process this host started (as if the host disappeared)."""
+        """SIGKILL every process started on this host (as if the host disappeared); the host stays."""
         for p in self.procs:
             if p.poll() is None:
                 try:
@@ -132,6 +147,10 @@ class Hosts:
             _ip("-n", ns, "link", "set", a, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             self.hosts.append(Host(i, ns, f"asap-host{i}", addr, a))
+        lines = "\n".join(f"{h.addr} {h.hostname}" for h in self.hosts)
+        for h in self.hosts:
+            h.hosts_file = lines
+            h._start_holder()
 
     def __getitem__(self, i: int) -> Host:
         return self.hosts[i]
@@ -142,9 +161,11 @@ class Hosts:
     def close(self) -> None:
         for h in self.hosts:
             h.kill_all()
+            if h.holder is not None and h.holder.poll() is None:
+                os.killpg(h.holder.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         for h in self.hosts:
-            for p in h.procs:
+            for p in h.procs + ([h.holder] if h.holder is not None else []):
                 try:
                     p.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
@@ -161,3 +182,103 @@ def free_port() -> int:
     """A port that is free on every simulated host: they each have their own port space, so any
     high port works; choose at random from the ephemeral-free range."""
     return random.randrange(20000, 30000)
+
+
+# ----------------------------------------------------------------------------- running a group across hosts
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
+
+
+def run_across_hosts(hosts: Hosts, layout: "list[int]", fn, *args, timeout: float = 120.0,
+                     env: "dict | None" = None, expect_fail: "set[int] | None" = None, during=None,
+                     launcher: str = "python") -> list:
+    """Run ``fn(comm, *args)`` on ``sum(layout)`` PEs, ``layout[i]`` of them on host ``i`` (ranks in host order),
+    each joining with ``asap_comm.init()`` from the torchrun-style environment; returns every PE's result.
+
+    ``fn`` must be importable from the tests directory. Every wait is bounded: a PE that does not end within
+    ``timeout`` s fails the call. ``expect_fail``: ranks allowed to end without a result (their result is None).
+    ``during(hosts, procs)``: called once every PE has started (to kill a host, cut a link, ...).
+    ``launcher``: ``"python"`` starts each PE itself; ``"torchrun"`` starts one ``torchrun --nnodes N
+    --nproc-per-node layout[i] --node-rank i`` per host (static rendezvous on host 0), as a user would.
+    """
+    import pickle
+    import tempfile
+
+    world = sum(layout)
+    port = free_port()
+    out = tempfile.mkdtemp(prefix="asap-multihost-")
+    with open(os.path.join(out, "args.pkl"), "wb") as f:
+        pickle.dump(args, f)
+    procs = []
+    target = f"{fn.__module__}:{fn.__qualname__}"
+    base = dict(os.environ if env is None else {**os.environ, **env})
+    base["ASAP_TEST_DUMP_AFTER"] = str(max(1.0, timeout - 8))  # a hung PE prints its stacks before the kill
+    if launcher == "torchrun":
+        for h, n in enumerate(layout):
+            procs.append(hosts[h].popen(
+                [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(layout)}", f"--nproc-per-node={n}",
+                 f"--node-rank={h}", f"--master-addr={hosts[0].addr}", f"--master-port={port}", _WORKER, target, out],
+                env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    elif launcher == "python":
+        rank = 0
+        for h, n in enumerate(layout):
+            for local in range(n):
+                e = dict(base, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
+                         LOCAL_WORLD_SIZE=str(n), MASTER_ADDR=hosts[0].addr, MASTER_PORT=str(port))
+                procs.append(hosts[h].popen([sys.executable, _WORKER, target, out], env=e,
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                rank += 1
+    else:
+        raise ValueError(f"run_across_hosts: launcher={launcher!r} must be 'python' or 'torchrun'")
+    try:
+        if during is not None:
+            try:
+                during(hosts, procs)
+            except AssertionError as e:
+                for q in procs:
+                    if q.poll() is None:
+                        os.killpg(q.pid, signal.SIGKILL)
+                tails = [f"--- process {i}:\n" + (q.communicate(timeout=5)[0] or "")[-3000:]
+                         for i, q in enumerate(procs)]
+                raise AssertionError(f"{e}\n" + "\n".join(tails)) from None
+        deadline = time.monotonic() + timeout
+        logs = []
+        for r, p in enumerate(procs):
+            try:
+                text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                tails = []
+                for i, q in enumerate(procs):
+                    if q.poll() is None:
+                        os.killpg(q.pid, signal.SIGKILL)
+                    try:
+                        tails.append(f"--- process {i}:\n" + (q.communicate(timeout=5)[0] or "")[-3000:])
+                    except Exception:
+                        pass
+                raise AssertionError(f"run_across_hosts: process {r} did not finish within {timeout} s "
+                                     f"(layout {layout}, {fn.__qualname__})\n" + "\n".join(tails)) from None
+            logs.append(text)
+        if launcher == "torchrun":  # one log per host: give each PE its host's
+            logs = [logs[_host_of(layout, r)] for r in range(world)]
+            procs = [procs[_host_of(layout, r)] for r in range(world)]
+        results = []
+        for r in range(world):
+            path = os.path.join(out, f"result-{r}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            elif expect_fail and r in expect_fail:
+                results.append(None)
+            else:
+                raise AssertionError(f"run_across_hosts: PE {r} (host {hosts[_host_of(layout, r)].hostname}) failed "
+                                     f"(exit {procs[r].returncode}):\n{logs[r][-4000:]}")
+        return results
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _host_of(layout: "list[int]", rank: int) -> int:
+    for h, n in enumerate(layout):
+        if rank < n:
+            return h
+        rank -= n
+    raise ValueError(rank)

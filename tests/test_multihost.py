@@ -1,0 +1,329 @@
+"""asap_comm across hosts: simulated hosts (network namespaces, private /dev/shm, own hostname) joined by veth.
+
+Every group here spans two hosts, so ``init()`` (backend "auto") puts shared memory between the PEs of one
+host and the network engine between hosts. Covered: the API matrix across hosts (put/get of every shape,
+ordering under stress, ``add`` signals from every PE, mailboxes with many producers and back-pressure,
+bad input for remote PEs, torch ops, barriers), a launch by torchrun, ``asap_comm.moe`` with attention and
+expert ranks on different hosts (exact against the reference), a host that disappears mid-wait (processes
+killed; link cut), and the CPU an idle PE burns.
+
+Building the hosts needs root. Without it the module is skipped with the reason, except where
+``$ASAP_REQUIRE_NETNS`` is set (CI sets it: CI runs as root, so a skip there would hide a failure).
+"""
+import os
+import random
+import resource
+import time
+
+import pytest
+import torch
+
+import asap_comm
+from asap_comm.moe import MoEPlan
+from netns import Hosts, run_across_hosts, unavailable
+
+_why = unavailable()
+if _why is not None:
+    if os.environ.get("ASAP_REQUIRE_NETNS"):
+        pytest.fail(f"multi-host tests cannot run ({_why}) and $ASAP_REQUIRE_NETNS is set", pytrace=False)
+    pytest.skip(f"simulated hosts unavailable: {_why}", allow_module_level=True)
+if not getattr(asap_comm._native._C, "NET_AVAILABLE", False):
+    pytest.fail("asap_comm was built without the network backend (UCX headers missing at build time)",
+                pytrace=False)
+try:
+    import libucx  # noqa: F401
+except ImportError:
+    pytest.fail("the network backend needs libucx-cu12: pip install -e '.[net]' (the test extra includes it)",
+                pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with Hosts(2) as h:
+        yield h
+
+
+# --------------------------------------------------------------------------- the API matrix
+def _api_matrix(comm):
+    W, r = comm.world_size, comm.rank
+    problems = []
+
+    def expect(cond, what):
+        if not cond:
+            problems.append(what)
+
+    # 1. where everyone is
+    expect(comm.hosts == ["asap-host0", "asap-host0", "asap-host1", "asap-host1"], f"hosts {comm.hosts}")
+    expect(comm.backend == "auto", f"backend {comm.backend}")
+    expect(comm.local_rank == int(os.environ["LOCAL_RANK"]), f"local_rank {comm.local_rank}")
+    expect(comm.local_world_size == int(os.environ["LOCAL_WORLD_SIZE"]), f"local_world {comm.local_world_size}")
+    partner = (r + 2) % W  # on the other host
+    neighbour = r ^ 1  # on this host
+    expect(comm.is_remote(partner) and not comm.is_remote(neighbour), "is_remote")
+
+    # 2. contiguous put/get between every pair (self, same host, other host)
+    x = comm.zeros((W, 64), torch.float32)
+    for pe in range(W):
+        comm.put(x[r], torch.full((64,), float(100 * r + pe)), pe)
+    comm.barrier()
+    for src in range(W):
+        expect(torch.equal(x[src], torch.full((64,), float(100 * src + r))), f"put row from {src}")
+    y = torch.empty(64)
+    for pe in range(W):
+        comm.get(y, x[r], pe)
+        expect(torch.equal(y, torch.full((64,), float(100 * r + pe))), f"get from {pe}")
+
+    # 3. strided views both ways, to the other host
+    m = comm.zeros((16, 8), torch.int64)
+    comm.barrier()
+    comm.put(m[:, 3], torch.arange(16) + 1000 * r, partner)  # a column: 16 runs of one element
+    comm.put(m[2:10:2, 4:7], torch.full((4, 3), r + 7, dtype=torch.int64), partner)
+    comm.barrier()
+    expect(torch.equal(m[:, 3], torch.arange(16) + 1000 * partner), "strided put (column)")
+    expect(torch.equal(m[2:10:2, 4:7], torch.full((4, 3), partner + 7, dtype=torch.int64)), "strided put (block)")
+    col = torch.empty(16, dtype=torch.int64)
+    comm.get(col, m[:, 3], partner)
+    expect(torch.equal(col, torch.arange(16) + 1000 * r), "strided get")
+    out_t = torch.zeros(8, 16, dtype=torch.int64).t()  # a non-contiguous destination of a get
+    comm.get(out_t, m, partner)
+    theirs = torch.zeros(16, 8, dtype=torch.int64)  # what this PE wrote into the partner's m
+    theirs[:, 3] = torch.arange(16) + 1000 * r
+    theirs[2:10:2, 4:7] = r + 7
+    expect(torch.equal(out_t, theirs), "get into a non-contiguous tensor")
+
+    # 4. 16 MiB each way (rendezvous-sized): put, then read it back with get
+    big = comm.zeros(4 << 20, torch.float32)
+    payload = torch.arange(4 << 20, dtype=torch.float32) + r
+    comm.barrier()
+    comm.put(big, payload, partner)
+    comm.barrier()
+    expect(torch.equal(big, torch.arange(4 << 20, dtype=torch.float32) + partner), "16 MiB put")
+    back = torch.empty(4 << 20)
+    comm.get(back, big, partner)
+    expect(torch.equal(back, payload), "16 MiB get")
+
+    # 5. ordering stress: a PE that observes signal value v sees rows < v complete
+    n_rows = 400
+    rows = comm.zeros((n_rows, 256), torch.int32)
+    sig = comm.signals(4)
+    comm.barrier()
+    rng = random.Random(r)
+    if r in (0, 1):  # writers on host 0 -> readers on host 1
+        for i in range(n_rows):
+            comm.put_signal(rows[i], torch.full((256,), i * 10 + r, dtype=torch.int32), partner, sig, 0, i + 1,
+                            op="set")
+    else:
+        seen = 0
+        while seen < n_rows:
+            v = comm.signal_wait_until(sig, 0, ">", seen, timeout=30)
+            for i in range(seen, v):
+                if not torch.equal(rows[i], torch.full((256,), i * 10 + partner, dtype=torch.int32)):
+                    problems.append(f"row {i} incomplete when signal {v} was seen")
+                    break
+            seen = v
+            if rng.random() < 0.1:
+                time.sleep(0.001)
+
+    # 6. add signals from every PE (signal_op and put_signal), then one barrier
+    cnt = comm.signals(2)
+    one = comm.zeros(1, torch.int64)
+    olds = []
+    for _ in range(10):
+        for pe in range(W):
+            olds.append(comm.signal_op(cnt, 0, 1, "add", pe))
+            comm.put_signal(one, torch.ones(1, dtype=torch.int64), pe, cnt, 1, 3, op="add")
+    comm.barrier()
+    expect(comm.signal_fetch(cnt, 0) == 10 * W, f"signal_op adds: {comm.signal_fetch(cnt, 0)}")
+    expect(comm.signal_fetch(cnt, 1) == 30 * W, f"put_signal adds: {comm.signal_fetch(cnt, 1)}")
+    expect(all(0 <= o < 10 * W for o in olds), "signal_op returned an impossible previous value")
+
+    # 7. mailboxes: many producers into one consumer, 4 slots (back-pressure), per-producer FIFO
+    box = comm.mailbox(512, 4)
+    per = 60
+    for consumer in (0, 3):
+        comm.barrier()
+        if r == consumer:
+            time.sleep(0.2)  # let the producers fill the inbox and wait
+            nxt = {pe: 0 for pe in range(W) if pe != r}
+            for _ in range(per * (W - 1)):
+                msg = box.recv(timeout=30)
+                src, tag = msg.src, msg.tag
+                data = msg.tensor.clone()
+                msg.release()
+                expect(tag == nxt.get(src), f"consumer {r}: from {src} tag {tag}, expected {nxt.get(src)}")
+                expect(torch.equal(data, torch.full((tag % 16 + 1,), float(src * 1000 + tag))),
+                       f"consumer {r}: payload from {src} #{tag}")
+                nxt[src] = tag + 1
+            expect(box.poll() is None, "extra message")
+        else:
+            for i in range(per):
+                box.send(consumer, torch.full((i % 16 + 1,), float(r * 1000 + i)), tag=i)
+    comm.barrier()
+
+    # 8. bad input naming a remote PE changes nothing there
+    z = comm.zeros(8, torch.float32)
+    comm.barrier()
+    bad = [
+        (lambda: comm.put(torch.zeros(8), torch.ones(8), partner), ValueError, "not a symmetric tensor"),
+        (lambda: comm.put(z, torch.ones(8, dtype=torch.float64), partner), ValueError, "dtype mismatch"),
+        (lambda: comm.put(z, torch.ones(9), partner), ValueError, "shape mismatch"),
+        (lambda: comm.put(z, torch.ones(8), W), ValueError, "out of range"),
+        (lambda: comm.put_signal(z, torch.ones(8), partner, sig, 99, 1), ValueError, "idx=99"),
+        (lambda: comm.signal_op(sig, 0, -1, "add", partner), ValueError, "does not fit"),
+        (lambda: box.send(partner, torch.zeros(1000)), ValueError, "larger than the mailbox slot"),
+        (lambda: comm.remote(z, partner), asap_comm.CommError, "exists only between PEs of one host"),
+    ]
+    for call, exc, text in bad:
+        try:
+            call()
+            problems.append(f"no error for {text}")
+        except exc as e:
+            expect(text in str(e), f"error {e!r} lacks {text!r}")
+    expect(torch.equal(comm.remote(z, neighbour), torch.zeros(8)), "remote() on this host still works")
+    comm.barrier()
+    expect(torch.equal(z, torch.zeros(8)), "a refused call changed memory")
+
+    # 9. torch ops take the same paths
+    t = comm.zeros(4, torch.float32)
+    s2 = comm.signals(1)
+    comm.barrier()
+    torch.ops.asap_comm.put_signal(t, torch.full((4,), float(r)), partner, s2, 0, 1, "add", comm.id)
+    comm.signal_wait_until(s2, 0, ">=", 1, timeout=30)
+    expect(torch.equal(t, torch.full((4,), float(partner))), "torch.ops put_signal")
+    got = torch.ops.asap_comm.get(t, partner, comm.id)
+    expect(torch.equal(got, torch.full((4,), float(r))), "torch.ops get")
+
+    # 10. barriers publish everything written before them
+    v = comm.zeros(W, torch.int64)
+    for rnd in range(1, 31):
+        for pe in range(W):
+            comm.put(v[r:r + 1], torch.tensor([rnd], dtype=torch.int64), pe)
+        if rng.random() < 0.2:
+            time.sleep(rng.random() * 0.005)
+        comm.barrier()
+        expect(bool((v == rnd).all()), f"barrier round {rnd}: {v.tolist()}")
+        comm.barrier()
+    comm.quiet()
+    stats = comm.net_stats()
+    expect(stats["disorder"] == 0 and stats["bad_messages"] == 0, f"net stats {stats}")
+    return {"problems": problems, "stats": stats}
+
+
+def test_api_matrix_across_two_hosts_under_torchrun(hosts):
+    results = run_across_hosts(hosts, [2, 2], _api_matrix, launcher="torchrun", timeout=240)
+    for r, res in enumerate(results):
+        assert res["problems"] == [], f"PE {r}: {res['problems']}"
+        assert res["stats"]["sent"] > 0 and res["stats"]["received"] > 0
+
+
+# --------------------------------------------------------------------------- moe across hosts
+def _moe_across(comm, plan, seed):
+    from test_moe import _moe_group
+
+    assert all(comm.is_remote(pe) for pe in range(plan.num_attention_ranks, plan.world_size)) == \
+        (comm.rank < plan.num_attention_ranks)
+    return _moe_group(comm, plan, seed)
+
+
+def test_moe_attention_and_expert_ranks_on_different_hosts(hosts):
+    from test_moe import _check_group
+
+    plan = MoEPlan(num_attention_ranks=2, num_expert_ranks=2, num_experts=8, hidden=32, top_k=3, max_tokens=24,
+                   max_inflight=3, dtype=torch.float32)
+    results = run_across_hosts(hosts, [2, 2], _moe_across, plan, 5, timeout=240)
+    _check_group(results, plan)
+
+
+# --------------------------------------------------------------------------- faults
+def _wait_forever(comm, marker_dir):
+    sig = comm.signals(1)
+    comm.barrier()
+    with open(os.path.join(marker_dir, f"waiting-{comm.rank}"), "w") as f:
+        f.write("1")
+    try:
+        comm.signal_wait_until(sig, 0, ">=", 1, timeout=60)
+        return {"outcome": "satisfied", "at": time.time()}
+    except asap_comm.PeerFailure as e:
+        return {"outcome": "PeerFailure", "at": time.time(), "pe": e.pe, "reason": e.reason, "msg": str(e)}
+    except asap_comm.TimeoutError as e:
+        return {"outcome": "TimeoutError", "at": time.time(), "msg": str(e)}
+
+
+def _when_waiting(marker_dir, ranks, action):
+    def during(hs, procs):
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(os.path.join(marker_dir, f"waiting-{r}")) for r in ranks):
+            assert time.monotonic() < deadline, "the PEs never reached their wait"
+            assert all(p.poll() is None for p in procs), "a PE ended before its wait"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        during.t0 = time.time()
+        action(hs)
+    return during
+
+
+@pytest.mark.parametrize("how", ["processes killed", "link cut"])
+def test_host_that_disappears_turns_waits_into_peer_failure(tmp_path, how):
+    if how == "processes killed":
+        action, waiting = (lambda hs: hs[1].kill_all()), [0, 1]
+        survivors = [0]
+    else:
+        action, waiting = (lambda hs: hs[1].link_down()), [0, 1]
+        survivors = [0, 1]
+    with Hosts(2) as hs:  # hosts of its own: a cut link stays cut
+        during = _when_waiting(str(tmp_path), waiting, action)
+        results = run_across_hosts(hs, [1, 1], _wait_forever, str(tmp_path), timeout=90,
+                                   expect_fail={1} if how == "processes killed" else None, during=during,
+                                   env={"ASAP_NET_PEER_TIMEOUT_S": "3"})
+    for r in survivors:
+        res = results[r]
+        assert res["outcome"] == "PeerFailure", f"PE {r}: {res}"
+        assert res["pe"] == 1 - r and res["reason"] == "died", res
+        assert "signal_wait_until" in res["msg"], res["msg"]
+        # well before the wait's own 60 s timeout: the peer timeout is 3 s, plus slack for a loaded host
+        assert res["at"] - during.t0 < 15, f"PE {r} noticed after {res['at'] - during.t0:.1f} s"
+
+
+# --------------------------------------------------------------------------- no CPU burnt while idle
+def _idle(comm):
+    sig = comm.signals(1)
+    comm.barrier()
+    c0 = resource.getrusage(resource.RUSAGE_SELF)
+    w0 = time.monotonic()
+    if comm.rank == 0:
+        comm.signal_wait_until(sig, 0, ">=", 1, timeout=30)  # satisfied by PE 1 after 3 s
+    else:
+        time.sleep(3.0)
+        comm.signal_op(sig, 0, 1, "set", 0)
+    c1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
+    return {"cpu_s": cpu, "wall_s": time.monotonic() - w0}
+
+
+def test_idle_pe_burns_no_core(hosts):
+    results = run_across_hosts(hosts, [1, 1], _idle, timeout=90)
+    for r, res in enumerate(results):
+        assert res["wall_s"] >= 2.5, res
+        # a spinning progress thread would use about wall_s of CPU; a sleeping one well under a tenth of it
+        assert res["cpu_s"] < 0.3 * res["wall_s"], f"PE {r} used {res['cpu_s']:.2f} s CPU in {res['wall_s']:.1f} s"
+
+
+# --------------------------------------------------------------------------- backend choice
+def _init_shm_across(comm):
+    return "unreachable"
+
+
+def test_backend_shm_refuses_a_group_that_spans_hosts(hosts):
+    results = run_across_hosts(hosts, [1, 1], _init_shm_across, timeout=60, env={"ASAP_TEST_BACKEND": "shm"})
+    for res in results:
+        assert res[0] == "init_error" and res[1] == "CommError", res
+        assert "backend='shm' needs every PE on one host" in res[2] and "asap-host1" in res[2], res
+
+
+def test_auto_on_one_host_is_the_shm_backend():
+    c = asap_comm.init(0, 1, master_addr="127.0.0.1", master_port=0, timeout=5.0)
+    try:
+        assert c.backend == "shm" and c.net_stats() == {} and c.hosts == [c.host_id]
+        assert c.local_rank == 0 and c.local_world_size == 1
+    finally:
+        c.close()
