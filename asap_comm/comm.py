@@ -156,7 +156,13 @@ class Communicator:
     def _bootstrap(self) -> None:
         joined = self._store.add("asap/join", 1)
         self._prefix = f"asap/{(joined - 1) // self.world_size}/"
+        name = self._new_name()
+        self._ctrl_map = _C.create_segment(name, _C.CTRL_BYTES)
+        self._linked.append(name)
+        self._ctrl_local = self._ctrl_map.addr
+        _C.ctrl_init(self._ctrl_local, self.rank, self._pid)
         self._store.set(self._prefix + f"host/{self.rank}", self.host_id)
+        self._store.set(self._prefix + f"ctrl/{self.rank}", name)
         self.hosts = [self.host_id if pe == self.rank else self._store_get(f"host/{pe}")
                       for pe in range(self.world_size)]
         self._remote = [h != self.host_id for h in self.hosts]
@@ -167,12 +173,6 @@ class Communicator:
         self.local_pes = [pe for pe in range(self.world_size) if not self._remote[pe]]
         self.local_rank = self.local_pes.index(self.rank)
         self.local_world_size = len(self.local_pes)
-        name = self._new_name()
-        self._ctrl_map = _C.create_segment(name, _C.CTRL_BYTES)
-        self._linked.append(name)
-        self._ctrl_local = self._ctrl_map.addr
-        _C.ctrl_init(self._ctrl_local, self.rank, self._pid)
-        self._store.set(self._prefix + f"ctrl/{self.rank}", name)
         if spans:
             self._net = _net_engine(self)
             self._store.set(self._prefix + f"net/{self.rank}", self._net.address())
@@ -1064,7 +1064,7 @@ def _env_int(name: str, fn: str) -> int:
 
 
 def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_addr: "str | None" = None,
-         master_port: "int | None" = None, backend: str = "auto", timeout: float = 30.0, store=None,
+         master_port: "int | None" = None, backend: "str | None" = None, timeout: float = 30.0, store=None,
          heap_chunk_bytes: "int | None" = None, shm_prefix: "str | None" = None) -> Communicator:
     """Join (collectively) a group of ``world_size`` PEs, on one host or several.
 
@@ -1076,12 +1076,15 @@ def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_a
     (``comm.hosts``, ``comm.local_rank``, ``comm.local_world_size``).
     ``backend``: ``"auto"`` (default) uses shared memory between PEs of one
     host and the network engine (UCX, ``pip install "asap-comm[net]"``)
-    between hosts; ``"shm"`` insists on one host and fails otherwise.
+    between hosts; ``"shm"`` insists on one host and fails otherwise. Default: ``$ASAP_BACKEND``, else
+    ``"auto"``.
     ``timeout`` is the default bound of every wait, in seconds.
     ``heap_chunk_bytes``: symmetric heap growth step (default 64 MiB, env
     ``ASAP_HEAP_CHUNK_BYTES``); segments are sparse, so untouched bytes cost
     nothing. Returns a :class:`Communicator` (also a context manager).
     """
+    if backend is None:
+        backend = os.environ.get("ASAP_BACKEND") or "auto"
     if backend not in ("auto", "shm"):
         raise ValueError(f"init: backend={backend!r} is not available; built backends: ['auto', 'shm'] "
                          "(auto: shared memory within a host, the network engine across hosts; cuda and npu "

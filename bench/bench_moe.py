@@ -327,15 +327,15 @@ def _gloo_init(comm):
 
     port = comm.zeros((1,), torch.int64)
     store = None
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # PE 0's address (across hosts: its host's)
     if comm.rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, WORLD, True, timedelta(seconds=GLOO_TIMEOUT_S),
-                              wait_for_workers=False)
+        store = dist.TCPStore(host, 0, WORLD, True, timedelta(seconds=GLOO_TIMEOUT_S), wait_for_workers=False)
         port[0] = store.port
     comm.barrier(timeout=WAIT_TIMEOUT_S)
     if comm.rank != 0:
         local = torch.zeros(1, dtype=torch.int64)
         comm.get(local, port, 0)
-        store = dist.TCPStore("127.0.0.1", int(local[0]), WORLD, False, timedelta(seconds=GLOO_TIMEOUT_S))
+        store = dist.TCPStore(host, int(local[0]), WORLD, False, timedelta(seconds=GLOO_TIMEOUT_S))
     dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=WORLD,
                             timeout=timedelta(seconds=GLOO_TIMEOUT_S))
     return store

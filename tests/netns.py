@@ -213,11 +213,7 @@ def run_across_hosts(hosts: Hosts, layout: "list[int]", fn, *args, timeout: floa
     base = dict(os.environ if env is None else {**os.environ, **env})
     base["ASAP_TEST_DUMP_AFTER"] = str(max(1.0, timeout - 8))  # a hung PE prints its stacks before the kill
     if launcher == "torchrun":
-        for h, n in enumerate(layout):
-            procs.append(hosts[h].popen(
-                [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(layout)}", f"--nproc-per-node={n}",
-                 f"--node-rank={h}", f"--master-addr={hosts[0].addr}", f"--master-port={port}", _WORKER, target, out],
-                env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs = torchrun(hosts, layout, [_WORKER, target, out], env=base, port=port)
     elif launcher == "python":
         rank = 0
         for h, n in enumerate(layout):
@@ -274,6 +270,18 @@ def run_across_hosts(hosts: Hosts, layout: "list[int]", fn, *args, timeout: floa
         return results
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def torchrun(hosts: Hosts, layout: "list[int]", argv: "list[str]", env: "dict | None" = None,
+             port: "int | None" = None) -> "list[subprocess.Popen]":
+    """Start ``torchrun --nnodes N --nproc-per-node layout[i] --node-rank i ... argv`` on every host ``i``
+    (static rendezvous on host 0's address); returns the torchrun processes (stdout+stderr piped, text)."""
+    port = free_port() if port is None else port
+    return [hosts[h].popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(layout)}",
+                            f"--nproc-per-node={n}", f"--node-rank={h}", f"--master-addr={hosts[0].addr}",
+                            f"--master-port={port}", *argv],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for h, n in enumerate(layout)]
 
 
 def _host_of(layout: "list[int]", rank: int) -> int:

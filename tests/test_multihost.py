@@ -10,9 +10,12 @@ killed; link cut), and the CPU an idle PE burns.
 Building the hosts needs root. Without it the module is skipped with the reason, except where
 ``$ASAP_REQUIRE_NETNS`` is set (CI sets it: CI runs as root, so a skip there would hide a failure).
 """
+import json
 import os
 import random
 import resource
+import subprocess
+import sys
 import time
 
 import pytest
@@ -20,7 +23,7 @@ import torch
 
 import asap_comm
 from asap_comm.moe import MoEPlan
-from netns import Hosts, run_across_hosts, unavailable
+from netns import Hosts, run_across_hosts, torchrun, unavailable
 
 _why = unavailable()
 if _why is not None:
@@ -232,6 +235,40 @@ def test_moe_attention_and_expert_ranks_on_different_hosts(hosts):
                    max_inflight=3, dtype=torch.float32)
     results = run_across_hosts(hosts, [2, 2], _moe_across, plan, 5, timeout=240)
     _check_group(results, plan)
+
+
+# --------------------------------------------------------------------------- the prefill runtime across hosts
+_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "prefill_multihost.py")
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_prefill_across_two_hosts_under_torchrun(hosts, tmp_path, mode):
+    """Attention ranks on host 0, expert ranks and the front end on host 1 (async); DP+EP workers on both (sync).
+    Every request is checked against the reference forward; the timeline names each PE's host."""
+    procs = torchrun(hosts, [3, 3], [_EXAMPLE, "--mode", mode, "--num-requests", "12", "--out", str(tmp_path),
+                                     "--timeout", "150"])
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(f"--- host {i}:\n{t[-3000:]}" for i, t in enumerate(logs))
+    summary = json.loads((tmp_path / f"summary_{mode}.json").read_text())
+    assert summary["hosts"] == ["asap-host0"] * 3 + ["asap-host1"] * 3
+    assert (summary["checked"], summary["mismatches"], summary["failed"]) == (12, 0, 0), summary
+    if mode == "async":
+        assert (summary["attention_ranks"], summary["expert_ranks"]) == (3, 2)
+    names = {e["pid"]: e["args"]["name"] for e in json.loads((tmp_path / f"timeline_{mode}.json").read_text())
+             ["traceEvents"] if e.get("ph") == "M" and e.get("name") == "process_name"}
+    assert len(names) == 5, names
+    for pe, name in names.items():
+        assert name.endswith("@ asap-host0" if pe < 3 else "@ asap-host1"), (pe, name)
+        if mode == "async":
+            assert ("attention" in name) == (pe < 3), name
 
 
 # --------------------------------------------------------------------------- faults

@@ -440,10 +440,13 @@ class _Done:
         pass
 
 
-def _worker_main(comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, store_port: int, ch: Channels):
+def _worker_main(comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, store_port, ch: Channels):
     W = comm.world_size - 1
     worker = _Worker(comm, cfg, info, model_factory, W)
-    store = dist.TCPStore("127.0.0.1", store_port, None, False, timedelta(seconds=cfg.timeout_s))
+    if isinstance(store_port, dist.Store):  # a group that spans hosts passes a store every host reaches
+        store = store_port
+    else:
+        store = dist.TCPStore("127.0.0.1", store_port, None, False, timedelta(seconds=cfg.timeout_s))
     dist.init_process_group("gloo", store=dist.PrefixStore("asap-sync", store), rank=comm.rank, world_size=W,
                             timeout=timedelta(seconds=cfg.timeout_s))
     try:
@@ -454,7 +457,9 @@ def _worker_main(comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, store
 
 def group_main(comm, cfg, info, model_factory, store_port, front):
     """One PE of a baseline group: allocate the group's channels (``open_channels``), then run this PE's role;
-    the front end's role is ``front(comm, cfg, info, channels, num_targets, label, role_of)``."""
+    the front end's role is ``front(comm, cfg, info, channels, num_targets, label, role_of)``. ``store_port``:
+    the port of a TCPStore on 127.0.0.1 for the workers' gloo group, or a ``torch.distributed.Store`` that
+    every worker reaches (a group across hosts: ``examples/prefill_multihost.py``)."""
     torch.set_num_threads(1)
     W = comm.world_size - 1
     ch = open_channels(comm, cfg, info, "sync")

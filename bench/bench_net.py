@@ -1,0 +1,286 @@
+"""Across hosts: asap_comm's network backend against raw UCX and gloo, on two simulated hosts.
+
+Usage (as root: it builds network namespaces)::
+
+    python bench/bench_net.py [--quick] [--out bench/results]
+
+Two "hosts" are network namespaces joined by a veth pair through a bridge, each with a private
+``/dev/shm`` and its own hostname (``tests/netns.py``), so ``asap_comm.init()`` (backend "auto") puts the
+network engine between them. Measured in the same run, round by round (``--rounds``, samples pooled):
+
+* ``ucx_put_lat`` / ``ucx_am_lat``: ``ucx_perftest -t ucp_put_lat`` / ``ucp_am_lat`` (8 B, one-way latency,
+  the tool's median of each run) between the hosts: raw UCX, the floor;
+* ``ucx_put_bw``: ``ucx_perftest -t ucp_put_bw -s 16 MiB`` (GB/s);
+* ``asap_pingpong_prepared`` / ``asap_pingpong_generic_kw``: the 8-byte put_signal + signal_wait_until
+  ping-pong of ``asap_bench.py`` (prepared handles; generic calls with ``op=`` and ``timeout=``), one-way;
+* ``gloo_pingpong``: ``torch.distributed`` gloo send/recv of 8 bytes, one-way, between the same processes;
+* ``asap_put_bw``: ``comm.put`` of 16 MiB float32 into the other host's symmetric tensor (GB/s);
+* ``asap_mailbox_rt``: ``box.send``/``recv`` round trip of 64 B between the hosts;
+* ``asap_moe_T128`` / ``gloo_moe_T128`` (and T=1024): ``bench_moe.py``'s dispatch + combine round trip with
+  the attention ranks (PEs 0-1) on one host and the expert ranks (PEs 2-3) on the other;
+* one host, ``backend="auto"`` against ``backend="shm"``: the generic ping-pong and the mailbox round trip
+  (auto on one host builds no network engine: the rows show it costs nothing).
+
+Targets (issue 11): ping-pong <= 1.5x raw UCX put latency and >= 3x lower than gloo; 16 MiB put >= 0.8x raw
+UCX put bandwidth; MoE T=128 >= 3x gloo. Progress on stderr, the table on stdout, ``net.json`` /
+``net.md`` under ``--out``. Exit status 1 if a data check failed, 2 if simulated hosts cannot be built.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the simulated hosts (tests/netns.py)
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+import asap_bench  # noqa: E402
+import bench_moe  # noqa: E402
+from _common import BatchPlan, git_commit, log, markdown_table, summarize, text_table, time_batches  # noqa: E402
+from netns import Hosts, run_across_hosts, unavailable  # noqa: E402
+
+PP_PLAN = {"quick": BatchPlan(200, 10, 200), "full": BatchPlan(500, 30, 200)}
+MB_PLAN = {"quick": BatchPlan(100, 10, 100), "full": BatchPlan(200, 20, 200)}
+BW = {"quick": (8, 2), "full": (20, 3)}  # 16 MiB puts: timed iterations, warm-up
+GLOO_ITERS = {"quick": 1000, "full": 3000}
+ROUNDS = {"quick": 1, "full": 3}
+
+
+# --------------------------------------------------------------------------- per PE (on the simulated hosts)
+def _gloo_pingpong(comm, iters: int) -> dict:
+    """8-byte gloo send/recv ping-pong between PE 0 and PE 1 (one-way ns per sample of 100 round trips)."""
+    import torch.distributed as dist
+
+    store = dist.PrefixStore("bench-net-gloo", comm._store)
+    dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        buf = torch.zeros(1, dtype=torch.int64)
+        samples, bad = [], 0
+        for block in range(iters // 100 + 5):
+            t0 = time.perf_counter_ns()
+            for i in range(100):
+                if comm.rank == 0:
+                    buf[0] = i
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                    bad += int(buf[0]) != i
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+            if block >= 5:  # 5 warm-up blocks
+                samples.append((time.perf_counter_ns() - t0) / 200)
+        return {"samples_ns": samples, "bad": bad}
+    finally:
+        dist.destroy_process_group()
+
+
+def net_pe(comm, mode: str) -> dict:
+    """Every measurement between the two hosts' PEs (PE 0 on host 0, PE 1 on host 1)."""
+    torch.set_num_threads(1)
+    plan = PP_PLAN[mode]
+    out = {"pingpong": asap_bench.pingpong_pe(comm, {"prepared": plan, "generic_kw": plan})}
+    iters, warmup = BW[mode]
+    out["put_bw"] = asap_bench.put_bandwidth_pe(comm, 16 << 20, iters, warmup)[0]
+    out["mailbox"] = asap_bench.mailbox_pe(comm, MB_PLAN[mode], 64, 4)
+    out["gloo"] = _gloo_pingpong(comm, GLOO_ITERS[mode])
+    out["net_stats"] = comm.net_stats()
+    return out
+
+
+def local_pe(comm, mode: str) -> dict:
+    """One host: the generic ping-pong and the mailbox round trip (for auto against shm)."""
+    return {"pingpong": asap_bench.pingpong_pe(comm, {"generic_kw": PP_PLAN[mode]}),
+            "mailbox": asap_bench.mailbox_pe(comm, MB_PLAN[mode], 64, 4), "backend": comm.backend}
+
+
+# --------------------------------------------------------------------------- raw UCX
+def _perftest_bin() -> str:
+    import libucx
+
+    return os.path.join(os.path.dirname(libucx.__file__), "bin", "ucx_perftest")
+
+
+def ucx_perftest(hosts, test: str, size: int, iters: int) -> dict:
+    """Run ``ucx_perftest -t test`` with the server on host 0 and the client on host 1; the client's Final line."""
+    import libucx
+
+    lib = os.path.join(os.path.dirname(libucx.__file__), "lib")
+    env = dict(os.environ, LD_LIBRARY_PATH=lib, UCX_TLS="tcp", UCX_MODULES="^ib,cuda")
+    port = str(13000 + (os.getpid() % 2000))
+    args = ["-t", test, "-s", str(size), "-n", str(iters), "-p", port]
+    server = hosts[0].popen([_perftest_bin(), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    time.sleep(1.0)
+    client = hosts[1].popen([_perftest_bin(), hosts[0].addr, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        text = client.communicate(timeout=120)[0]
+        server.communicate(timeout=30)
+    finally:
+        for p in (client, server):
+            if p.poll() is None:
+                p.kill()
+    final = [ln for ln in text.splitlines() if ln.startswith("Final:")]
+    if not final:
+        raise RuntimeError(f"ucx_perftest {test}: no result:\n{text[-2000:]}")
+    f = final[-1].split()
+    # Final: iterations, latency p50, avg, overall (usec), bandwidth avg, overall (MB/s), msg rate avg, overall
+    return {"lat_p50_us": float(f[2]), "lat_avg_us": float(f[3]), "bw_MBps": float(f[5])}
+
+
+# --------------------------------------------------------------------------- rows
+def _row(name: str, what: str, unit: str, samples: list, bad: int, note: str = "") -> dict:
+    st = summarize(samples) if samples else None
+    return {"name": name, "what": what, "unit": unit, "median": st.median if st else None,
+            "p10": st.p10 if st else None, "p90": st.p90 if st else None, "samples": st.n if st else 0,
+            "baseline": None, "ratio": None, "target": None, "target_met": None,
+            "correct": "PASS" if bad == 0 and st else ("SKIP" if bad is None else "FAIL"), "note": note}
+
+
+def _compare(row: dict, base: dict, target: "float | None", higher_is_better: bool, label: str) -> None:
+    """ratio = how many times better the row is than base (>1: better)."""
+    if row["median"] is None or base["median"] is None:
+        return
+    row["baseline"] = base["name"]
+    row["baseline_median"] = base["median"]
+    row["ratio"] = row["median"] / base["median"] if higher_is_better else base["median"] / row["median"]
+    if target is not None:
+        row["target"] = label
+        row["target_met"] = row["ratio"] >= target
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="asap_comm across hosts against raw UCX and gloo (see bench/README.md)")
+    ap.add_argument("--quick", action="store_true", help="one round, fewer iterations")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for net.json / net.md")
+    args = ap.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    why = unavailable()
+    if why is not None:
+        log(f"cannot build simulated hosts: {why}")
+        return 2
+    t0 = time.monotonic()
+    ucx = {"put_lat": [], "am_lat": [], "put_bw": []}
+    per = {"prepared": [], "generic_kw": [], "gloo": [], "put_bw": [], "mailbox": []}
+    bad = {k: 0 for k in per}
+    moe_results = None
+    stats = []
+    with Hosts(2) as hosts:
+        for rnd in range(1, ROUNDS[mode] + 1):
+            log(f"round {rnd}/{ROUNDS[mode]}: ucx_perftest put/am latency and 16 MiB put bandwidth")
+            ucx["put_lat"].append(ucx_perftest(hosts, "ucp_put_lat", 8, 20000)["lat_p50_us"])
+            ucx["am_lat"].append(ucx_perftest(hosts, "ucp_am_lat", 8, 20000)["lat_p50_us"])
+            ucx["put_bw"].append(ucx_perftest(hosts, "ucp_put_bw", 16 << 20, 60)["bw_MBps"] / 1000.0)
+            log(f"round {rnd}/{ROUNDS[mode]}: asap_comm ping-pong, put bandwidth, mailbox; gloo ping-pong")
+            res = run_across_hosts(hosts, [1, 1], net_pe, mode, timeout=600)
+            r0 = res[0]
+            for path in ("prepared", "generic_kw"):
+                per[path] += [s / 2 / 1000 for s in r0["pingpong"][path]["samples_ns"]]
+                bad[path] += r0["pingpong"][path]["bad"]
+            per["gloo"] += [s / 1000 for s in r0["gloo"]["samples_ns"]]
+            bad["gloo"] += r0["gloo"]["bad"]
+            per["put_bw"] += [(16 << 20) / s for s in r0["put_bw"]["samples_ns"]]  # bytes/ns = GB/s
+            bad["put_bw"] += r0["put_bw"]["bad"] + int(r0["put_bw"].get("digest") != res[1]["put_bw"].get("digest"))
+            per["mailbox"] += [s / 1000 for s in r0["mailbox"]["samples_ns"]]
+            bad["mailbox"] += r0["mailbox"]["bad"]
+            stats += [r["net_stats"] for r in res]
+        log("asap_comm.moe across hosts (attention PEs on host 0, expert PEs on host 1) against gloo")
+        cfg = bench_moe.QUICK if args.quick else bench_moe.FULL
+        moe_results = run_across_hosts(hosts, [2, 2], bench_moe.moe_pe, cfg, 1, False, True, timeout=900)
+    log("one host: backend='auto' against backend='shm'")
+    import asap_comm
+
+    local = {}
+    for backend in ("shm", "auto", "shm", "auto"):
+        os.environ["ASAP_BACKEND"] = backend
+        try:
+            got = asap_comm.launch(local_pe, 2, mode, timeout=300)
+        finally:
+            os.environ.pop("ASAP_BACKEND", None)
+        assert got[0]["backend"] == "shm"  # auto on one host is the shm backend
+        acc = local.setdefault(backend, {"pp": [], "mb": [], "bad": 0})
+        acc["pp"] += [s / 2 / 1000 for s in got[0]["pingpong"]["generic_kw"]["samples_ns"]]
+        acc["mb"] += [s / 1000 for s in got[0]["mailbox"]["samples_ns"]]
+        acc["bad"] += got[0]["pingpong"]["generic_kw"]["bad"] + got[0]["mailbox"]["bad"]
+
+    rows = {
+        "ucx_put_lat": _row("ucx_put_lat", "raw UCX put latency, 8 B one-way (ucx_perftest p50)", "us",
+                            ucx["put_lat"], 0),
+        "ucx_am_lat": _row("ucx_am_lat", "raw UCX active message latency, 8 B one-way (ucx_perftest p50)", "us",
+                           ucx["am_lat"], 0),
+        "gloo_pingpong": _row("gloo_pingpong", "gloo send/recv 8 B, one-way", "us", per["gloo"], bad["gloo"]),
+        "asap_pingpong_prepared": _row("asap_pingpong_prepared", "put_signal + wait ping-pong, prepared handles, "
+                                       "one-way", "us", per["prepared"], bad["prepared"]),
+        "asap_pingpong_generic_kw": _row("asap_pingpong_generic_kw", "put_signal(op=) + signal_wait_until("
+                                         "timeout=) ping-pong, one-way", "us", per["generic_kw"], bad["generic_kw"]),
+        "ucx_put_bw": dict(_row("ucx_put_bw", "raw UCX put 16 MiB (ucx_perftest)", "GB/s", ucx["put_bw"], 0),
+                           bytes=16 << 20),
+        "asap_put_bw": dict(_row("asap_put_bw", "comm.put 16 MiB float32 to the other host", "GB/s",
+                                 per["put_bw"], bad["put_bw"]), bytes=16 << 20),
+        "asap_mailbox_rt": _row("asap_mailbox_rt", "box.send/recv 64 B round trip between hosts", "us",
+                                per["mailbox"], bad["mailbox"]),
+    }
+    for name in ("asap_pingpong_prepared", "asap_pingpong_generic_kw"):
+        r = dict(rows[name])
+        _compare(r, rows["ucx_put_lat"], 1 / 1.5, False, "<= 1.5x UCX put")
+        rows[name] = r
+        g = dict(r, name=name + "_vs_gloo", what=r["what"] + " (against gloo)", target=None, target_met=None)
+        _compare(g, rows["gloo_pingpong"], 3.0, False, ">= 3x lower than gloo")
+        rows[g["name"]] = g
+    _compare(rows["asap_put_bw"], rows["ucx_put_bw"], 0.8, True, ">= 0.8x UCX put")
+    moe_rows = bench_moe.build_rows(moe_results, "", {t: sum(bench_moe.round_trip_bytes(bench_moe.make_routing(t, a))
+                                                              for a in range(bench_moe.NUM_ATTENTION))
+                                                       // bench_moe.NUM_ATTENTION for t in bench_moe.SIZES})
+    by = {r["name"]: r for r in moe_rows}
+    for t in bench_moe.SIZES:
+        a, g = by.get(f"asap_moe_T{t}"), by.get(f"gloo_moe_T{t}")
+        if a is None or g is None:
+            continue
+        ra = _row(f"asap_moe_T{t}_across_hosts", f"asap_comm.moe dispatch+combine, T={t}, A on host 0, E on "
+                  "host 1", "us", [], 0)
+        ra.update({k: a[k] for k in ("median", "p10", "p90", "samples", "correct")})
+        rg = _row(f"gloo_moe_T{t}_across_hosts", f"gloo all_to_all_single dispatch+combine, T={t}", "us", [], 0)
+        rg.update({k: g[k] for k in ("median", "p10", "p90", "samples", "correct")})
+        _compare(ra, rg, 3.0 if t == 128 else None, False, ">= 3x gloo")
+        rows[ra["name"]], rows[rg["name"]] = ra, rg
+    for kind, key, what in (("pp", "pingpong_generic_kw", "generic ping-pong, one-way"),
+                            ("mb", "mailbox_rt", "mailbox 64 B round trip")):
+        s = _row(f"onehost_shm_{key}", f"one host, backend='shm': {what}", "us", local["shm"][kind],
+                 local["shm"]["bad"])
+        a = _row(f"onehost_auto_{key}", f"one host, backend='auto': {what}", "us", local["auto"][kind],
+                 local["auto"]["bad"])
+        _compare(a, s, None, False, "")
+        rows[s["name"]], rows[a["name"]] = s, a
+    rows = list(rows.values())
+    disorder = sum(s.get("disorder", 0) for s in stats)
+    meta = {"date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "mode": mode,
+            "commit": git_commit(ROOT), "host": platform.node(), "cpus": os.cpu_count(),
+            "rounds": ROUNDS[mode], "seconds": round(time.monotonic() - t0, 1), "net_disorder": disorder,
+            "transport": "UCX tcp over a veth pair between network namespaces"}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "net.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    with open(os.path.join(args.out, "net.md"), "w") as f:
+        f.write(f"# asap_comm across hosts ({mode}, {meta['date_utc']}, commit {meta['commit']})\n\n")
+        f.write(markdown_table(rows) + "\n")
+    print(text_table(rows))
+    log(f"done in {meta['seconds']} s; wrote {args.out}/net.json and net.md")
+    failed = [r["name"] for r in rows if r["correct"] == "FAIL"] + (["net_disorder"] if disorder else [])
+    if failed:
+        log(f"data checks failed: {failed}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
