@@ -86,24 +86,20 @@ def main(argv=None) -> int:
 def run(comm, args) -> int:
     W, rank = comm.world_size, comm.rank
     first_host = [pe for pe in range(W) if comm.hosts[pe] == comm.hosts[0]]
-    if args.mode == "async":
-        A = args.attention_ranks if args.attention_ranks is not None else len(first_host)
-        E = W - A - 1
-        if A < 1 or E < 1:
-            if rank == 0:
-                print(f"prefill_multihost.py: {W} PEs cannot hold {A} attention ranks, at least one expert rank and "
-                      "the front end", file=sys.stderr)
-            return 2
-    else:
-        A, E = W - 1, 0  # run_sync's split: every worker is DP attention + EP experts
-        if A < 1:
-            return 2
+    # The split of the group: async, A attention + E expert ranks + the front end; sync, the same A + E PEs
+    # as DP+EP workers (run_sync's split) + the front end.
+    A = args.attention_ranks if args.attention_ranks is not None else len(first_host)
+    E = W - A - 1
+    if A < 1 or E < 1:
+        if rank == 0:
+            print(f"prefill_multihost.py: {W} PEs cannot hold {A} attention ranks, at least one expert rank and "
+                  "the front end", file=sys.stderr)
+        return 2
     factory = StageFactory(args.model, args.seed)
     mcfg = factory.config()
     info = model_info(mcfg)
     requests = make_requests(args, mcfg.vocab_size)
-    cfg = RuntimeConfig(num_attention_ranks=A if args.mode == "async" else W - 1,
-                        num_expert_ranks=E if args.mode == "async" else 0,
+    cfg = RuntimeConfig(num_attention_ranks=A, num_expert_ranks=E,
                         token_budget=args.token_budget, chunk_len=args.chunk_len,
                         max_prompt_len=args.max_prompt_len, timeout_s=args.timeout, progress=rank == W - 1)
     out = Path(args.out)

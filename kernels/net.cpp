@@ -383,6 +383,7 @@ class NetEngine final : public NetIface {
     const auto start = Clock::now();
     int64_t backoff_us = 20;
     for (;;) {
+      if (group_->remote_state(pe) == kStateClosed) return {kWaitOk, 0, -1, nullptr};  // dropped, as on one host
       Hdr h = make(kMbox, pe);
       h.region = region;
       h.off = off;
@@ -396,7 +397,10 @@ class NetEngine final : public NetIface {
       const double spent = std::chrono::duration<double>(Clock::now() - start).count();
       WaitResult r{kWaitOk, 0, -1, nullptr};
       Pending* p = request_nothrow(pe, h, payload, nbytes, nullptr, 0, timeout_s - spent, &r);
-      if (p == nullptr) return r;
+      if (p == nullptr) {
+        if (r.status == kWaitPeer && group_->remote_state(pe) == kStateClosed) return {kWaitOk, 0, -1, nullptr};
+        return r;
+      }
       const int32_t status = p->status;
       const uint64_t pos = p->value;
       free_pending(p);
@@ -581,6 +585,9 @@ class NetEngine final : public NetIface {
   // dropped between progress calls, so the progress thread keeps answering
   // (and heart-beating) while a large message drains.
   void send_blocking(int pe, Hdr& h, const void* data, size_t n, const char* fn) {
+    // A PE that closed reads nothing any more: a one-way write to it is
+    // dropped, as a write into a closed peer's memory is on one host.
+    if (group_->remote_state(pe) == kStateClosed) return;
     ensure_alive(pe, fn);
     void* req;
     PyThreadState* ts = nullptr;
@@ -599,7 +606,7 @@ class NetEngine final : public NetIface {
       outcome = wait_req(req, pe, send_timeout_s_);
     }
     if (ts != nullptr) PyEval_RestoreThread(ts);
-    if (outcome == 0) return;
+    if (outcome == 0 || group_->remote_state(pe) == kStateClosed) return;
     const char* why = nullptr;
     if (group_->check(pe, &why) >= 0) throw_peer(fn, pe, why);
     if (outcome == 3) {
