@@ -12,7 +12,8 @@ network engine between them. Measured in the same run, round by round (``--round
   the tool's median of each run) between the hosts: raw UCX, the floor;
 * ``ucx_put_bw``: ``ucx_perftest -t ucp_put_bw -s 16 MiB`` (GB/s);
 * ``asap_pingpong_prepared`` / ``asap_pingpong_generic_kw``: the 8-byte put_signal + signal_wait_until
-  ping-pong of ``asap_bench.py`` (prepared handles; generic calls with ``op=`` and ``timeout=``), one-way;
+  ping-pong of ``asap_bench.py`` (prepared handles; generic calls with ``op=`` and ``timeout=``), one-way,
+  each PE pinned to its own CPU; ``asap_pingpong_generic_kw_unpinned``: the same, not pinned;
 * ``gloo_pingpong``: ``torch.distributed`` gloo send/recv of 8 bytes, one-way, between the same processes;
 * ``asap_put_bw``: ``comm.put`` of 16 MiB float32 into the other host's symmetric tensor (GB/s);
 * ``asap_mailbox_rt``: ``box.send``/``recv`` round trip of 64 B between the hosts;
@@ -89,6 +90,8 @@ def net_pe(comm, mode: str) -> dict:
     torch.set_num_threads(1)
     plan = PP_PLAN[mode]
     out = {"pingpong": asap_bench.pingpong_pe(comm, {"prepared": plan, "generic_kw": plan})}
+    # the same generic calls with the processes left where the OS puts them (as a user runs them)
+    out["pingpong"]["generic_kw_unpinned"] = asap_bench._pingpong(comm, plan, asap_bench.PINGPONG_PATHS["generic_kw"])
     iters, warmup = BW[mode]
     out["put_bw"] = asap_bench.put_bandwidth_pe(comm, 16 << 20, iters, warmup)[0]
     out["mailbox"] = asap_bench.mailbox_pe(comm, MB_PLAN[mode], 64, 4)
@@ -171,7 +174,7 @@ def main(argv=None) -> int:
         return 2
     t0 = time.monotonic()
     ucx = {"put_lat": [], "am_lat": [], "put_bw": []}
-    per = {"prepared": [], "generic_kw": [], "gloo": [], "put_bw": [], "mailbox": []}
+    per = {"prepared": [], "generic_kw": [], "generic_kw_unpinned": [], "gloo": [], "put_bw": [], "mailbox": []}
     bad = {k: 0 for k in per}
     moe_results = None
     stats = []
@@ -184,7 +187,7 @@ def main(argv=None) -> int:
             log(f"round {rnd}/{ROUNDS[mode]}: asap_comm ping-pong, put bandwidth, mailbox; gloo ping-pong")
             res = run_across_hosts(hosts, [1, 1], net_pe, mode, timeout=600)
             r0 = res[0]
-            for path in ("prepared", "generic_kw"):
+            for path in ("prepared", "generic_kw", "generic_kw_unpinned"):
                 per[path] += [s / 2 / 1000 for s in r0["pingpong"][path]["samples_ns"]]
                 bad[path] += r0["pingpong"][path]["bad"]
             per["gloo"] += [s / 1000 for s in r0["gloo"]["samples_ns"]]
@@ -223,6 +226,9 @@ def main(argv=None) -> int:
                                        "one-way", "us", per["prepared"], bad["prepared"]),
         "asap_pingpong_generic_kw": _row("asap_pingpong_generic_kw", "put_signal(op=) + signal_wait_until("
                                          "timeout=) ping-pong, one-way", "us", per["generic_kw"], bad["generic_kw"]),
+        "asap_pingpong_generic_kw_unpinned": _row("asap_pingpong_generic_kw_unpinned", "the same, processes not "
+                                                  "pinned (where the OS puts them)", "us", per["generic_kw_unpinned"],
+                                                  bad["generic_kw_unpinned"]),
         "ucx_put_bw": dict(_row("ucx_put_bw", "raw UCX put 16 MiB (ucx_perftest)", "GB/s", ucx["put_bw"], 0),
                            bytes=16 << 20),
         "asap_put_bw": dict(_row("asap_put_bw", "comm.put 16 MiB float32 to the other host", "GB/s",
@@ -230,7 +236,7 @@ def main(argv=None) -> int:
         "asap_mailbox_rt": _row("asap_mailbox_rt", "box.send/recv 64 B round trip between hosts", "us",
                                 per["mailbox"], bad["mailbox"]),
     }
-    for name in ("asap_pingpong_prepared", "asap_pingpong_generic_kw"):
+    for name in ("asap_pingpong_prepared", "asap_pingpong_generic_kw", "asap_pingpong_generic_kw_unpinned"):
         r = dict(rows[name])
         _compare(r, rows["ucx_put_lat"], 1 / 1.5, False, "<= 1.5x UCX put")
         rows[name] = r

@@ -101,6 +101,13 @@ class NetIface {
   virtual ~NetIface() = default;
   // Progresses the engine if no other thread is doing so; never blocks.
   virtual void poll() = 0;
+  // A thread spins polling the engine between these (a wait's spin phase);
+  // meanwhile the engine's own progress thread stays parked instead of
+  // waking on every message (on a small host its wake-ups cost more than
+  // the message). `sleeping`: the caller goes on to sleep, so the progress
+  // thread must take over now.
+  virtual void poll_begin() = 0;
+  virtual void poll_end(bool sleeping) = 0;
   // Delivers one mailbox message into PE `pe`'s inbox at the same symmetric
   // place as `local_base` is in this PE. Same results as ring_send. Called
   // with the GIL held; releases it while waiting.

@@ -238,17 +238,22 @@ WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner
   // instead of after the whole spin budget.
   const int64_t spin_ns = std::min(spin_budget_ns(), timeout_ns);
   NetIface* net = group != nullptr ? group->net() : nullptr;
+  if (net != nullptr) net->poll_begin();
   for (uint32_t i = 1;; ++i) {
     ASAP_CPU_RELAX();
     if (net != nullptr && (i & 7) == 0) net->poll();  // a remote update may be waiting in the engine
     v = A(*w).load(std::memory_order_acquire);
-    if (cmp_ok(v, cmp, value)) return {kWaitOk, v, -1, nullptr};
+    if (cmp_ok(v, cmp, value)) {
+      if (net != nullptr) net->poll_end(false);
+      return {kWaitOk, v, -1, nullptr};
+    }
     if ((i & 63) == 0) {
       const int64_t e = elapsed_ns();
       if (e >= spin_ns) break;
       if (e >= kPureSpinNs) sched_yield();
     }
   }
+  if (net != nullptr) net->poll_end(true);
 
   // Phase 2: sleep on the owner's futex in slices.
   WaitResult res{kWaitTimeout, v, -1, nullptr};

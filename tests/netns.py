@@ -209,8 +209,14 @@ def run_across_hosts(hosts: Hosts, layout: "list[int]", fn, *args, timeout: floa
     with open(os.path.join(out, "args.pkl"), "wb") as f:
         pickle.dump(args, f)
     procs = []
-    target = f"{fn.__module__}:{fn.__qualname__}"
+    mod = sys.modules[fn.__module__]
+    name = fn.__module__
+    if name == "__main__":  # a script's function: import the script by its file name
+        name = os.path.splitext(os.path.basename(mod.__file__))[0]
+    target = f"{name}:{fn.__qualname__}"
     base = dict(os.environ if env is None else {**os.environ, **env})
+    where = os.path.dirname(os.path.abspath(mod.__file__))
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (where, base.get("PYTHONPATH", "")) if p)
     base["ASAP_TEST_DUMP_AFTER"] = str(max(1.0, timeout - 8))  # a hung PE prints its stacks before the kill
     if launcher == "torchrun":
         procs = torchrun(hosts, layout, [_WORKER, target, out], env=base, port=port)
