@@ -398,7 +398,11 @@ class NetEngine final : public NetIface {
       h.nbytes = nbytes;
       const double spent = std::chrono::duration<double>(Clock::now() - start).count();
       WaitResult r{kWaitOk, 0, -1, nullptr};
-      Pending* p = request_nothrow(pe, h, payload, nbytes, nullptr, 0, timeout_s - spent, &r);
+      // The answer (placed, or full) is awaited even past a short timeout: `timeout` bounds the wait for
+      // room in the ring, and a send that gave up before the answer could not say whether the message was
+      // placed (a caller that retries would duplicate it). kAnswerS bounds a peer that never answers.
+      constexpr double kAnswerS = 10.0;
+      Pending* p = request_nothrow(pe, h, payload, nbytes, nullptr, 0, std::max(timeout_s - spent, kAnswerS), &r);
       if (p == nullptr) {
         if (r.status == kWaitPeer && group_->remote_state(pe) == kStateClosed) return {kWaitOk, 0, -1, nullptr};
         return r;

@@ -163,6 +163,30 @@ def _api_matrix(comm):
                 box.send(consumer, torch.full((i % 16 + 1,), float(r * 1000 + i)), tag=i)
     comm.barrier()
 
+    # 7b. a send with a tiny timeout (the front end's non-blocking send) places the message exactly once,
+    # or not at all (TimeoutError when the inbox is full): retrying never duplicates nor reorders
+    box2 = comm.mailbox(64, 2)
+    comm.barrier()
+    if r in (0, 1):
+        i, refused = 0, 0
+        while i < 30:
+            try:
+                box2.send(partner, torch.tensor([i]), tag=i, timeout=1e-4)
+                i += 1
+            except asap_comm.TimeoutError:
+                refused += 1
+                time.sleep(0.0005)
+        expect(refused > 0, "the inbox never filled: back-pressure untested")
+    else:
+        for want in range(30):
+            time.sleep(0.003)
+            msg = box2.recv(timeout=30)
+            expect((msg.src, msg.tag, int(msg.tensor[0])) == (partner, want, want),
+                   f"short-timeout sends: got {(msg.src, msg.tag)} expected {(partner, want)}")
+            msg.release()
+        expect(box2.poll() is None, "a short-timeout send was duplicated")
+    comm.barrier()
+
     # 8. bad input naming a remote PE changes nothing there
     z = comm.zeros(8, torch.float32)
     comm.barrier()
