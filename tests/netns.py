@@ -96,7 +96,22 @@ class Host:
         _ip("-n", self.ns, "link", "set", "dev", self.link, "down")
 
     def kill_all(self) -> None:
-        """SIGKILL every process started on this host (as if the host disappeared); the host stays."""
+        """SIGKILL every process running on this host (as if the host disappeared); the host stays.
+
+        Found by network namespace (``ip netns pids``), so processes that left their launcher's
+        process group (torchrun's workers do) go too; the host's holder process is spared."""
+        for _ in range(3):
+            r = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True)
+            pids = [int(x) for x in r.stdout.split() if x.isdigit()]
+            victims = [pid for pid in pids if self.holder is None or pid != self.holder.pid]
+            if not victims:
+                break
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
         for p in self.procs:
             if p.poll() is None:
                 try:
@@ -236,9 +251,8 @@ def run_across_hosts(hosts: Hosts, layout: "list[int]", fn, *args, timeout: floa
             try:
                 during(hosts, procs)
             except AssertionError as e:
-                for q in procs:
-                    if q.poll() is None:
-                        os.killpg(q.pid, signal.SIGKILL)
+                for h in hosts.hosts:
+                    h.kill_all()
                 tails = [f"--- process {i}:\n" + (q.communicate(timeout=5)[0] or "")[-3000:]
                          for i, q in enumerate(procs)]
                 raise AssertionError(f"{e}\n" + "\n".join(tails)) from None
@@ -249,6 +263,8 @@ def run_across_hosts(hosts: Hosts, layout: "list[int]", fn, *args, timeout: floa
                 text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 tails = []
+                for h in hosts.hosts:
+                    h.kill_all()
                 for i, q in enumerate(procs):
                     if q.poll() is None:
                         os.killpg(q.pid, signal.SIGKILL)

@@ -277,9 +277,9 @@ def test_prefill_across_two_hosts_under_torchrun(hosts, tmp_path, mode):
         for p in procs:
             logs.append(p.communicate(timeout=240)[0])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        if any(p.poll() is None for p in procs):
+            for h in hosts.hosts:  # torchrun's workers, too (they leave its process group)
+                h.kill_all()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(f"--- host {i}:\n{t[-3000:]}" for i, t in enumerate(logs))
     summary = json.loads((tmp_path / f"summary_{mode}.json").read_text())
     assert summary["hosts"] == ["asap-host0"] * 3 + ["asap-host1"] * 3
