@@ -648,7 +648,7 @@ class Communicator:
             self._net_put(pe, a, dst, src)
             return
         if dst.is_contiguous() and src.is_contiguous() and dst.nbytes < _COPY_WITH_TORCH:
-            _C.copy(dst.data_ptr() + a.chunk.deltas[pe], src.data_ptr(), dst.nbytes)
+            _C.copy_to(dst.data_ptr() + a.chunk.deltas[pe], src.data_ptr(), dst.nbytes)
         else:
             self._remote_view(dst, a, pe).copy_(src)
 
@@ -668,7 +668,7 @@ class Communicator:
             self._net_get(pe, a, dst, src)
             return
         if dst.is_contiguous() and src.is_contiguous() and dst.nbytes < _COPY_WITH_TORCH:
-            _C.copy(dst.data_ptr(), src.data_ptr() + a.chunk.deltas[pe], dst.nbytes)
+            _C.copy_from(dst.data_ptr(), src.data_ptr() + a.chunk.deltas[pe], dst.nbytes)
         else:
             dst.copy_(self._remote_view(src, a, pe))
 

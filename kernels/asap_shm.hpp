@@ -37,6 +37,17 @@ class Mapping {
   size_t size_;
 };
 
+// Every live Mapping registers its address range (created or mapped here,
+// dropped in its destructor). Addresses that Python passes to native code
+// (symmetric memory, control blocks, mailboxes) are checked against these
+// ranges before anything is read or written, so a Python-side bug becomes a
+// ValueError, not a stray write: check_mapped sets "<fn>: <what> [a, a+n) is
+// not inside a mapped asap_comm segment" and returns false.
+bool mapped_range(uintptr_t addr, size_t n);
+bool check_mapped(const char* fn, const char* what, uintptr_t addr, size_t n);
+// Group handles passed as ints are checked against the live Groups the same way.
+bool check_group(const char* fn, uintptr_t handle);
+
 // Creates a new segment (O_EXCL, mode 0600), sizes it and maps it. Throws
 // std::runtime_error with errno text on failure; on failure nothing is left.
 Mapping* create_segment(const std::string& name, size_t size);

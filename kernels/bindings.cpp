@@ -47,6 +47,12 @@ inline bool failed() { return PyErr_Occurred() != nullptr; }
 
 PyObject* raise_wait(const WaitResult& r, double timeout) { return raise_wait_error(r, timeout, nullptr); }
 
+// For the pybind11 set-up calls: the same check as check_mapped, as a C++ exception.
+void need_mapped(const char* fn, uintptr_t addr, size_t n) {
+  if (!mapped_range(addr, n))
+    throw py::value_error(std::string(fn) + ": address range is not inside a mapped asap_comm segment");
+}
+
 // put_signal(dst, src, nbytes, sig, value, op, owner_ctrl) -> None
 PyObject* fc_put_signal(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (!nargs_ok("put_signal", n, 7)) return nullptr;
@@ -54,6 +60,9 @@ PyObject* fc_put_signal(PyObject*, PyObject* const* a, Py_ssize_t n) {
   int64_t op = I(a[5]);
   uint64_t ctrl = U(a[6]);
   if (failed()) return nullptr;
+  if ((nbytes && !check_mapped("put_signal", "destination", dst, nbytes)) ||
+      !check_mapped("put_signal", "signal word", sig, 8) || !check_mapped("put_signal", "control block", ctrl, sizeof(Ctrl)))
+    return nullptr;
   if (nbytes) copy_bytes(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
   signal_update(reinterpret_cast<uint64_t*>(sig), value, static_cast<int>(op), reinterpret_cast<Ctrl*>(ctrl));
   Py_RETURN_NONE;
@@ -66,6 +75,9 @@ PyObject* fc_signal_update(PyObject*, PyObject* const* a, Py_ssize_t n) {
   int64_t op = I(a[2]);
   uint64_t ctrl = U(a[3]);
   if (failed()) return nullptr;
+  if (!check_mapped("signal_update", "signal word", sig, 8) ||
+      !check_mapped("signal_update", "control block", ctrl, sizeof(Ctrl)))
+    return nullptr;
   uint64_t old = signal_update(reinterpret_cast<uint64_t*>(sig), value, static_cast<int>(op),
                                reinterpret_cast<Ctrl*>(ctrl));
   return PyLong_FromUnsignedLongLong(old);
@@ -75,7 +87,7 @@ PyObject* fc_signal_update(PyObject*, PyObject* const* a, Py_ssize_t n) {
 PyObject* fc_load(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (!nargs_ok("load", n, 1)) return nullptr;
   uint64_t addr = U(a[0]);
-  if (failed()) return nullptr;
+  if (failed() || !check_mapped("load", "signal word", addr, 8)) return nullptr;
   return PyLong_FromUnsignedLongLong(A(*reinterpret_cast<uint64_t*>(addr)).load(std::memory_order_acquire));
 }
 
@@ -90,6 +102,9 @@ PyObject* fc_wait_until(PyObject*, PyObject* const* a, Py_ssize_t n) {
   uint64_t group = U(a[5]);
   int64_t dep = I(a[6]);
   if (failed()) return nullptr;
+  if (!check_mapped("wait_until", "signal word", addr, 8) ||
+      !check_mapped("wait_until", "control block", ctrl, sizeof(Ctrl)) || !check_group("wait_until", group))
+    return nullptr;
   const auto* g = reinterpret_cast<const Group*>(group);
   const uint8_t* mask = nullptr;
   if (n == 8 && a[7] != Py_None) {
@@ -113,16 +128,23 @@ PyObject* fc_wait_until(PyObject*, PyObject* const* a, Py_ssize_t n) {
 PyObject* fc_store(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (!nargs_ok("store", n, 2)) return nullptr;
   uint64_t addr = U(a[0]), value = U(a[1]);
-  if (failed()) return nullptr;
+  if (failed() || !check_mapped("store", "signal word", addr, 8)) return nullptr;
   A(*reinterpret_cast<uint64_t*>(addr)).store(value, std::memory_order_release);
   Py_RETURN_NONE;
 }
 
-// copy(dst, src, nbytes) -> None
-PyObject* fc_copy(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (!nargs_ok("copy", n, 3)) return nullptr;
+// copy_to(dst, src, nbytes): a put (dst in symmetric memory); copy_from(dst, src, nbytes): a get (src in it)
+PyObject* fc_copy_to(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (!nargs_ok("copy_to", n, 3)) return nullptr;
   uint64_t dst = U(a[0]), src = U(a[1]), nbytes = U(a[2]);
-  if (failed()) return nullptr;
+  if (failed() || !check_mapped("put", "destination", dst, nbytes)) return nullptr;
+  copy_bytes(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
+  Py_RETURN_NONE;
+}
+PyObject* fc_copy_from(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (!nargs_ok("copy_from", n, 3)) return nullptr;
+  uint64_t dst = U(a[0]), src = U(a[1]), nbytes = U(a[2]);
+  if (failed() || !check_mapped("get", "source", src, nbytes)) return nullptr;
   copy_bytes(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
   Py_RETURN_NONE;
 }
@@ -137,7 +159,10 @@ PyMethodDef g_fast_methods[] = {
      "wait_until(addr, cmp, value, owner_ctrl, timeout_s, group, dep, mask=None) -> int"},
     {"store", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_store)), METH_FASTCALL,
      "store(addr, value): atomic release store of a uint64"},
-    {"copy", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_copy)), METH_FASTCALL, "copy(dst, src, nbytes)"},
+    {"copy_to", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_copy_to)), METH_FASTCALL,
+     "copy_to(dst, src, nbytes): dst must lie in a mapped segment"},
+    {"copy_from", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_copy_from)), METH_FASTCALL,
+     "copy_from(dst, src, nbytes): src must lie in a mapped segment"},
     {"make_put_signal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(asap::make_put_signal)),
      METH_FASTCALL, "make_put_signal(dst, src, nbytes, sig, op, owner_ctrl, group, keep) -> PreparedPutSignal"},
     {"make_wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(asap::make_wait)), METH_FASTCALL,
@@ -200,7 +225,13 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Group>(m, "Group")
       .def(py::init<int, int>(), py::arg("rank"), py::arg("world_size"))
-      .def("set_peer", &Group::set_peer, py::arg("pe"), py::arg("ctrl_addr"), py::arg("pid"))
+      .def("set_peer",
+           [](Group& g, int pe, uintptr_t ctrl_addr, int pid) {
+             if (pe < 0 || pe >= g.world_size()) throw py::value_error("Group.set_peer: pe out of range");
+             need_mapped("Group.set_peer", ctrl_addr, sizeof(Ctrl));
+             g.set_peer(pe, ctrl_addr, pid);
+           },
+           py::arg("pe"), py::arg("ctrl_addr"), py::arg("pid"))
       .def("is_dead", &Group::is_dead, py::arg("pe"))
       .def("mark_closed", &Group::mark_closed)
       .def("check",
@@ -214,6 +245,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("handle", [](const Group& g) { return reinterpret_cast<uintptr_t>(&g); });
 
   m.def("ctrl_init", [](uintptr_t addr, int rank, int pid) {
+    need_mapped("ctrl_init", addr, sizeof(Ctrl));
     auto* c = reinterpret_cast<Ctrl*>(addr);
     std::memset(c, 0, sizeof *c);
     c->magic = kCtrlMagic;
@@ -222,17 +254,22 @@ PYBIND11_MODULE(_C, m) {
     A(c->state).store(kStateAlive, std::memory_order_seq_cst);
   });
   m.def("ctrl_check", [](uintptr_t addr, int rank) {
+    need_mapped("ctrl_check", addr, sizeof(Ctrl));
     auto* c = reinterpret_cast<Ctrl*>(addr);
     return c->magic == kCtrlMagic && c->rank == static_cast<uint32_t>(rank);
   });
   m.def("ctrl_set_state", [](uintptr_t addr, uint32_t state) {
+    need_mapped("ctrl_set_state", addr, sizeof(Ctrl));
     auto* c = reinterpret_cast<Ctrl*>(addr);
     A(c->state).store(state, std::memory_order_seq_cst);
     // Ring unconditionally: a peer sleeping on anything must re-check liveness.
     A(c->futex_seq).fetch_add(1, std::memory_order_seq_cst);
     wake_if_sleeping(c);
   });
-  m.def("ctrl_pid", [](uintptr_t addr) { return reinterpret_cast<Ctrl*>(addr)->pid; });
+  m.def("ctrl_pid", [](uintptr_t addr) {
+    need_mapped("ctrl_pid", addr, sizeof(Ctrl));
+    return reinterpret_cast<Ctrl*>(addr)->pid;
+  });
   m.attr("CTRL_BYTES") = py::int_(4096);
   // Collective-call records (written by Python, asap_comm/comm.py): two slots
   // of [int64 call number][int64 length][description] after the Ctrl block.
@@ -250,7 +287,12 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("fence", [] { std::atomic_thread_fence(std::memory_order_seq_cst); },
         "Full fence: orders this PE's earlier puts before its later ones.");
-  m.def("mailbox_init", &mailbox_init, py::arg("base"), py::arg("slot_bytes"), py::arg("num_slots"));
+  m.def("mailbox_init",
+        [](uintptr_t base, size_t slot_bytes, size_t num_slots) {
+          need_mapped("mailbox_init", base, mailbox_bytes(slot_bytes, num_slots));
+          mailbox_init(base, slot_bytes, num_slots);
+        },
+        py::arg("base"), py::arg("slot_bytes"), py::arg("num_slots"));
   m.def("mailbox_bytes", &mailbox_bytes, py::arg("slot_bytes"), py::arg("num_slots"));
   m.attr("MAILBOX_HEADER_BYTES") = py::int_(kMailboxHeaderBytes);
   m.attr("SLOT_HEADER_BYTES") = py::int_(kSlotHeaderBytes);

@@ -229,6 +229,10 @@ PyObject* fp_add_put_signal(PyObject* self_, PyObject* const* a, Py_ssize_t n) {
   fresh.sig_addr = PyLong_AsUnsignedLongLong(a[9]);
   fresh.owner = reinterpret_cast<Ctrl*>(PyLong_AsUnsignedLongLong(a[10]));
   if (PyErr_Occurred()) return nullptr;
+  if ((fresh.nbytes && !check_mapped("put_signal", "destination", fresh.dst_addr, fresh.nbytes)) ||
+      !check_mapped("put_signal", "signal word", fresh.sig_addr, 8) ||
+      !check_mapped("put_signal", "control block", reinterpret_cast<uintptr_t>(fresh.owner), sizeof(Ctrl)))
+    return nullptr;
   PsEntry& e = self->ps[mix(reinterpret_cast<uintptr_t>(a[0]), reinterpret_cast<uintptr_t>(a[1]),
                             reinterpret_cast<uintptr_t>(a[3]), static_cast<uint64_t>(pe * 1315423911ll + idx * 2 + op))];
   clear_ps(e);
@@ -252,7 +256,7 @@ PyObject* fp_add_wait(PyObject* self_, PyObject* const* a, Py_ssize_t n) {
   const long long idx = PyLong_AsLongLong(a[1]);
   const int cmp = static_cast<int>(PyLong_AsLong(a[2]));
   const uint64_t addr = PyLong_AsUnsignedLongLong(a[3]);
-  if (PyErr_Occurred()) return nullptr;
+  if (PyErr_Occurred() || !check_mapped("signal_wait_until", "signal word", addr, 8)) return nullptr;
   WaitEntry& e = self->wait[mix(reinterpret_cast<uintptr_t>(a[0]), 0, 0, static_cast<uint64_t>(idx * 8 + cmp))];
   Py_INCREF(a[0]);
   Py_XSETREF(e.sig, a[0]);
@@ -318,6 +322,7 @@ int fp_init(PyObject* self_, PyObject* args, PyObject*) {
   unsigned long long group, local;
   double timeout;
   if (!PyArg_ParseTuple(args, "OOOKKd", &ps, &w, &keep, &group, &local, &timeout)) return -1;
+  if (!check_group("FastPath", group) || !check_mapped("FastPath", "control block", local, sizeof(Ctrl))) return -1;
   Py_INCREF(ps);
   Py_INCREF(w);
   Py_INCREF(keep);

@@ -158,6 +158,15 @@ int inbox_init(PyObject* self_, PyObject* args, PyObject*) {
     PyErr_SetString(PyExc_ValueError, "Inbox: inconsistent geometry");
     return -1;
   }
+  const size_t span = mailbox_bytes(static_cast<size_t>(slot_bytes), static_cast<size_t>(nslots));
+  if (!check_group("Inbox", group) || !check_mapped("Inbox", "inbox", base, span)) return -1;
+  for (unsigned i = 0; i < world; ++i) {  // 0: a PE on another host (reached through the network engine)
+    const uintptr_t r = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(remote, i));
+    const uintptr_t c = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(ctrl, i));
+    if (PyErr_Occurred()) return -1;
+    if ((r != 0 || i == rank) && !check_mapped("Inbox", "peer inbox", r, span)) return -1;
+    if ((c != 0 || i == rank) && !check_mapped("Inbox", "peer control block", c, sizeof(Ctrl))) return -1;
+  }
   self->base = base;
   self->nslots = static_cast<size_t>(nslots);
   self->slot_bytes = static_cast<size_t>(slot_bytes);

@@ -177,7 +177,10 @@ PyObject* make_put_signal(PyObject*, PyObject* const* a, Py_ssize_t n) {
   self->group = reinterpret_cast<const Group*>(PyLong_AsUnsignedLongLong(a[6]));
   Py_INCREF(a[7]);
   self->keep = a[7];
-  if (PyErr_Occurred()) {
+  if (PyErr_Occurred() || (self->nbytes && !check_mapped("prepare_put_signal", "destination", self->dst, self->nbytes)) ||
+      !check_mapped("prepare_put_signal", "signal word", self->sig, 8) ||
+      !check_mapped("prepare_put_signal", "control block", reinterpret_cast<uintptr_t>(self->owner), sizeof(Ctrl)) ||
+      !check_group("prepare_put_signal", reinterpret_cast<uintptr_t>(self->group))) {
     Py_DECREF(self);
     return nullptr;
   }
@@ -212,7 +215,13 @@ PyObject* make_wait(PyObject*, PyObject* const* a, Py_ssize_t n) {
     Py_INCREF(a[8]);
     self->mask = a[8];
   }
-  if (PyErr_Occurred() || (self->dep == kDepSet && self->mask == nullptr) ||
+  if (PyErr_Occurred() || !check_mapped("prepare_signal_wait", "signal word", self->addr, 8) ||
+      !check_mapped("prepare_signal_wait", "control block", reinterpret_cast<uintptr_t>(self->owner), sizeof(Ctrl)) ||
+      !check_group("prepare_signal_wait", reinterpret_cast<uintptr_t>(self->group))) {
+    Py_DECREF(self);
+    return nullptr;
+  }
+  if ((self->dep == kDepSet && self->mask == nullptr) ||
       (self->mask != nullptr && PyBytes_GET_SIZE(self->mask) != self->group->world_size())) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_C.make_wait: inconsistent dep/mask");
     Py_DECREF(self);

@@ -1,5 +1,10 @@
-// Shared-memory segments: create (0600, O_EXCL), map, unlink.
+// Shared-memory segments: create (0600, O_EXCL), map, unlink; the registry of mapped ranges.
+#include <Python.h>
+
+#include <algorithm>
 #include <cerrno>
+#include <mutex>
+#include <vector>
 #include <cstring>
 #include <fcntl.h>
 #include <stdexcept>
@@ -15,10 +20,51 @@ namespace {
 std::string errno_text(const char* what, const std::string& name) {
   return std::string(what) + "(" + name + "): " + std::strerror(errno);
 }
+
+struct Range {
+  uintptr_t lo, hi;  // [lo, hi)
+};
+std::mutex g_ranges_mu;
+std::vector<Range> g_ranges;  // sorted by lo; mappings never overlap
+
+void register_range(void* p, size_t n) {
+  const auto lo = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> g(g_ranges_mu);
+  auto it = std::lower_bound(g_ranges.begin(), g_ranges.end(), lo, [](const Range& r, uintptr_t v) { return r.lo < v; });
+  g_ranges.insert(it, Range{lo, lo + n});
+}
+
+void unregister_range(void* p) {
+  const auto lo = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> g(g_ranges_mu);
+  auto it = std::lower_bound(g_ranges.begin(), g_ranges.end(), lo, [](const Range& r, uintptr_t v) { return r.lo < v; });
+  if (it != g_ranges.end() && it->lo == lo) g_ranges.erase(it);
+}
+
 }  // namespace
 
+bool mapped_range(uintptr_t addr, size_t n) {
+  std::lock_guard<std::mutex> g(g_ranges_mu);
+  auto it = std::upper_bound(g_ranges.begin(), g_ranges.end(), addr, [](uintptr_t v, const Range& r) { return v < r.lo; });
+  if (it == g_ranges.begin()) return false;
+  --it;  // the last range starting at or below addr
+  return addr >= it->lo && addr <= it->hi && n <= it->hi - addr;
+}
+
+bool check_mapped(const char* fn, const char* what, uintptr_t addr, size_t n) {
+  if (mapped_range(addr, n)) return true;
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s: %s [0x%llx, 0x%llx) is not inside a mapped asap_comm segment", fn, what,
+           static_cast<unsigned long long>(addr), static_cast<unsigned long long>(addr + n));
+  PyErr_SetString(PyExc_ValueError, buf);
+  return false;
+}
+
 Mapping::~Mapping() {
-  if (addr_ != nullptr) munmap(addr_, size_);
+  if (addr_ != nullptr) {
+    unregister_range(addr_);
+    munmap(addr_, size_);
+  }
 }
 
 Mapping* create_segment(const std::string& name, size_t size) {
@@ -41,6 +87,7 @@ Mapping* create_segment(const std::string& name, size_t size) {
     shm_unlink(name.c_str());
     throw std::runtime_error(msg);
   }
+  register_range(p, size);
   return new Mapping(p, size);
 }
 
@@ -65,6 +112,7 @@ Mapping* map_segment(const std::string& name, size_t size) {
     errno = saved;
     throw std::runtime_error(errno_text("mmap", name));
   }
+  register_range(p, size);
   return new Mapping(p, size);
 }
 

@@ -1,7 +1,9 @@
 // Liveness, futex wait/wake, signals, copies.
 #include <Python.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <mutex>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
@@ -81,6 +83,24 @@ int64_t spin_budget_ns() {
   return v;
 }
 
+namespace {
+std::mutex g_groups_mu;
+std::vector<const Group*> g_groups;  // live Groups (their handles reach native code as ints)
+}  // namespace
+
+bool check_group(const char* fn, uintptr_t handle) {
+  {
+    std::lock_guard<std::mutex> g(g_groups_mu);
+    for (const Group* p : g_groups)
+      if (reinterpret_cast<uintptr_t>(p) == handle) return true;
+  }
+  char buf[160];
+  snprintf(buf, sizeof buf, "%s: group handle 0x%llx is not a live asap_comm group", fn,
+           static_cast<unsigned long long>(handle));
+  PyErr_SetString(PyExc_ValueError, buf);
+  return false;
+}
+
 Group::Group(int rank, int world_size)
     : rank_(rank),
       world_(world_size),
@@ -90,6 +110,8 @@ Group::Group(int rank, int world_size)
       pid_(world_size, 0),
       pidfd_(world_size, -1) {
   for (int i = 0; i < world_size; ++i) rstate_[i].store(kStateAlive, std::memory_order_relaxed);
+  std::lock_guard<std::mutex> g(g_groups_mu);
+  g_groups.push_back(this);
 }
 
 void Group::set_remote(int pe) { remote_[pe] = 1; }
@@ -112,6 +134,10 @@ bool Group::closed_state(int pe) const {
 }
 
 Group::~Group() {
+  {
+    std::lock_guard<std::mutex> g(g_groups_mu);
+    g_groups.erase(std::remove(g_groups.begin(), g_groups.end(), this), g_groups.end());
+  }
   for (int fd : pidfd_)
     if (fd >= 0) close(fd);
 }

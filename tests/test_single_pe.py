@@ -382,3 +382,40 @@ def test_generic_calls_with_keywords_and_timeouts_take_the_native_path_and_keep_
     with pytest.raises(TypeError):
         comm1.put_signal(dst, src, 0, sig, 0)  # value missing
     assert comm1.signal_wait_until(sig, 0, ">=", 1, timeout=5, peers=[0]) == 3  # peers=: the validating path
+
+
+def test_native_entry_points_refuse_addresses_outside_mapped_segments(comm1):
+    """No raw address from Python reaches a native write unchecked: every entry point that takes one checks it
+    against the live segment mappings (and group handles against the live groups) and changes nothing."""
+    from asap_comm._native import _C
+
+    x = comm1.zeros(4)
+    s = comm1.signals(2)
+    ctrl, grp = comm1._ctrl_local, comm1._ghandle
+    outside = torch.zeros(8, dtype=torch.float64)  # ordinary process memory, not a segment
+    bad = [
+        (lambda: _C.copy_to(outside.data_ptr(), x.data_ptr(), 8), "put: destination"),
+        (lambda: _C.copy_from(outside.data_ptr(), outside.data_ptr(), 8), "get: source"),
+        (lambda: _C.put_signal(outside.data_ptr(), x.data_ptr(), 8, s.data_ptr(), 1, 0, ctrl), "put_signal: destination"),
+        (lambda: _C.put_signal(x.data_ptr(), x.data_ptr(), 8, outside.data_ptr(), 1, 0, ctrl), "put_signal: signal word"),
+        (lambda: _C.put_signal(x.data_ptr(), x.data_ptr(), 1 << 40, s.data_ptr(), 1, 0, ctrl), "put_signal: destination"),
+        (lambda: _C.signal_update(outside.data_ptr(), 1, 0, ctrl), "signal_update: signal word"),
+        (lambda: _C.signal_update(s.data_ptr(), 1, 0, outside.data_ptr()), "signal_update: control block"),
+        (lambda: _C.load(outside.data_ptr()), "load: signal word"),
+        (lambda: _C.store(outside.data_ptr(), 7), "store: signal word"),
+        (lambda: _C.wait_until(s.data_ptr(), 3, 0, ctrl, 0.0, grp + 8, -1), "wait_until: group handle"),
+        (lambda: _C.make_put_signal(outside.data_ptr(), x.data_ptr(), 8, s.data_ptr(), 0, ctrl, grp, None),
+         "prepare_put_signal: destination"),
+        (lambda: _C.make_wait(outside.data_ptr(), 3, ctrl, 1.0, grp, -1, None, "w", None),
+         "prepare_signal_wait: signal word"),
+        (lambda: _C.ctrl_set_state(outside.data_ptr(), 2), "ctrl_set_state"),
+        (lambda: _C.mailbox_init(outside.data_ptr(), 64, 1), "mailbox_init"),
+    ]
+    for call, text in bad:
+        with pytest.raises(ValueError, match=text):
+            call()
+    assert torch.equal(outside, torch.zeros(8, dtype=torch.float64))  # nothing written
+    assert torch.equal(x, torch.zeros(4)) and comm1.signal_fetch(s, 0) == 0 and comm1.signal_fetch(s, 1) == 0
+    # the checked paths still work
+    comm1.put_signal(x, torch.ones(4), 0, s, 0, 1)
+    assert torch.equal(x, torch.ones(4)) and comm1.signal_wait_until(s, 0, ">=", 1, timeout=1) == 1
