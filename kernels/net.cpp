@@ -64,11 +64,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-template <typename T>
-inline std::atomic_ref<T> A(T& x) {
-  return std::atomic_ref<T>(x);
-}
-
 // ------------------------------------------------------------------ UCX, loaded at run time
 struct Ucx {
 #define ASAP_UCX_FN(name) decltype(&::name) name = nullptr
@@ -175,7 +170,7 @@ const char* kind_name(uint32_t k) {
   switch (k) {
     case kPut: return "put";
     case kPutSignal: return "put_signal";
-    case kSignal: return "signal_op";
+    case kSignal:
     case kSignalFetch: return "signal_op";
     case kGet: return "get";
     case kMbox: return "mailbox send";
@@ -470,7 +465,7 @@ class NetEngine final : public NetIface {
         uint32_t token = 0;
         Pending* p = alloc_pending(pe, nullptr, 0, &token);
         if (p == nullptr) continue;
-        Hdr h = make_locked(kClose, pe);
+        Hdr h = header(kClose);
         h.token = token;
         void* req = send_nb(pe, h, nullptr, 0);
         if (req != nullptr && req != reinterpret_cast<void*>(-1)) ucx.ucp_request_free(req);
@@ -515,7 +510,6 @@ class NetEngine final : public NetIface {
     group_->set_net(nullptr);
   }
 
-  static NetEngine* of(Group* g) { return static_cast<NetEngine*>(g->net()); }
 
  private:
   struct Region {
@@ -534,12 +528,10 @@ class NetEngine final : public NetIface {
     if (eps_[pe] == nullptr)
       throw std::invalid_argument(std::string("net: ") + kind_name(kind) + ": PE " + std::to_string(pe) +
                                   " is not a remote PE of this group");
-    Hdr h{};
-    h.kind = kind;
-    h.src = static_cast<uint32_t>(rank_);
-    return h;
+    return header(kind);
   }
-  Hdr make_locked(uint32_t kind, int) {
+  // A header for this PE (no checks: the engine's own messages).
+  Hdr header(uint32_t kind) const {
     Hdr h{};
     h.kind = kind;
     h.src = static_cast<uint32_t>(rank_);
@@ -830,7 +822,7 @@ class NetEngine final : public NetIface {
     cv_.notify_all();
   }
 
-  void reply(int pe, const Hdr& req, int32_t status, uint64_t value, const char* data, size_t n, const char* err) {
+  void reply(int pe, const Hdr& req, int32_t status, uint64_t value, const char* data, size_t n) {
     Deferred d;
     d.pe = pe;
     d.h = Hdr{};
@@ -841,7 +833,6 @@ class NetEngine final : public NetIface {
     d.h.value = value;
     d.data = data;
     d.n = n;
-    if (err != nullptr) snprintf(d.err, sizeof d.err, "%s", err);
     deferred_.push_back(d);
   }
 
@@ -859,30 +850,30 @@ class NetEngine final : public NetIface {
       case kHeartbeat: return UCS_OK;
       case kClose:
         mark(src, kStateClosed);
-        reply(src, h, kReplyOk, 0, nullptr, 0, nullptr);
+        reply(src, h, kReplyOk, 0, nullptr, 0);
         return UCS_OK;
       case kReply: return on_reply(h, data, length, rndv);
-      case kQuiet: reply(src, h, kReplyOk, 0, nullptr, 0, nullptr); return UCS_OK;
+      case kQuiet: reply(src, h, kReplyOk, 0, nullptr, 0); return UCS_OK;
       case kSignal:
       case kSignalFetch: {
         char* s = resolve(h.sig_region, h.sig_off, 8);
         if (s == nullptr || (h.sig_off & 7) != 0 || h.op > 1) {
           ++bad_;
-          if (h.kind == kSignalFetch) reply(src, h, kReplyBad, 0, nullptr, 0, "signal word out of bounds");
+          if (h.kind == kSignalFetch) reply(src, h, kReplyBad, 0, nullptr, 0);
           return UCS_OK;
         }
         const uint64_t old = signal_update(reinterpret_cast<uint64_t*>(s), h.value, static_cast<int>(h.op), own_);
-        if (h.kind == kSignalFetch) reply(src, h, kReplyOk, old, nullptr, 0, nullptr);
+        if (h.kind == kSignalFetch) reply(src, h, kReplyOk, old, nullptr, 0);
         return UCS_OK;
       }
       case kGet: {
         char* p = resolve(h.region, h.off, h.nbytes);
         if (p == nullptr) {
           ++bad_;
-          reply(src, h, kReplyBad, 0, nullptr, 0, "range out of bounds");
+          reply(src, h, kReplyBad, 0, nullptr, 0);
           return UCS_OK;
         }
-        reply(src, h, kReplyOk, 0, p, h.nbytes, nullptr);
+        reply(src, h, kReplyOk, 0, p, h.nbytes);
         return UCS_OK;
       }
       case kPut:
@@ -909,7 +900,7 @@ class NetEngine final : public NetIface {
                           length == h.nbytes && (h.off & 63) == 0;
         if (!fits) {
           ++bad_;
-          reply(src, h, kReplyBad, 0, nullptr, 0, "mailbox out of bounds");
+          reply(src, h, kReplyBad, 0, nullptr, 0);
           return UCS_OK;
         }
         if (!rndv) {
@@ -933,7 +924,7 @@ class NetEngine final : public NetIface {
     const uintptr_t base = reinterpret_cast<uintptr_t>(resolve(h.region, h.off, 0));
     WaitResult r = ring_try_send(base, h.nslots, h.slot_bytes, own_, h.src, h.tag, h.dtype, static_cast<int>(h.ndim),
                                  h.dims, payload, h.nbytes);
-    reply(static_cast<int>(h.src), h, r.status == kWaitOk ? kReplyOk : kReplyFull, r.value, nullptr, 0, nullptr);
+    reply(static_cast<int>(h.src), h, r.status == kWaitOk ? kReplyOk : kReplyFull, r.value, nullptr, 0);
   }
 
   ucs_status_t recv_rndv(const Hdr& h, void* desc, char* dst, size_t length) {
@@ -951,15 +942,12 @@ class NetEngine final : public NetIface {
       rndv_finished(c, UCS_OK);
     } else if (UCS_PTR_IS_ERR(req)) {
       rndv_finished(c, UCS_PTR_STATUS(req));
-    } else {
-      ++rndv_live_count_;
     }
     return UCS_INPROGRESS;
   }
 
   static void on_rndv_done(void* req, ucs_status_t st, size_t, void* user) {
     auto* c = static_cast<RndvCtx*>(user);
-    --c->eng->rndv_live_count_;
     c->eng->rndv_finished(c, st);
     ucx.ucp_request_free(req);
   }
@@ -968,7 +956,7 @@ class NetEngine final : public NetIface {
     const Hdr& h = c->h;
     if (st != UCS_OK) {
       last_error_ = ucs_err("receiving a rendezvous message", st);
-      if (h.kind == kMbox) reply(static_cast<int>(h.src), h, kReplyFull, 0, nullptr, 0, nullptr);
+      if (h.kind == kMbox) reply(static_cast<int>(h.src), h, kReplyFull, 0, nullptr, 0);
     } else if (h.kind == kMbox) {
       deliver_mbox(h, c->tmp.data());
     } else if (h.kind == kReply) {
@@ -1006,7 +994,6 @@ class NetEngine final : public NetIface {
     Hdr h;
     const char* data = nullptr;
     size_t n = 0;
-    char err[96] = {0};
   };
 
   // Sends the replies the handlers queued (mu_ held; not from a callback).
@@ -1032,7 +1019,7 @@ class NetEngine final : public NetIface {
         continue;
       }
       if (now - last_tx_[pe] > std::chrono::milliseconds(200)) {
-        Hdr h = make_locked(kHeartbeat, pe);
+        Hdr h = header(kHeartbeat);
         void* req = send_nb(pe, h, nullptr, 0);
         ++hb_sent_;
         if (req != nullptr && req != reinterpret_cast<void*>(-1)) ucx.ucp_request_free(req);
@@ -1126,7 +1113,6 @@ class NetEngine final : public NetIface {
   std::vector<Region> regions_;
   std::deque<Pending> pending_;
   std::deque<Deferred> deferred_;
-  int64_t rndv_live_count_ = 0;
   std::mutex mu_, pend_mu_, cv_mu_;
   std::condition_variable cv_;
   std::thread thread_;
