@@ -125,8 +125,7 @@ class Communicator:
             raise
         # The per-call path of put_signal/signal_wait_until is native; instance
         # attributes make `comm.put_signal(...)` reach it without a Python frame.
-        self._fastpath = _C.FastPath(self._put_signal_slow, self._signal_wait_slow, self._group, self._ghandle,
-                                     self._ctrl_local, self.timeout)
+        self._fastpath = _C.FastPath(self._put_signal_slow, self._signal_wait_slow, self._group, self._ghandle)
         self.put_signal = self._fastpath.put_signal
         self.signal_wait_until = self._fastpath.signal_wait_until
         with _registry_lock:
@@ -431,7 +430,7 @@ class Communicator:
         if self._remote[pe]:  # a copy, read across the network (collective calls are set-up time)
             v = torch.zeros(2 * _C.CTRL_COLL_SLOT_BYTES, dtype=torch.uint8)
             try:
-                self._net.get(pe, 0, _C.CTRL_COLL_OFFSET, v.data_ptr(), v.numel(), min(self.timeout, 5.0))
+                self._net.get(pe, 0, _C.CTRL_COLL_OFFSET, v, 0, v.numel(), min(self.timeout, 5.0))
             except Exception:  # a dead or closed peer: reported by the caller's own error
                 pass
             return v
@@ -648,7 +647,7 @@ class Communicator:
             self._net_put(pe, a, dst, src)
             return
         if dst.is_contiguous() and src.is_contiguous() and dst.nbytes < _COPY_WITH_TORCH:
-            _C.copy_to(dst.data_ptr() + a.chunk.deltas[pe], src.data_ptr(), dst.nbytes)
+            _C.copy_to(dst.data_ptr() + a.chunk.deltas[pe], src, dst.nbytes)
         else:
             self._remote_view(dst, a, pe).copy_(src)
 
@@ -668,7 +667,7 @@ class Communicator:
             self._net_get(pe, a, dst, src)
             return
         if dst.is_contiguous() and src.is_contiguous() and dst.nbytes < _COPY_WITH_TORCH:
-            _C.copy_from(dst.data_ptr(), src.data_ptr() + a.chunk.deltas[pe], dst.nbytes)
+            _C.copy_from(dst, src.data_ptr() + a.chunk.deltas[pe], dst.nbytes)
         else:
             dst.copy_(self._remote_view(src, a, pe))
 
@@ -688,30 +687,49 @@ class Communicator:
         """
         return self._fastpath.put_signal(dst, src, pe, sig, idx, value, op)
 
-    def _put_signal_slow(self, dst, src, pe, sig, idx, value, op="set") -> None:
-        self._check_open("put_signal")
-        pe = self._check_pe("put_signal", pe)
+    def _put_signal_handle(self, fn: str, dst, src, pe, sig, idx, op, any_size: bool):
+        """The one validating path of put_signal: checks a call's arguments and returns the native handle
+        (``_C.PreparedPutSignal``) that performs it, or None for a call no handle expresses (a strided view;
+        on this host, a copy of ``_COPY_WITH_TORCH`` bytes or more unless ``any_size``), which
+        ``_put_signal_slow`` composes from ``put`` and the signal. Returns (pe, op code, handle)."""
+        self._check_open(fn)
+        pe = self._check_pe(fn, pe)
         if op not in _OPS:
-            raise ValueError(f"put_signal: op must be 'set' or 'add', got {op!r}")
-        value = self._check_value("put_signal", value)
-        d = self._info("put_signal", "dst", dst, symmetric=True)
-        self._check_pair("put_signal", dst, src)
-        g, addr = self._sig_addr("put_signal", sig, idx)
+            raise ValueError(f"{fn}: op must be 'set' or 'add', got {op!r}")
+        d = self._info(fn, "dst", dst, symmetric=True)
+        self._check_pair(fn, dst, src)
+        g, addr = self._sig_addr(fn, sig, idx)
+        if not (d[4] and src.is_contiguous()) or (d[2] >= _COPY_WITH_TORCH and not any_size and not self._remote[pe]):
+            return pe, _OPS[op], None
+        keep = (dst, src, sig, self._group)
         if self._remote[pe]:
-            self._net_put_signal(pe, dst, src, sig, addr, value, _OPS[op])
-            return
-        if d[2] == 0:  # nothing to copy (an empty view's data_ptr may be 0): the signal alone
-            _C.signal_update(addr + g[6][pe], value, _OPS[op], self._ctrl[pe])
-        elif d[4] and src.is_contiguous() and src.__class__ is torch.Tensor and d[2] < _COPY_WITH_TORCH:
-            # Register the checked call with the native path; it holds dst,
-            # src and sig, so their identities stay theirs while registered.
-            self._fastpath.add_put_signal(dst, src, pe, sig, idx, _OPS[op], d[1] + d[6][pe], src.data_ptr(), d[2],
-                                          addr + g[6][pe], self._ctrl[pe])
-            _C.put_signal(d[1] + d[6][pe], src.data_ptr(), d[2], addr + g[6][pe], value, _OPS[op],
-                          self._ctrl[pe])
+            da = self._alloc_of(fn, "dst", dst)
+            target = (da.chunk.index + 1, d[1] - da.chunk.base) if d[2] else (0, 0)
+            sig_target = self._region_of(fn, sig, addr, 8)
+            owner = 0
         else:
+            keep += (self._alloc_of(fn, "dst", dst).chunk.peers[pe], self._alloc_of(fn, "sig", sig).chunk.peers[pe])
+            target, sig_target, owner = d[1] + d[6][pe], addr + g[6][pe], self._ctrl[pe]
+        return pe, _OPS[op], _C.make_put_signal(fn, self._ghandle, pe, src, d[2], _OPS[op], target, sig_target,
+                                                owner, keep)
+
+    def _put_signal_slow(self, dst, src, pe, sig, idx, value, op="set") -> None:
+        pe, code, h = self._put_signal_handle("put_signal", dst, src, pe, sig, idx, op, any_size=False)
+        if h is None:  # a strided or large put: the data, then the signal (applied after it)
+            value = self._check_value("put_signal", value)
             self.put(dst, src, pe)
-            _C.signal_update(addr + g[6][pe], value, _OPS[op], self._ctrl[pe])
+            g, addr = self._sig_addr("put_signal", sig, idx)
+            if self._remote[pe]:
+                region, off = self._region_of("put_signal", sig, addr, 8)
+                self._net.signal(pe, region, off, value, code, False, self.timeout)
+            else:
+                _C.signal_update(addr + g[6][pe], value, code, self._ctrl[pe])
+            return None
+        if src.__class__ is torch.Tensor and dst.__class__ is torch.Tensor:
+            # Later calls with these objects run this handle natively (the
+            # table holds dst, src and sig, so their identities stay theirs).
+            self._fastpath.add_put_signal(dst, src, pe, sig, idx, code, h)
+        return h(value)
 
     def signal_op(self, sig: torch.Tensor, idx: int, value: int, op: str, pe: int) -> int:
         """Atomically update word ``idx`` of ``sig`` on PE ``pe``; returns its previous value.
@@ -772,29 +790,25 @@ class Communicator:
             raise ValueError(f"{fn}: peers is empty; name at least one PE that may satisfy the wait")
         return bytes(mask)
 
-    def _signal_wait_slow(self, sig, idx, cmp, value, timeout=None, *, peers=None) -> int:
-        self._check_open("signal_wait_until")
+    def _wait_handle(self, fn: str, sig, idx, cmp, timeout, peers):
+        """The one validating path of signal_wait_until: the native handle (``_C.PreparedWait``) waiting for
+        ``sig[idx] <cmp> value``, with ``timeout`` as its default (None: the communicator's)."""
+        self._check_open(fn)
         c = _CMPS.get(cmp) if isinstance(cmp, str) else None
         if c is None:
-            raise ValueError(f"signal_wait_until: cmp must be one of {list(_CMPS)}, got {cmp!r}")
-        value = self._check_value("signal_wait_until", value)
-        t = self._timeout("signal_wait_until", timeout)
-        mask = None if peers is None else self._peer_mask("signal_wait_until", peers)
-        _, addr = self._sig_addr("signal_wait_until", sig, idx)
-        if mask is None and sig.__class__ is torch.Tensor:  # the native path takes any valid timeout too
-            self._fastpath.add_wait(sig, idx, c, addr)  # holds sig: its identity stays its own
-        try:
-            if mask is None:
-                return _C.wait_until(addr, c, value, self._ctrl_local, t, self._ghandle, _C.DEP_ANY)
-            return _C.wait_until(addr, c, value, self._ctrl_local, t, self._ghandle, _C.DEP_SET, mask)
-        except (TimeoutError, PeerFailure) as e:
-            raise self._wait_error("signal_wait_until", f"sig[{idx}] {cmp} {value}", e) from None
+            raise ValueError(f"{fn}: cmp must be one of {list(_CMPS)}, got {cmp!r}")
+        t = self._timeout(fn, timeout)
+        mask = None if peers is None else self._peer_mask(fn, peers)
+        _, addr = self._sig_addr(fn, sig, idx)
+        return _C.make_wait(fn, self._ghandle, addr, c, self._ctrl_local, t,
+                            _C.DEP_ANY if mask is None else _C.DEP_SET, mask,
+                            f"signal_wait_until: waiting for sig[{idx}] {cmp} ", (sig, self._group))
 
-    @staticmethod
-    def _wait_error(fn: str, what: str, e: Exception) -> Exception:
-        if isinstance(e, PeerFailure):
-            return PeerFailure(f"{fn}: waiting for {what}: {e}", pe=e.pe, reason=e.reason)
-        return TimeoutError(f"{fn}: waiting for {what}: {e}")
+    def _signal_wait_slow(self, sig, idx, cmp, value, timeout=None, *, peers=None) -> int:
+        h = self._wait_handle("signal_wait_until", sig, idx, cmp, None, peers)
+        if peers is None and sig.__class__ is torch.Tensor:
+            self._fastpath.add_wait(sig, idx, _CMPS[cmp], h)  # holds sig: its identity stays its own
+        return h(value, timeout)
 
     def prepare_put_signal(self, dst: torch.Tensor, src: torch.Tensor, pe: int, sig: torch.Tensor, idx: int,
                            op: str = "set"):
@@ -808,29 +822,11 @@ class Communicator:
         ``set_`` it). Same ordering as ``put_signal``. Raises ``CommError``
         if called after ``close()``.
         """
-        self._check_open("prepare_put_signal")
-        pe = self._check_pe("prepare_put_signal", pe)
-        if op not in _OPS:
-            raise ValueError(f"prepare_put_signal: op must be 'set' or 'add', got {op!r}")
-        d = self._info("prepare_put_signal", "dst", dst, symmetric=True)
-        self._check_pair("prepare_put_signal", dst, src)
-        if not (d[4] and src.is_contiguous()):
+        pe, _, h = self._put_signal_handle("prepare_put_signal", dst, src, pe, sig, idx, op, any_size=True)
+        if h is None:
             raise ValueError("prepare_put_signal: dst and src must be contiguous "
                              f"(dst strides {dst.stride()}, src strides {src.stride()})")
-        g, addr = self._sig_addr("prepare_put_signal", sig, idx)
-        if self._remote[pe]:
-            code = _OPS[op]
-
-            def remote_put_signal(value):
-                self._check_open("put_signal")
-                self._net_put_signal(pe, dst, src, sig, addr, self._check_value("put_signal", value), code)
-
-            return remote_put_signal
-        keep = (dst, src, sig, self._alloc_of("", "", dst).chunk.peers[pe],
-                self._alloc_of("", "", sig).chunk.peers[pe], self._group)
-        dst_addr = d[1] + d[6][pe] if d[2] else 0  # an empty view copies nothing (its data_ptr may be 0)
-        return _C.make_put_signal(dst_addr, src.data_ptr() if d[2] else 0, d[2], addr + g[6][pe], _OPS[op],
-                                  self._ctrl[pe], self._ghandle, keep)
+        return h
 
     def prepare_signal_wait(self, sig: torch.Tensor, idx: int, cmp: str, timeout=None, *, peers=None):
         """Validate a ``signal_wait_until`` once; return ``f(value) -> int`` that performs it.
@@ -839,15 +835,7 @@ class Communicator:
         the given ``timeout`` (default: the communicator's) and ``peers``.
         The handle takes ``value`` positionally or as ``value=``.
         """
-        self._check_open("prepare_signal_wait")
-        c = _CMPS.get(cmp) if isinstance(cmp, str) else None
-        if c is None:
-            raise ValueError(f"prepare_signal_wait: cmp must be one of {list(_CMPS)}, got {cmp!r}")
-        t = self._timeout("prepare_signal_wait", timeout)
-        mask = None if peers is None else self._peer_mask("prepare_signal_wait", peers)
-        _, addr = self._sig_addr("prepare_signal_wait", sig, idx)
-        return _C.make_wait(addr, c, self._ctrl_local, t, self._ghandle, _C.DEP_ANY if mask is None else _C.DEP_SET,
-                            (sig, self._group), f"signal_wait_until: waiting for sig[{idx}] {cmp}", mask)
+        return self._wait_handle("prepare_signal_wait", sig, idx, cmp, timeout, peers)
 
     def fence(self) -> None:
         """Order: this PE's puts issued before reach every PE before those issued after.
@@ -893,11 +881,18 @@ class Communicator:
         else:
             k = self._barrier_pending  # a retry after a timeout: already arrived
         self._barrier_pending = k
-        try:
-            _C.wait_until(gen, _CMPS[">="], k, ctrl0, t, self._ghandle, _C.DEP_ALL)
-        except (TimeoutError, PeerFailure) as e:
-            raise self._wait_error("barrier", f"barrier #{k}", e) from None
+        self._ctrl_wait(gen, ctrl0, "barrier: waiting for barrier #")(k, t)
         self._barrier_pending = None
+
+    def _ctrl_wait(self, addr: int, owner: int, what: str):
+        """The barrier's wait handle (``>=``, every PE may satisfy it) for control word ``addr`` of PE
+        ``owner``'s control block; ``what`` prefixes its errors, completed by the awaited value."""
+        waits = self.__dict__.setdefault("_ctrl_waits", {})
+        h = waits.get(addr)
+        if h is None:
+            h = waits[addr] = _C.make_wait("barrier", self._ghandle, addr, _CMPS[">="], owner, self.timeout,
+                                           _C.DEP_ALL, None, what, (self._group,))
+        return h
 
     def _barrier_net(self, t: float) -> None:
         """The barrier of a group that spans hosts: every PE completes its puts (``quiet``), then
@@ -920,21 +915,18 @@ class Communicator:
         else:
             k = self._barrier_pending
         self._barrier_pending = k
-        try:
-            if self.rank == 0:
-                if self._barrier_released < k:
-                    _C.wait_until(ctrl + arrive_off, _CMPS[">="], k * self.world_size, ctrl, t, self._ghandle,
-                                  _C.DEP_ALL)
-                    for pe in range(1, self.world_size):
-                        if self._remote[pe]:
-                            self._net.signal(pe, 0, gen_off, k, 0, False, t)
-                        else:
-                            _C.signal_update(self._ctrl[pe] + gen_off, k, 0, self._ctrl[pe])
-                    self._barrier_released = k
-            else:
-                _C.wait_until(ctrl + gen_off, _CMPS[">="], k, ctrl, t, self._ghandle, _C.DEP_ALL)
-        except (TimeoutError, PeerFailure) as e:
-            raise self._wait_error("barrier", f"barrier #{k}", e) from None
+        if self.rank == 0:
+            if self._barrier_released < k:
+                self._ctrl_wait(ctrl + arrive_off, ctrl, "barrier: waiting for every PE to arrive, count >= ")(
+                    k * self.world_size, t)
+                for pe in range(1, self.world_size):
+                    if self._remote[pe]:
+                        self._net.signal(pe, 0, gen_off, k, 0, False, t)
+                    else:
+                        _C.signal_update(self._ctrl[pe] + gen_off, k, 0, self._ctrl[pe])
+                self._barrier_released = k
+        else:
+            self._ctrl_wait(ctrl + gen_off, ctrl, "barrier: waiting for barrier #")(k, t)
         self._barrier_pending = None
 
     # ------------------------------------------------------------ across hosts
@@ -969,7 +961,7 @@ class Communicator:
         base = dst.data_ptr() - a.chunk.base
         pos = 0
         for off, n in self._runs(dst):
-            self._net.put(pe, a.chunk.index + 1, base + off, src.data_ptr() + pos, n)
+            self._net.put(pe, a.chunk.index + 1, base + off, src, pos, n)
             pos += n
 
     def _net_get(self, pe: int, a: _Alloc, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -977,22 +969,10 @@ class Communicator:
         base = src.data_ptr() - a.chunk.base
         pos = 0
         for off, n in self._runs(src):
-            self._net.get(pe, a.chunk.index + 1, base + off, out.data_ptr() + pos, n, self.timeout)
+            self._net.get(pe, a.chunk.index + 1, base + off, out, pos, n, self.timeout)
             pos += n
         if out is not dst:
             dst.copy_(out)
-
-    def _net_put_signal(self, pe: int, dst, src, sig, sig_addr: int, value: int, op: int) -> None:
-        sregion, soff = self._region_of("put_signal", sig, sig_addr, 8)
-        a = self._alloc_of("put_signal", "dst", dst)
-        if dst.numel() and dst.is_contiguous():
-            src = src.contiguous()
-            self._net.put_signal(pe, a.chunk.index + 1, dst.data_ptr() - a.chunk.base, src.data_ptr(), dst.nbytes,
-                                 sregion, soff, value, op)
-            return
-        if dst.numel():
-            self._net_put(pe, a, dst, src)  # applied in order, before the signal below
-        self._net.signal(pe, sregion, soff, value, op, False, self.timeout)
 
     # ------------------------------------------------------------ liveness
     def peer_alive(self, pe: int) -> bool:

@@ -99,11 +99,11 @@ class Mailbox(_C.Inbox):
 
     def _send_checked(self, pe, tensor, tag=0, timeout=None) -> None:
         """The validating path of ``send`` (native ``send`` hands irregular calls here)."""
-        pe, code = self._check_message("send", pe, tensor, tag)
+        pe, _ = self._check_message("send", pe, tensor, tag)
         t = self._comm._timeout("send", timeout)
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        self._ring_send(pe, tensor.data_ptr(), tensor.nbytes, code, tuple(tensor.shape), tag, t)
+        self._ring_send(pe, tensor, tag, t)
 
     def prepare_send(self, pe: int, tensor: torch.Tensor, tag: int = 0):
         """Validate a send once; return ``f(tag=<the prepared tag>)`` that sends ``tensor``'s current bytes.
@@ -114,10 +114,10 @@ class Mailbox(_C.Inbox):
         holds it. Same ordering, waiting (communicator's timeout) and errors
         as ``send``.
         """
-        pe, code = self._check_message("prepare_send", pe, tensor, tag)
+        pe, _ = self._check_message("prepare_send", pe, tensor, tag)
         if not tensor.is_contiguous():
             raise ValueError(f"prepare_send: tensor must be contiguous (strides {tensor.stride()})")
-        return self._make_prepared_send(pe, tensor, tensor.data_ptr(), tensor.nbytes, code, tuple(tensor.shape), tag)
+        return self._make_prepared_send(pe, tensor, tag)
 
     def _make_view(self, slot: int, code: int, shape: tuple, nbytes: int) -> torch.Tensor:
         """The tensor view of slot ``slot``'s payload (cached per slot by the native recv)."""

@@ -6,6 +6,7 @@ and ``bad`` (how many checks failed on that PE).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -100,13 +101,14 @@ def _pingpong(comm, plan: BatchPlan, make_handles) -> dict:
     return {"samples_ns": samples, "bad": bad}
 
 
-def pingpong_pe(comm, plans: dict) -> dict:
+def pingpong_pe(comm, plans: dict, pin: bool = True) -> dict:
     """Run the ping-pong through each API path in ``plans`` (a key of PINGPONG_PATHS -> BatchPlan).
 
-    Returns the results by path. Each PE is pinned to its own CPU meanwhile
-    (see ``_common.pinned``).
+    Returns the results by path. With ``pin``, each PE is pinned to its own
+    CPU meanwhile (see ``_common.pinned``); without, the processes stay where
+    the OS puts them, as a user would run them.
     """
-    with pinned(comm.rank):
+    with pinned(comm.rank) if pin else contextlib.nullcontext():
         return {path: _pingpong(comm, plan, PINGPONG_PATHS[path]) for path, plan in plans.items()}
 
 
@@ -241,9 +243,10 @@ def _mailbox_responder(box, numel: int, prepared: bool):
     return batch
 
 
-def mailbox_pe(comm, plan: BatchPlan, nbytes: int, num_slots: int, prepared: bool = False) -> dict:
-    """Mailbox round trips of ``nbytes``-byte int64 messages (PE 0 -> PE 1 -> PE 0), each PE on its own CPU."""
-    with pinned(comm.rank):
+def mailbox_pe(comm, plan: BatchPlan, nbytes: int, num_slots: int, prepared: bool = False, pin: bool = True) -> dict:
+    """Mailbox round trips of ``nbytes``-byte int64 messages (PE 0 -> PE 1 -> PE 0), each PE on its own CPU
+    (``pin``) or where the OS puts it."""
+    with pinned(comm.rank) if pin else contextlib.nullcontext():
         return _mailbox_roundtrips(comm, plan, nbytes, num_slots, prepared)
 
 

@@ -66,6 +66,10 @@ PP_GENERIC = Measurement("asap_pingpong_generic", "same, comm.put_signal / comm.
                          PAYLOAD_BYTES)
 PP_GENERIC_KW = Measurement("asap_pingpong_generic_kw", "same, generic calls with op= and timeout= keywords", US,
                             PAYLOAD_BYTES)
+PP_PREPARED_FREE = Measurement("asap_pingpong_prepared_unpinned", "same as asap_pingpong_prepared, processes not "
+                               "pinned (where the OS puts them)", US, PAYLOAD_BYTES)
+PP_GENERIC_KW_FREE = Measurement("asap_pingpong_generic_kw_unpinned", "same as asap_pingpong_generic_kw, processes "
+                                 "not pinned", US, PAYLOAD_BYTES)
 PP_TORCH_OPS = Measurement("asap_pingpong_torch_ops", "same, torch.ops.asap_comm.put_signal / signal_wait_until",
                            US, PAYLOAD_BYTES)
 MPI_PP = Measurement("mpi_put_flush_pingpong", "Open MPI (osc sm) Put+Flush ping-pong, one-way, mpi4py", US,
@@ -79,6 +83,8 @@ BW_THREADS = (0, 1)  # torch intra-op threads of the two bandwidth passes (0: to
 BW_SPECS = ((PUT_BW, COPY_BW), (PUT_BW_1T, COPY_BW_1T))  # (put, copy_) rows of each pass
 MAILBOX_RT = Measurement("asap_mailbox_rt", "mailbox send->recv->reply->recv round trip, box.send", US, MAILBOX_BYTES)
 MAILBOX_RT_PREP = Measurement("asap_mailbox_rt_prepared", "same, sends through box.prepare_send handles", US,
+                              MAILBOX_BYTES)
+MAILBOX_RT_FREE = Measurement("asap_mailbox_rt_unpinned", "same as asap_mailbox_rt, processes not pinned", US,
                               MAILBOX_BYTES)
 PIPE_RT = Measurement("pipe_rt", "multiprocessing.Pipe send_bytes/recv_bytes round trip", US, MAILBOX_BYTES)
 GLOO_PP8 = Measurement("gloo_pingpong_8", "gloo send/recv ping-pong, one-way (127.0.0.1)", US, PAYLOAD_BYTES)
@@ -102,8 +108,13 @@ def run_asap_pingpong(cfg: Config) -> list:
     plans = {"prepared": cfg.pingpong, "generic": cfg.pingpong, "generic_kw": cfg.pingpong, "torch_ops": cfg.torch_ops}
     r0, r1 = asap_bench.launch(asap_bench.pingpong_pe, plans, timeout=GROUP_TIMEOUT_S)
     specs = {"prepared": PP_PREPARED, "generic": PP_GENERIC, "generic_kw": PP_GENERIC_KW, "torch_ops": PP_TORCH_OPS}
-    return [measured(spec, ns_to_us(r0[path]["samples_ns"], 2), r0[path]["bad"] + r1[path]["bad"])
-            for path, spec in specs.items()]
+    out = [measured(spec, ns_to_us(r0[path]["samples_ns"], 2), r0[path]["bad"] + r1[path]["bad"])
+           for path, spec in specs.items()]
+    free = {"prepared": cfg.pingpong, "generic_kw": cfg.pingpong}  # as a user runs them: no pinning
+    r0, r1 = asap_bench.launch(asap_bench.pingpong_pe, free, False, timeout=GROUP_TIMEOUT_S)
+    specs = {"prepared": PP_PREPARED_FREE, "generic_kw": PP_GENERIC_KW_FREE}
+    return out + [measured(spec, ns_to_us(r0[path]["samples_ns"], 2), r0[path]["bad"] + r1[path]["bad"])
+                  for path, spec in specs.items()]
 
 
 def run_mpi(cfg: Config) -> list:
@@ -126,8 +137,9 @@ def run_put_bandwidth(cfg: Config) -> list:
 
 def run_mailbox(cfg: Config) -> list:
     out = []
-    for spec, prepared in ((MAILBOX_RT, False), (MAILBOX_RT_PREP, True)):
-        r0, r1 = asap_bench.launch(asap_bench.mailbox_pe, cfg.mailbox, MAILBOX_BYTES, MAILBOX_SLOTS, prepared,
+    for spec, prepared, pin in ((MAILBOX_RT, False, True), (MAILBOX_RT_PREP, True, True),
+                                (MAILBOX_RT_FREE, False, False)):
+        r0, r1 = asap_bench.launch(asap_bench.mailbox_pe, cfg.mailbox, MAILBOX_BYTES, MAILBOX_SLOTS, prepared, pin,
                                    timeout=GROUP_TIMEOUT_S)
         out.append(measured(spec, ns_to_us(r0["samples_ns"]), r0["bad"] + r1["bad"]))
     return out
@@ -157,12 +169,12 @@ class Family:
 
 
 FAMILIES = (  # each ASAP family is followed by its baseline, so the two see the same machine state
-    Family("ASAP put_signal ping-pong (prepared, generic, keywords, torch.ops)",
-           (PP_PREPARED, PP_GENERIC, PP_GENERIC_KW, PP_TORCH_OPS),
+    Family("ASAP put_signal ping-pong (prepared, generic, keywords, torch.ops; pinned and not)",
+           (PP_PREPARED, PP_GENERIC, PP_GENERIC_KW, PP_TORCH_OPS, PP_PREPARED_FREE, PP_GENERIC_KW_FREE),
            run_asap_pingpong),
     Family("Open MPI one-sided ping-pong (mpirun)", (MPI_PP,), run_mpi),
     Family("ASAP put bandwidth vs torch copy_", (PUT_BW, COPY_BW, PUT_BW_1T, COPY_BW_1T), run_put_bandwidth),
-    Family("ASAP mailbox round trip", (MAILBOX_RT, MAILBOX_RT_PREP), run_mailbox),
+    Family("ASAP mailbox round trip", (MAILBOX_RT, MAILBOX_RT_PREP, MAILBOX_RT_FREE), run_mailbox),
     Family("multiprocessing.Pipe round trip", (PIPE_RT,), run_pipe),
     Family("gloo ping-pong and bandwidth", (GLOO_PP8, GLOO_PP64, GLOO_BW), run_gloo),
 )
@@ -214,12 +226,14 @@ def build_rows(m: dict) -> list:
         make_row(m[PP_PREPARED.name], mpi, PINGPONG_TARGET, gloo=gloo8),
         make_row(m[PP_GENERIC.name], mpi, PINGPONG_TARGET, gloo=gloo8),
         make_row(m[PP_GENERIC_KW.name], m[PP_PREPARED.name], KEYWORD_TARGET),
+        make_row(m[PP_GENERIC_KW_FREE.name], m[PP_PREPARED_FREE.name], KEYWORD_TARGET),
         make_row(m[PP_TORCH_OPS.name], mpi, None, gloo=gloo8),
         make_row(m[PUT_BW.name], m[COPY_BW.name], PUT_TARGET, gloo=gloo_bw),
         make_row(m[PUT_BW_1T.name], m[COPY_BW_1T.name], PUT_TARGET, gloo=gloo_bw),
         make_row(m[MAILBOX_RT.name], m[PIPE_RT.name], MAILBOX_TARGET),
         make_row(m[MAILBOX_RT_PREP.name], m[PIPE_RT.name], MAILBOX_TARGET),
-        *(make_row(m[spec.name]) for spec in (MPI_PP, COPY_BW, COPY_BW_1T, PIPE_RT, GLOO_PP8, GLOO_PP64,
+        make_row(m[MAILBOX_RT_FREE.name], m[PIPE_RT.name], MAILBOX_TARGET),
+        *(make_row(m[spec.name]) for spec in (MPI_PP, PP_PREPARED_FREE, COPY_BW, COPY_BW_1T, PIPE_RT, GLOO_PP8, GLOO_PP64,
                                                GLOO_BW)),
     ]
 

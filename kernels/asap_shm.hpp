@@ -125,6 +125,11 @@ class NetIface {
   virtual WaitResult mbox_send(int pe, uintptr_t local_base, size_t nslots, size_t slot_bytes, int64_t tag,
                                uint32_t dtype, int ndim, const int64_t* dims, const void* payload, size_t nbytes,
                                double timeout_s) = 0;
+  // put_signal to PE `pe` on another host: `nbytes` from `src` to (region,
+  // off), then the signal word (sig_region, sig_off). Called with the GIL
+  // held; false with a Python exception set on failure.
+  virtual bool put_signal_py(int pe, uint32_t region, uint64_t off, uintptr_t src, uint64_t nbytes,
+                             uint32_t sig_region, uint64_t sig_off, uint64_t value, int op) = 0;
 };
 
 class Group {

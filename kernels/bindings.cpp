@@ -1,10 +1,14 @@
 // Python bindings of the CPU shared-memory backend: asap_comm._C
 //
-// Tensors never cross this boundary: Python validates them and passes
-// addresses and byte counts. Setup-time calls are ordinary pybind11
-// functions; the per-message hot path (put_signal, signal ops, waits, mailbox
-// send/recv) is a handful of METH_FASTCALL functions, because pybind11's
-// generic argument conversion costs more than the operation itself.
+// The native boundary's rules (see kernels/handles.hpp):
+// * An address in symmetric memory may come from Python as an int; every
+//   entry point checks it against the live segment mappings before use.
+// * An address in the user's memory never does: entry points take the
+//   tensor and read its address and extent from it (tensor_span).
+// * put_signal and the signal wait have one native form each, the handles of
+//   handles.cpp; the per-message entry points are METH_FASTCALL / vectorcall
+//   functions, because pybind11's generic argument conversion costs more
+//   than the operation itself. Set-up calls are ordinary pybind11 functions.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -14,7 +18,7 @@
 #include <string>
 
 #include "asap_shm.hpp"
-#include "prepared.hpp"
+#include "handles.hpp"
 
 namespace py = pybind11;
 using namespace asap;
@@ -45,27 +49,10 @@ inline uint64_t U(PyObject* o) { return PyLong_AsUnsignedLongLong(o); }
 inline int64_t I(PyObject* o) { return PyLong_AsLongLong(o); }
 inline bool failed() { return PyErr_Occurred() != nullptr; }
 
-PyObject* raise_wait(const WaitResult& r, double timeout) { return raise_wait_error(r, timeout, nullptr); }
-
 // For the pybind11 set-up calls: the same check as check_mapped, as a C++ exception.
 void need_mapped(const char* fn, uintptr_t addr, size_t n) {
   if (!mapped_range(addr, n))
     throw py::value_error(std::string(fn) + ": address range is not inside a mapped asap_comm segment");
-}
-
-// put_signal(dst, src, nbytes, sig, value, op, owner_ctrl) -> None
-PyObject* fc_put_signal(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (!nargs_ok("put_signal", n, 7)) return nullptr;
-  uint64_t dst = U(a[0]), src = U(a[1]), nbytes = U(a[2]), sig = U(a[3]), value = U(a[4]);
-  int64_t op = I(a[5]);
-  uint64_t ctrl = U(a[6]);
-  if (failed()) return nullptr;
-  if ((nbytes && !check_mapped("put_signal", "destination", dst, nbytes)) ||
-      !check_mapped("put_signal", "signal word", sig, 8) || !check_mapped("put_signal", "control block", ctrl, sizeof(Ctrl)))
-    return nullptr;
-  if (nbytes) copy_bytes(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
-  signal_update(reinterpret_cast<uint64_t*>(sig), value, static_cast<int>(op), reinterpret_cast<Ctrl*>(ctrl));
-  Py_RETURN_NONE;
 }
 
 // signal_update(sig, value, op, owner_ctrl) -> previous value
@@ -91,39 +78,6 @@ PyObject* fc_load(PyObject*, PyObject* const* a, Py_ssize_t n) {
   return PyLong_FromUnsignedLongLong(A(*reinterpret_cast<uint64_t*>(addr)).load(std::memory_order_acquire));
 }
 
-// wait_until(addr, cmp, value, owner_ctrl, timeout_s, group, dep, mask=None) -> value seen
-// mask: None, or bytes of length world_size (dep == DEP_SET: the PEs that may satisfy the wait)
-PyObject* fc_wait_until(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 7 && !nargs_ok("wait_until", n, 8)) return nullptr;
-  uint64_t addr = U(a[0]);
-  int64_t cmp = I(a[1]);
-  uint64_t value = U(a[2]), ctrl = U(a[3]);
-  double timeout = PyFloat_AsDouble(a[4]);
-  uint64_t group = U(a[5]);
-  int64_t dep = I(a[6]);
-  if (failed()) return nullptr;
-  if (!check_mapped("wait_until", "signal word", addr, 8) ||
-      !check_mapped("wait_until", "control block", ctrl, sizeof(Ctrl)) || !check_group("wait_until", group))
-    return nullptr;
-  const auto* g = reinterpret_cast<const Group*>(group);
-  const uint8_t* mask = nullptr;
-  if (n == 8 && a[7] != Py_None) {
-    if (!PyBytes_Check(a[7]) || PyBytes_GET_SIZE(a[7]) != g->world_size()) {
-      PyErr_SetString(PyExc_ValueError, "_C.wait_until: mask must be bytes of length world_size");
-      return nullptr;
-    }
-    mask = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(a[7]));
-  }
-  if (dep == kDepSet && mask == nullptr) {
-    PyErr_SetString(PyExc_ValueError, "_C.wait_until: DEP_SET needs a mask");
-    return nullptr;
-  }
-  WaitResult r = wait_until(reinterpret_cast<const uint64_t*>(addr), static_cast<int>(cmp), value,
-                            reinterpret_cast<Ctrl*>(ctrl), timeout, g, static_cast<int>(dep), mask);
-  if (r.status == kWaitOk) return PyLong_FromUnsignedLongLong(r.value);
-  return raise_wait(r, timeout);
-}
-
 // store(addr, value) -> None  (release)
 PyObject* fc_store(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (!nargs_ok("store", n, 2)) return nullptr;
@@ -133,40 +87,42 @@ PyObject* fc_store(PyObject*, PyObject* const* a, Py_ssize_t n) {
   Py_RETURN_NONE;
 }
 
-// copy_to(dst, src, nbytes): a put (dst in symmetric memory); copy_from(dst, src, nbytes): a get (src in it)
+// copy_to(dst_addr, src, nbytes): a put; dst_addr lies in symmetric memory (checked against the mappings), src
+// is the user's tensor (its address read from it; nbytes must lie inside it).
+// copy_from(dst, src_addr, nbytes): a get, the other way round.
 PyObject* fc_copy_to(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (!nargs_ok("copy_to", n, 3)) return nullptr;
-  uint64_t dst = U(a[0]), src = U(a[1]), nbytes = U(a[2]);
-  if (failed() || !check_mapped("put", "destination", dst, nbytes)) return nullptr;
+  uint64_t dst = U(a[0]), nbytes = U(a[2]);
+  uintptr_t src;
+  if (failed() || !check_mapped("put", "destination", dst, nbytes) || !tensor_span(a[1], "put", "src", 0, nbytes, &src))
+    return nullptr;
   copy_bytes(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
   Py_RETURN_NONE;
 }
 PyObject* fc_copy_from(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (!nargs_ok("copy_from", n, 3)) return nullptr;
-  uint64_t dst = U(a[0]), src = U(a[1]), nbytes = U(a[2]);
-  if (failed() || !check_mapped("get", "source", src, nbytes)) return nullptr;
+  uint64_t src = U(a[1]), nbytes = U(a[2]);
+  uintptr_t dst;
+  if (failed() || !check_mapped("get", "source", src, nbytes) || !tensor_span(a[0], "get", "dst", 0, nbytes, &dst))
+    return nullptr;
   copy_bytes(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
   Py_RETURN_NONE;
 }
 
 PyMethodDef g_fast_methods[] = {
-    {"put_signal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_put_signal)), METH_FASTCALL,
-     "put_signal(dst, src, nbytes, sig, value, op, owner_ctrl)"},
     {"signal_update", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_signal_update)), METH_FASTCALL,
      "signal_update(sig, value, op, owner_ctrl) -> old"},
     {"load", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_load)), METH_FASTCALL, "load(addr) -> int"},
-    {"wait_until", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_wait_until)), METH_FASTCALL,
-     "wait_until(addr, cmp, value, owner_ctrl, timeout_s, group, dep, mask=None) -> int"},
     {"store", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_store)), METH_FASTCALL,
      "store(addr, value): atomic release store of a uint64"},
     {"copy_to", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_copy_to)), METH_FASTCALL,
-     "copy_to(dst, src, nbytes): dst must lie in a mapped segment"},
+     "copy_to(dst_addr, src_tensor, nbytes): a put into symmetric memory"},
     {"copy_from", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_copy_from)), METH_FASTCALL,
-     "copy_from(dst, src, nbytes): src must lie in a mapped segment"},
+     "copy_from(dst_tensor, src_addr, nbytes): a get from symmetric memory"},
     {"make_put_signal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(asap::make_put_signal)),
-     METH_FASTCALL, "make_put_signal(dst, src, nbytes, sig, op, owner_ctrl, group, keep) -> PreparedPutSignal"},
+     METH_FASTCALL, "make_put_signal(fn, group, pe, src, nbytes, op, dst, sig, owner, keep) -> PreparedPutSignal"},
     {"make_wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(asap::make_wait)), METH_FASTCALL,
-     "make_wait(addr, cmp, owner_ctrl, timeout_s, group, dep, keep, what, mask) -> PreparedWait"},
+     "make_wait(fn, group, addr, cmp, owner, timeout, dep, mask, what, keep) -> PreparedWait"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
@@ -307,7 +263,6 @@ PYBIND11_MODULE(_C, m) {
   });
   bind_net(m);
   if (PyModule_AddFunctions(m.ptr(), g_fast_methods) != 0) throw py::error_already_set();
-  if (!register_prepared_types(m.ptr())) throw py::error_already_set();
+  if (!register_handle_types(m.ptr())) throw py::error_already_set();
   if (!register_inbox_types(m.ptr())) throw py::error_already_set();
-  if (!register_fastpath_type(m.ptr())) throw py::error_already_set();
 }

@@ -12,13 +12,12 @@
 #include <vector>
 
 #include "asap_shm.hpp"
-#include "prepared.hpp"
+#include "handles.hpp"
 
 namespace asap {
 
 namespace {
 
-PyObject* g_tensor_type = nullptr;          // torch.Tensor
 std::vector<PyObject*> g_dtypes;            // wire code -> torch.dtype
 std::vector<uint64_t> g_itemsize;           // wire code -> bytes
 PyObject *s_dtype, *s_is_cpu, *s_is_contiguous, *s_shape, *s_data_ptr, *s_send_checked, *s_make_view;
@@ -50,10 +49,7 @@ struct Message {
   uint64_t pos;
 };
 
-PyObject* closed_error(const char* fn) {
-  PyErr_Format(comm_error_type(), "%s: the communicator is closed", fn);
-  return nullptr;
-}
+PyObject* closed_error(const char* fn) { return raise_closed(fn); }
 
 // ------------------------------------------------------------------ Message
 void release_message(Message* m) {
@@ -221,12 +217,78 @@ PyObject* call_slow(PyObject* self, PyObject* name, PyObject* const* args, size_
 
 bool exact_int(PyObject* o) { return PyLong_CheckExact(o); }
 
+// What a send reads from the tensor it sends: all of it from the tensor object.
+struct SendFacts {
+  uintptr_t ptr;
+  size_t nbytes;
+  uint32_t code;
+  int ndim;
+  int64_t dims[kMaxDims];
+};
+
+// The one reader of a message's tensor facts (send, the validated send, prepare_send). 1: `t` is a contiguous
+// CPU torch.Tensor of a mailbox dtype with at most kMaxDims dimensions that fits a slot; 0: it is not (nothing
+// set: the caller's validating path says why); -1: a Python error is set.
+int send_facts(Inbox* self, PyObject* t, SendFacts* f) {
+  if (!PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(tensor_type()))) return 0;
+  PyObject* dt = PyObject_GetAttr(t, s_dtype);
+  if (dt == nullptr) return -1;
+  uint32_t code = 0;
+  while (code < g_dtypes.size() && g_dtypes[code] != dt) ++code;
+  Py_DECREF(dt);
+  if (code == g_dtypes.size()) return 0;
+  PyObject* cpu = PyObject_GetAttr(t, s_is_cpu);
+  if (cpu == nullptr) return -1;
+  Py_DECREF(cpu);
+  if (cpu != Py_True) return 0;
+  PyObject* contig = PyObject_CallMethodNoArgs(t, s_is_contiguous);
+  if (contig == nullptr) return -1;
+  Py_DECREF(contig);
+  if (contig != Py_True) return 0;
+  PyObject* shape = PyObject_GetAttr(t, s_shape);
+  if (shape == nullptr) return -1;
+  const Py_ssize_t ndim = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : kMaxDims + 1;
+  if (ndim > kMaxDims) {
+    Py_DECREF(shape);
+    return 0;
+  }
+  unsigned __int128 nbytes = g_itemsize[code];
+  for (Py_ssize_t i = 0; i < ndim; ++i) {
+    f->dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+    nbytes *= static_cast<uint64_t>(f->dims[i]);
+    if (nbytes > self->slot_bytes) nbytes = static_cast<unsigned __int128>(self->slot_bytes) + 1;
+  }
+  Py_DECREF(shape);
+  if (PyErr_Occurred()) return -1;
+  if (nbytes > self->slot_bytes) return 0;
+  PyObject* ptr_o = PyObject_CallMethodNoArgs(t, s_data_ptr);
+  if (ptr_o == nullptr) return -1;
+  f->ptr = PyLong_AsUnsignedLongLong(ptr_o);
+  Py_DECREF(ptr_o);
+  if (PyErr_Occurred()) return -1;
+  f->nbytes = static_cast<size_t>(nbytes);
+  f->code = code;
+  f->ndim = static_cast<int>(ndim);
+  return 1;
+}
+
+// The one native send: every form of send ends here.
+PyObject* send_message(Inbox* b, int pe, const SendFacts& f, int64_t tag, double timeout) {
+  if (b->group->closed()) return closed_error("send");
+  WaitResult r = deliver(b, pe, tag, f.code, f.ndim, f.dims, reinterpret_cast<const void*>(f.ptr), f.nbytes, timeout);
+  if (r.status == kWaitOk) Py_RETURN_NONE;
+  PyObject* what = PyUnicode_FromFormat("send: waiting for a free slot in PE %d's inbox", pe);
+  raise_wait_error(r, timeout, what);
+  Py_XDECREF(what);
+  return nullptr;
+}
+
 PyObject* inbox_send(PyObject* self_, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   auto* self = reinterpret_cast<Inbox*>(self_);
   auto slow = [&] { return call_slow(self_, s_send_checked, args, static_cast<size_t>(nargs), kwnames); };
   if (kwnames != nullptr || nargs < 2 || nargs > 3 || self->group->closed()) return slow();
-  PyObject *pe_o = args[0], *t = args[1];
-  if (!exact_int(pe_o) || Py_TYPE(t) != reinterpret_cast<PyTypeObject*>(g_tensor_type)) return slow();
+  PyObject* pe_o = args[0];
+  if (!exact_int(pe_o)) return slow();
   int overflow = 0;
   const long long pe = PyLong_AsLongLongAndOverflow(pe_o, &overflow);
   if (overflow || pe < 0 || pe >= self->world) return slow();
@@ -236,50 +298,12 @@ PyObject* inbox_send(PyObject* self_, PyObject* const* args, Py_ssize_t nargs, P
     tag = PyLong_AsLongLongAndOverflow(args[2], &overflow);
     if (overflow) return slow();
   }
-  // Tensor facts, straight from its attributes.
-  PyObject* dt = PyObject_GetAttr(t, s_dtype);
-  if (dt == nullptr) return nullptr;
-  uint32_t code = 0;
-  while (code < g_dtypes.size() && g_dtypes[code] != dt) ++code;
-  Py_DECREF(dt);
-  if (code == g_dtypes.size()) return slow();
-  PyObject* cpu = PyObject_GetAttr(t, s_is_cpu);
-  if (cpu == nullptr) return nullptr;
-  Py_DECREF(cpu);
-  if (cpu != Py_True) return slow();
-  PyObject* contig = PyObject_CallMethodNoArgs(t, s_is_contiguous);
-  if (contig == nullptr) return nullptr;
-  Py_DECREF(contig);
-  if (contig != Py_True) return slow();
-  PyObject* shape = PyObject_GetAttr(t, s_shape);
-  if (shape == nullptr) return nullptr;
-  const Py_ssize_t ndim = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : kMaxDims + 1;
-  if (ndim > kMaxDims) {
-    Py_DECREF(shape);
-    return slow();
-  }
-  int64_t dims[kMaxDims];
-  unsigned __int128 nbytes = g_itemsize[code];
-  for (Py_ssize_t i = 0; i < ndim; ++i) {
-    dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
-    nbytes *= static_cast<uint64_t>(dims[i]);
-    if (nbytes > self->slot_bytes) nbytes = static_cast<unsigned __int128>(self->slot_bytes) + 1;
-  }
-  Py_DECREF(shape);
-  if (PyErr_Occurred()) return nullptr;
-  if (nbytes > self->slot_bytes) return slow();
-  PyObject* ptr_o = PyObject_CallMethodNoArgs(t, s_data_ptr);
-  if (ptr_o == nullptr) return nullptr;
-  const uintptr_t ptr = PyLong_AsUnsignedLongLong(ptr_o);
-  Py_DECREF(ptr_o);
-  if (PyErr_Occurred()) return nullptr;
-  WaitResult r = deliver(self, static_cast<int>(pe), tag, code, static_cast<int>(ndim), dims,
-                         reinterpret_cast<const void*>(ptr), static_cast<size_t>(nbytes), self->timeout);
-  if (r.status == kWaitOk) Py_RETURN_NONE;
-  PyObject* what = PyUnicode_FromFormat("send: waiting for a free slot in PE %lld's inbox", pe);
-  raise_wait_error(r, self->timeout, what);
-  Py_XDECREF(what);
-  return nullptr;
+  if (Py_TYPE(args[1]) != reinterpret_cast<PyTypeObject*>(tensor_type())) return slow();
+  SendFacts f;
+  const int ok = send_facts(self, args[1], &f);
+  if (ok < 0) return nullptr;
+  if (ok == 0) return slow();
+  return send_message(self, static_cast<int>(pe), f, tag, self->timeout);
 }
 
 PyObject* make_message(Inbox* self, const RecvResult& r) {
@@ -395,37 +419,26 @@ PyObject* inbox_poll(PyObject* self_, PyObject*) {
   return make_message(self, r);
 }
 
-// _ring_send(pe, ptr, nbytes, dtype_code, shape, tag, timeout): the raw send
-// for the validated slow path.
+// _ring_send(pe, tensor, tag, timeout): the send of the validating path (Mailbox._send_checked), which has
+// checked the arguments and made the tensor contiguous.
 PyObject* inbox_ring_send(PyObject* self_, PyObject* const* a, Py_ssize_t n) {
   auto* self = reinterpret_cast<Inbox*>(self_);
-  if (n != 7) {
-    PyErr_SetString(PyExc_TypeError, "_ring_send: expected 7 arguments");
+  if (n != 4) {
+    PyErr_SetString(PyExc_TypeError, "_ring_send(pe, tensor, tag, timeout)");
     return nullptr;
   }
   const long long pe = PyLong_AsLongLong(a[0]);
-  const uintptr_t ptr = PyLong_AsUnsignedLongLong(a[1]);
-  const uint64_t nbytes = PyLong_AsUnsignedLongLong(a[2]);
-  const unsigned long code = PyLong_AsUnsignedLong(a[3]);
-  const long long tag = PyLong_AsLongLong(a[5]);
-  const double timeout = PyFloat_AsDouble(a[6]);
+  const long long tag = PyLong_AsLongLong(a[2]);
+  const double timeout = PyFloat_AsDouble(a[3]);
   if (PyErr_Occurred()) return nullptr;
-  if (pe < 0 || pe >= self->world || nbytes > self->slot_bytes || code >= g_dtypes.size() || !PyTuple_Check(a[4]) ||
-      PyTuple_GET_SIZE(a[4]) > kMaxDims) {
-    PyErr_SetString(PyExc_ValueError, "_ring_send: arguments out of range");
+  SendFacts f;
+  const int ok = pe >= 0 && pe < self->world ? send_facts(self, a[1], &f) : 0;
+  if (ok < 0) return nullptr;
+  if (ok == 0) {
+    PyErr_Format(PyExc_ValueError, "send: pe=%lld or the tensor is not sendable as validated", pe);
     return nullptr;
   }
-  int64_t dims[kMaxDims];
-  const int ndim = static_cast<int>(PyTuple_GET_SIZE(a[4]));
-  for (int i = 0; i < ndim; ++i) dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(a[4], i));
-  if (PyErr_Occurred()) return nullptr;
-  WaitResult r = deliver(self, static_cast<int>(pe), tag, static_cast<uint32_t>(code), ndim, dims,
-                         reinterpret_cast<const void*>(ptr), nbytes, timeout);
-  if (r.status == kWaitOk) Py_RETURN_NONE;
-  PyObject* what = PyUnicode_FromFormat("send: waiting for a free slot in PE %lld's inbox", pe);
-  raise_wait_error(r, timeout, what);
-  Py_XDECREF(what);
-  return nullptr;
+  return send_message(self, static_cast<int>(pe), f, tag, timeout);
 }
 
 // ------------------------------------------------------------------ PreparedSend
@@ -436,11 +449,7 @@ struct PreparedSend {
   vectorcallfunc vectorcall;
   Inbox* box;
   int pe;
-  uintptr_t ptr;
-  size_t nbytes;
-  uint32_t code;
-  int ndim;
-  int64_t dims[kMaxDims];
+  SendFacts facts;
   int64_t tag;
   PyObject* keep;  // the tensor
 };
@@ -451,35 +460,27 @@ PyObject* prepared_send_call(PyObject* self_, PyObject* const* args, size_t narg
   int64_t tag = self->tag;
   const Py_ssize_t nk = kwnames != nullptr ? PyTuple_GET_SIZE(kwnames) : 0;
   if (n + nk > 1) {
-    PyErr_Format(PyExc_TypeError, "PreparedSend: takes at most one argument, tag (%zd given)", n + nk);
+    PyErr_Format(PyExc_TypeError, "send: a prepared handle takes at most one argument, tag (%zd given)", n + nk);
     return nullptr;
   }
   if (nk == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "tag") != 0) {
-    PyErr_Format(PyExc_TypeError, "PreparedSend: unexpected keyword argument %R (the one argument is tag)",
+    PyErr_Format(PyExc_TypeError, "send: unexpected keyword argument %R for a prepared handle (its one argument is tag)",
                  PyTuple_GET_ITEM(kwnames, 0));
     return nullptr;
   }
   if (n + nk == 1) {
     if (!PyLong_Check(args[0]) || PyBool_Check(args[0])) {
-      PyErr_Format(PyExc_TypeError, "PreparedSend: tag must be an int, got %s", Py_TYPE(args[0])->tp_name);
+      PyErr_Format(PyExc_TypeError, "send: tag must be an int, got %s", Py_TYPE(args[0])->tp_name);
       return nullptr;
     }
     int overflow = 0;
     tag = PyLong_AsLongLongAndOverflow(args[0], &overflow);
     if (overflow) {
-      PyErr_Format(PyExc_ValueError, "PreparedSend: tag=%R does not fit a signed 64-bit int", args[0]);
+      PyErr_Format(PyExc_ValueError, "send: tag=%R does not fit a signed 64-bit int", args[0]);
       return nullptr;
     }
   }
-  Inbox* b = self->box;
-  if (b->group->closed()) return closed_error("send");
-  WaitResult r = deliver(b, self->pe, tag, self->code, self->ndim, self->dims, reinterpret_cast<const void*>(self->ptr),
-                         self->nbytes, b->timeout);
-  if (r.status == kWaitOk) Py_RETURN_NONE;
-  PyObject* what = PyUnicode_FromFormat("send: waiting for a free slot in PE %d's inbox", self->pe);
-  raise_wait_error(r, b->timeout, what);
-  Py_XDECREF(what);
-  return nullptr;
+  return send_message(self->box, self->pe, self->facts, tag, self->box->timeout);
 }
 
 void prepared_send_dealloc(PyObject* self_) {
@@ -507,34 +508,35 @@ PyType_Slot prepared_send_slots[] = {
 PyType_Spec prepared_send_spec = {"asap_comm._C.PreparedSend", sizeof(PreparedSend), 0,
                                   Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL, prepared_send_slots};
 
-// _make_prepared_send(pe, tensor, ptr, nbytes, code, shape, tag): validated by Python.
+// _make_prepared_send(pe, tensor, tag): validated by Python (Mailbox.prepare_send); the tensor's facts are read
+// from it here, once.
 PyObject* inbox_make_prepared_send(PyObject* self_, PyObject* const* a, Py_ssize_t n) {
   auto* self = reinterpret_cast<Inbox*>(self_);
-  if (n != 7 || !PyTuple_Check(a[5]) || PyTuple_GET_SIZE(a[5]) > kMaxDims) {
-    PyErr_SetString(PyExc_TypeError, "_make_prepared_send(pe, tensor, ptr, nbytes, code, shape, tag)");
+  if (n != 3) {
+    PyErr_SetString(PyExc_TypeError, "_make_prepared_send(pe, tensor, tag)");
+    return nullptr;
+  }
+  const long long pe = PyLong_AsLongLong(a[0]);
+  const long long tag = PyLong_AsLongLong(a[2]);
+  if (PyErr_Occurred()) return nullptr;
+  SendFacts f;
+  const int ok = pe >= 0 && pe < self->world ? send_facts(self, a[1], &f) : 0;
+  if (ok < 0) return nullptr;
+  if (ok == 0) {
+    PyErr_Format(PyExc_ValueError, "prepare_send: pe=%lld or the tensor is not sendable as validated", pe);
     return nullptr;
   }
   auto* tp = reinterpret_cast<PyTypeObject*>(g_prepared_send_type);
   auto* h = reinterpret_cast<PreparedSend*>(tp->tp_alloc(tp, 0));
   if (h == nullptr) return nullptr;
   h->vectorcall = prepared_send_call;
-  h->pe = static_cast<int>(PyLong_AsLong(a[0]));
-  h->ptr = PyLong_AsUnsignedLongLong(a[2]);
-  h->nbytes = PyLong_AsUnsignedLongLong(a[3]);
-  h->code = static_cast<uint32_t>(PyLong_AsUnsignedLong(a[4]));
-  h->ndim = static_cast<int>(PyTuple_GET_SIZE(a[5]));
-  for (int i = 0; i < h->ndim; ++i) h->dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(a[5], i));
-  h->tag = PyLong_AsLongLong(a[6]);
+  h->pe = static_cast<int>(pe);
+  h->facts = f;
+  h->tag = tag;
   Py_INCREF(self_);
   h->box = self;
   Py_INCREF(a[1]);
   h->keep = a[1];
-  if (PyErr_Occurred() || h->pe < 0 || h->pe >= static_cast<int>(self->world) || h->nbytes > self->slot_bytes ||
-      h->code >= g_dtypes.size()) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_make_prepared_send: arguments out of range");
-    Py_DECREF(h);
-    return nullptr;
-  }
   return reinterpret_cast<PyObject*>(h);
 }
 
@@ -567,8 +569,7 @@ PyObject* set_tensor_info(PyObject*, PyObject* const* a, Py_ssize_t n) {
     PyErr_SetString(PyExc_TypeError, "_set_tensor_info(tensor_type, dtypes, itemsizes)");
     return nullptr;
   }
-  Py_INCREF(a[0]);
-  Py_XSETREF(g_tensor_type, a[0]);
+  set_tensor_type(a[0]);
   g_dtypes.clear();
   g_itemsize.clear();
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(a[1]); ++i) {

@@ -36,7 +36,7 @@
 #include <pybind11/stl.h>
 
 #include "asap_shm.hpp"
-#include "prepared.hpp"
+#include "handles.hpp"
 
 #ifdef ASAP_HAVE_UCX
 
@@ -320,6 +320,19 @@ class NetEngine final : public NetIface {
     h.value = value;
     h.op = static_cast<uint32_t>(op);
     send_blocking(pe, h, reinterpret_cast<const void*>(src), nbytes, "put_signal");
+  }
+
+  bool put_signal_py(int pe, uint32_t region, uint64_t off, uintptr_t src, uint64_t nbytes, uint32_t sig_region,
+                     uint64_t sig_off, uint64_t value, int op) override {
+    try {
+      put_signal(pe, region, off, src, nbytes, sig_region, sig_off, value, op);
+      return true;
+    } catch (py::error_already_set& e) {
+      e.restore();
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+    return false;
   }
 
   // fetch: wait for the target's answer and return the previous value.
@@ -1147,13 +1160,25 @@ void bind_net(py::module& m) {
       .def("add_region",
            [](NetEngine& e, uint32_t index, const Mapping& mp) { e.add_region(index, mp.addr(), mp.size()); },
            py::arg("index"), py::arg("mapping"), "Region `index` (1 + heap chunk) is this mapping.")
-      .def("put", &NetEngine::put, py::arg("pe"), py::arg("region"), py::arg("off"), py::arg("src"), py::arg("nbytes"))
-      .def("put_signal", &NetEngine::put_signal, py::arg("pe"), py::arg("region"), py::arg("off"), py::arg("src"),
-           py::arg("nbytes"), py::arg("sig_region"), py::arg("sig_off"), py::arg("value"), py::arg("op"))
+      // The user's side of a put or get is a tensor and a byte range of it (never an address).
+      .def("put",
+           [](NetEngine& e, int pe, uint32_t region, uint64_t off, py::handle src, uint64_t src_off, uint64_t nbytes) {
+             uintptr_t p;
+             if (!tensor_span(src.ptr(), "put", "src", src_off, nbytes, &p)) throw py::error_already_set();
+             e.put(pe, region, off, p, nbytes);
+           },
+           py::arg("pe"), py::arg("region"), py::arg("off"), py::arg("src"), py::arg("src_off"), py::arg("nbytes"))
       .def("signal", &NetEngine::signal, py::arg("pe"), py::arg("region"), py::arg("off"), py::arg("value"),
            py::arg("op"), py::arg("fetch"), py::arg("timeout_s"))
-      .def("get", &NetEngine::get, py::arg("pe"), py::arg("region"), py::arg("off"), py::arg("dst"),
-           py::arg("nbytes"), py::arg("timeout_s"))
+      .def("get",
+           [](NetEngine& e, int pe, uint32_t region, uint64_t off, py::handle dst, uint64_t dst_off, uint64_t nbytes,
+              double timeout_s) {
+             uintptr_t p;
+             if (!tensor_span(dst.ptr(), "get", "dst", dst_off, nbytes, &p)) throw py::error_already_set();
+             e.get(pe, region, off, p, nbytes, timeout_s);
+           },
+           py::arg("pe"), py::arg("region"), py::arg("off"), py::arg("dst"), py::arg("dst_off"), py::arg("nbytes"),
+           py::arg("timeout_s"))
       .def("quiet", &NetEngine::quiet, py::arg("timeout_s"))
       .def("poll", &NetEngine::poll)
       .def("stats", &NetEngine::stats)

@@ -394,20 +394,24 @@ def test_native_entry_points_refuse_addresses_outside_mapped_segments(comm1):
     ctrl, grp = comm1._ctrl_local, comm1._ghandle
     outside = torch.zeros(8, dtype=torch.float64)  # ordinary process memory, not a segment
     bad = [
-        (lambda: _C.copy_to(outside.data_ptr(), x.data_ptr(), 8), "put: destination"),
-        (lambda: _C.copy_from(outside.data_ptr(), outside.data_ptr(), 8), "get: source"),
-        (lambda: _C.put_signal(outside.data_ptr(), x.data_ptr(), 8, s.data_ptr(), 1, 0, ctrl), "put_signal: destination"),
-        (lambda: _C.put_signal(x.data_ptr(), x.data_ptr(), 8, outside.data_ptr(), 1, 0, ctrl), "put_signal: signal word"),
-        (lambda: _C.put_signal(x.data_ptr(), x.data_ptr(), 1 << 40, s.data_ptr(), 1, 0, ctrl), "put_signal: destination"),
+        (lambda: _C.copy_to(outside.data_ptr(), x, 8), "put: destination"),
+        (lambda: _C.copy_from(outside, outside.data_ptr(), 8), "get: source"),
         (lambda: _C.signal_update(outside.data_ptr(), 1, 0, ctrl), "signal_update: signal word"),
         (lambda: _C.signal_update(s.data_ptr(), 1, 0, outside.data_ptr()), "signal_update: control block"),
         (lambda: _C.load(outside.data_ptr()), "load: signal word"),
         (lambda: _C.store(outside.data_ptr(), 7), "store: signal word"),
-        (lambda: _C.wait_until(s.data_ptr(), 3, 0, ctrl, 0.0, grp + 8, -1), "wait_until: group handle"),
-        (lambda: _C.make_put_signal(outside.data_ptr(), x.data_ptr(), 8, s.data_ptr(), 0, ctrl, grp, None),
-         "prepare_put_signal: destination"),
-        (lambda: _C.make_wait(outside.data_ptr(), 3, ctrl, 1.0, grp, -1, None, "w", None),
-         "prepare_signal_wait: signal word"),
+        (lambda: _C.make_put_signal("f", grp, 0, x, 8, 0, outside.data_ptr(), s.data_ptr(), ctrl, None),
+         "f: destination"),
+        (lambda: _C.make_put_signal("f", grp, 0, x, 8, 0, x.data_ptr(), outside.data_ptr(), ctrl, None),
+         "f: signal word"),
+        (lambda: _C.make_put_signal("f", grp, 0, x, 1 << 40, 0, x.data_ptr(), s.data_ptr(), ctrl, None),
+         r"f: bytes \[0, 1099511627776\) of src lie outside"),
+        (lambda: _C.make_put_signal("f", grp + 8, 0, x, 8, 0, x.data_ptr(), s.data_ptr(), ctrl, None),
+         "f: group handle"),
+        (lambda: _C.make_wait("f", grp, outside.data_ptr(), 3, ctrl, 1.0, _C.DEP_ANY, None, "w", None),
+         "f: signal word"),
+        (lambda: _C.make_wait("f", grp + 8, s.data_ptr(), 3, ctrl, 1.0, _C.DEP_ANY, None, "w", None),
+         "f: group handle"),
         (lambda: _C.ctrl_set_state(outside.data_ptr(), 2), "ctrl_set_state"),
         (lambda: _C.mailbox_init(outside.data_ptr(), 64, 1), "mailbox_init"),
     ]
@@ -419,3 +423,79 @@ def test_native_entry_points_refuse_addresses_outside_mapped_segments(comm1):
     # the checked paths still work
     comm1.put_signal(x, torch.ones(4), 0, s, 0, 1)
     assert torch.equal(x, torch.ones(4)) and comm1.signal_wait_until(s, 0, ">=", 1, timeout=1) == 1
+
+
+def test_user_memory_reaches_native_code_as_tensors_not_addresses(comm1):
+    """The user's side of a copy (the source of a put, the destination of a get, a message) is passed as the
+    tensor: native code reads its address from it and refuses byte ranges outside it, changing nothing."""
+    from asap_comm._native import _C
+
+    x = comm1.zeros(4)  # 16 bytes of symmetric memory
+    small = torch.zeros(2)  # 8 bytes of the user's
+    with pytest.raises(ValueError, match=r"put: bytes \[0, 16\) of src lie outside the 8 bytes the tensor spans"):
+        _C.copy_to(x.data_ptr(), small, 16)
+    with pytest.raises(ValueError, match=r"get: bytes \[0, 16\) of dst lie outside the 8 bytes"):
+        _C.copy_from(small, x.data_ptr(), 16)
+    with pytest.raises(TypeError, match="put: src must be a torch.Tensor, got int"):
+        _C.copy_to(x.data_ptr(), small.data_ptr(), 8)
+    s = comm1.signals(1)
+    with pytest.raises(ValueError, match=r"f: bytes \[0, 16\) of src lie outside"):
+        _C.make_put_signal("f", comm1._ghandle, 0, small, 16, 0, x.data_ptr(), s.data_ptr(), comm1._ctrl_local, None)
+    strided = torch.arange(16.0).reshape(4, 4)[:, 0]  # spans (3 * 4 + 1) elements from its first
+    _C.copy_to(x.data_ptr(), strided, 16)  # inside its span: allowed (the first 4 floats of the storage)
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match=r"bytes \[0, 56\) of src lie outside the 52 bytes"):
+        _C.copy_to(x.data_ptr(), strided, 56)
+    assert torch.equal(small, torch.zeros(2)) and comm1.signal_fetch(s, 0) == 0
+
+
+def test_one_native_form_per_primitive_and_one_error_text_per_failure(comm1):
+    """A generic call, a repeated generic call (served from the native table) and a prepared handle run the same
+    native handle and raise the same errors, word for word."""
+    from asap_comm._native import _C
+
+    x = comm1.zeros((2,), torch.int64)
+    sig = comm1.signals(1)
+    src = torch.ones(2, dtype=torch.int64)
+    comm1.put_signal(x, src, 0, sig, 0, 1, op="set")  # validated, then registered as a handle
+    assert comm1.signal_wait_until(sig, 0, ">=", 1, timeout=1) == 1
+    puts, waits = comm1._fastpath.handles()
+    assert len(puts) == 1 and type(puts[0]) is _C.PreparedPutSignal and puts[0].nbytes == 16 and puts[0].pe == 0
+    assert len(waits) == 1 and type(waits[0]) is _C.PreparedWait and waits[0].timeout == comm1.timeout
+    prepared = comm1.prepare_put_signal(x, src, 0, sig, 0)
+    wait = comm1.prepare_signal_wait(sig, 0, ">=")
+    assert type(prepared) is _C.PreparedPutSignal and type(wait) is _C.PreparedWait
+
+    def error(call):
+        with pytest.raises(Exception) as e:
+            call()
+        return type(e.value), str(e.value)
+
+    forms = {  # failure -> the same failure through each form
+        "value type": [lambda: comm1.put_signal(x, src, 0, sig, 0, "2"), lambda: prepared("2")],
+        "value range": [lambda: comm1.put_signal(x, src, 0, sig, 0, -1), lambda: prepared(-1),
+                        lambda: comm1.put_signal(x, src, 0, sig, 0, value=-1, op="set")],
+        "value too large": [lambda: comm1.put_signal(x, src, 0, sig, 0, 1 << 64), lambda: prepared(1 << 64)],
+        "timeout": [lambda: comm1.signal_wait_until(sig, 0, ">=", 9, timeout=0.01),
+                    lambda: comm1.signal_wait_until(sig, 0, ">=", 9, 0.01), lambda: wait(9, timeout=0.01),
+                    lambda: comm1.signal_wait_until(sig, 0, ">=", 9, timeout=0.01, peers=[0])],
+        "timeout value": [lambda: comm1.signal_wait_until(sig, 0, ">=", 9, timeout=-1), lambda: wait(9, -1)],
+        "timeout type": [lambda: comm1.signal_wait_until(sig, 0, ">=", 9, timeout="1"), lambda: wait(9, "1")],
+    }
+    for failure, calls in forms.items():
+        seen = {error(c) for c in calls}
+        assert len(seen) == 1, (failure, seen)
+    assert error(lambda: prepared("2")) == (TypeError, "put_signal: value must be an int, got str")
+    assert x.tolist() == [1, 1] and comm1.signal_fetch(sig, 0) == 1  # no failure wrote anything
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tg' for a prepared handle"):
+        wait(1, tg=1)
+    assert wait(value=1, timeout=2) == 1
+    c = asap_comm.init(0, 1, master_addr="127.0.0.1", master_port=0, timeout=5.0)
+    y, s2 = c.zeros((2,), torch.int64), c.signals(1)
+    c.put_signal(y, src, 0, s2, 0, 1)
+    h, w = c.prepare_put_signal(y, src, 0, s2, 0), c.prepare_signal_wait(s2, 0, ">=")
+    c.close()
+    closed = [lambda: c.put_signal(y, src, 0, s2, 0, 2), lambda: h(2)]
+    assert {error(f) for f in closed} == {(asap_comm.CommError, "put_signal: the communicator is closed")}
+    closed_waits = [lambda: c.signal_wait_until(s2, 0, ">=", 1), lambda: w(1)]
+    assert {error(f) for f in closed_waits} == {(asap_comm.CommError, "signal_wait_until: the communicator is closed")}
