@@ -60,12 +60,30 @@ def _generic_handles(comm, dst, src, sig):
             functools.partial(comm.signal_wait_until, sig, 0, ">="))
 
 
-def _generic_keyword_handles(comm, dst, src, sig):
-    """(send, wait) through ``comm.put_signal(..., op="set")`` / ``comm.signal_wait_until(..., timeout=30)``: the
-    generic calls as users write them, with keyword arguments and a bounded wait."""
+def _keyword_batch(comm, rx_t, sig):
+    """The ping-pong batch through ``comm.put_signal(..., op="set")`` / ``comm.signal_wait_until(...,
+    timeout=30)``: the generic calls as users write them, with keyword arguments and a bounded wait, written
+    inline in the loop (the other paths call their handles directly, so no path pays for a wrapper frame that
+    the others do not)."""
     put_signal, wait_until, peer = comm.put_signal, comm.signal_wait_until, PEER[comm.rank]
-    return (lambda v: put_signal(dst, src, peer, sig, 0, v, op="set"),
-            lambda v: wait_until(sig, 0, ">=", v, timeout=30))
+    if comm.rank == 0:
+        tx_t = torch.zeros(1, dtype=torch.int64)
+        tx, rx = words(tx_t), words(rx_t)
+
+        def batch(first: int, n: int) -> int:
+            bad = 0
+            for i in range(first, first + n):
+                tx[0] = i
+                put_signal(rx_t, tx_t, peer, sig, 0, i, op="set")
+                if wait_until(sig, 0, ">=", i, timeout=30) != i or rx[0] != i:
+                    bad += 1
+            return bad
+    else:
+        def batch(first: int, n: int) -> int:
+            for i in range(first, first + n):
+                put_signal(rx_t, rx_t, peer, sig, 0, wait_until(sig, 0, ">=", i, timeout=30), op="set")
+            return 0
+    return batch
 
 
 def _torch_ops_handles(comm, dst, src, sig):
@@ -76,11 +94,26 @@ def _torch_ops_handles(comm, dst, src, sig):
             lambda v: int(wait_until(sig, 0, ">=", v, None, cid)))
 
 
-PINGPONG_PATHS = {"prepared": _prepared_handles, "generic": _generic_handles, "generic_kw": _generic_keyword_handles,
-                  "torch_ops": _torch_ops_handles}
+def _handle_path(make_handles):
+    """A ping-pong path whose two calls are the callables ``make_handles(comm, dst, src, sig)`` returns."""
+
+    def make_batch(comm, rx_t, sig):
+        if comm.rank == 0:
+            tx_t = torch.zeros(1, dtype=torch.int64)
+            send, wait = make_handles(comm, rx_t, tx_t, sig)
+            return _initiator(send, wait, words(tx_t), words(rx_t))
+        send, wait = make_handles(comm, rx_t, rx_t, sig)  # echo the received payload
+        return _responder(send, wait)
+
+    return make_batch
 
 
-def _pingpong(comm, plan: BatchPlan, make_handles) -> dict:
+# path -> make_batch(comm, rx_t, sig): the batch function of this PE
+PINGPONG_PATHS = {"prepared": _handle_path(_prepared_handles), "generic": _handle_path(_generic_handles),
+                  "generic_kw": _keyword_batch, "torch_ops": _handle_path(_torch_ops_handles)}
+
+
+def _pingpong(comm, plan: BatchPlan, make_batch) -> dict:
     """One 8-byte put_signal ping-pong: PE 0 sends counter ``i`` (payload and signal), PE 1 echoes both.
 
     PE 1 replies with its receive buffer as the source, so PE 0's check of the
@@ -88,13 +121,7 @@ def _pingpong(comm, plan: BatchPlan, make_handles) -> dict:
     """
     rx_t = comm.zeros((1,), torch.int64)  # payload lands here on each PE
     sig = comm.signals(1)
-    if comm.rank == 0:
-        tx_t = torch.zeros(1, dtype=torch.int64)
-        send, wait = make_handles(comm, rx_t, tx_t, sig)
-        batch = _initiator(send, wait, words(tx_t), words(rx_t))
-    else:
-        send, wait = make_handles(comm, rx_t, rx_t, sig)
-        batch = _responder(send, wait)
+    batch = make_batch(comm, rx_t, sig)
     comm.barrier()
     samples, bad = time_batches(batch, plan)
     comm.barrier()

@@ -26,10 +26,10 @@ namespace asap {
 
 namespace {
 
-PyObject* g_tensor = nullptr;  // torch.Tensor
+PyObject* g_tensor = nullptr;    // torch.Tensor
+PyObject* g_data_ptr = nullptr;  // torch.Tensor.data_ptr, the unbound method
+PyCFunction g_data_ptr_fn = nullptr;  // its C function, when it is a METH_NOARGS method descriptor
 PyObject *s_data_ptr, *s_is_cpu, *s_element_size, *s_shape, *s_stride, *s_set, *s_add, *s_value, *s_timeout;
-PyObject* s_cmp[6];
-const char* const kCmpText[6] = {"==", "!=", ">", ">=", "<", "<="};
 
 PyObject* g_put_signal_type = nullptr;
 PyObject* g_wait_type = nullptr;
@@ -40,10 +40,15 @@ bool is_int(PyObject* o) { return PyLong_Check(o) && !PyBool_Check(o); }
 PyObject* call0(PyObject* o, PyObject* name) { return PyObject_CallMethodNoArgs(o, name); }
 
 // Reads `o`, an exact int, as uint64; false (no error set) when it is not one or does not fit.
+// PyLong_AsUnsignedLong reads the digits directly, where PyLong_AsUnsignedLongLong takes CPython's generic
+// byte-array path for values of two digits and more (addresses, large signal values): on the per-call path
+// that difference is a sizeable part of the call.
+static_assert(sizeof(unsigned long) == sizeof(uint64_t), "unsigned long must be 64 bits");
+
 bool exact_u64(PyObject* o, uint64_t* out) {
   if (!PyLong_CheckExact(o)) return false;
-  *out = PyLong_AsUnsignedLongLong(o);
-  if (PyErr_Occurred()) {
+  *out = PyLong_AsUnsignedLong(o);
+  if (*out == static_cast<uint64_t>(-1) && PyErr_Occurred()) {
     PyErr_Clear();
     return false;
   }
@@ -288,13 +293,21 @@ int op_code(PyObject* o) {  // -1: not "set"/"add"
   return -1;
 }
 
+// Comparison strings in call sites are constants but not interned (they are not identifiers), so the text is
+// read directly rather than compared string by string.
 int cmp_code(PyObject* o) {
-  for (int i = 0; i < 6; ++i)
-    if (o == s_cmp[i]) return i;
-  if (!PyUnicode_Check(o)) return -1;
-  for (int i = 0; i < 6; ++i)
-    if (PyUnicode_CompareWithASCIIString(o, kCmpText[i]) == 0) return i;
-  return -1;
+  if (!PyUnicode_Check(o) || !PyUnicode_IS_COMPACT_ASCII(o)) return -1;
+  const Py_ssize_t n = PyUnicode_GET_LENGTH(o);
+  const char* c = reinterpret_cast<const char*>(PyUnicode_DATA(o));
+  if (n == 1) return c[0] == '>' ? 2 : c[0] == '<' ? 4 : -1;
+  if (n != 2 || c[1] != '=') return -1;
+  switch (c[0]) {
+    case '=': return 0;
+    case '!': return 1;
+    case '>': return 3;
+    case '<': return 5;
+    default: return -1;
+  }
 }
 
 // Lays a vectorcall's positional and keyword arguments out by parameter (``names``, ``n`` of them) into
@@ -344,9 +357,12 @@ PyObject* fp_put_signal(PyObject* self_, PyObject* const* in, Py_ssize_t nargs, 
   auto* h = reinterpret_cast<PreparedPutSignal*>(e.handle);
   uintptr_t src = h->src;
   if (h->nbytes) {
-    PyObject* p = call0(args[1], s_data_ptr);
+    // torch.Tensor.data_ptr(src), straight through the method's C function when it is a plain no-argument one
+    PyObject* p = g_data_ptr_fn != nullptr && Py_TYPE(args[1]) == reinterpret_cast<PyTypeObject*>(g_tensor)
+                      ? g_data_ptr_fn(args[1], nullptr)
+                      : call0(args[1], s_data_ptr);
     if (p == nullptr) return nullptr;
-    src = PyLong_AsUnsignedLongLong(p);
+    src = PyLong_AsUnsignedLong(p);
     Py_DECREF(p);
     if (PyErr_Occurred()) return nullptr;
     if (src != h->src) {  // the source was reallocated: validate again
@@ -585,6 +601,17 @@ PyObject* tensor_type() { return g_tensor; }
 void set_tensor_type(PyObject* t) {
   Py_XINCREF(t);
   Py_XSETREF(g_tensor, t);
+  Py_CLEAR(g_data_ptr);
+  if (t != nullptr) {
+    g_data_ptr = PyObject_GetAttr(t, s_data_ptr);
+    if (g_data_ptr == nullptr) PyErr_Clear();
+  }
+  g_data_ptr_fn = nullptr;
+  if (g_data_ptr != nullptr && Py_IS_TYPE(g_data_ptr, &PyMethodDescr_Type)) {
+    const PyMethodDef* def = reinterpret_cast<PyMethodDescrObject*>(g_data_ptr)->d_method;
+    if ((def->ml_flags & (METH_VARARGS | METH_FASTCALL | METH_NOARGS | METH_O | METH_KEYWORDS)) == METH_NOARGS)
+      g_data_ptr_fn = def->ml_meth;
+  }
 }
 
 bool tensor_span(PyObject* t, const char* fn, const char* name, uint64_t off, uint64_t n, uintptr_t* addr) {
@@ -645,8 +672,8 @@ bool parse_value(const char* fn, PyObject* v, uint64_t* out) {
     PyErr_Format(PyExc_TypeError, "%s: value must be an int, got %s", fn, Py_TYPE(v)->tp_name);
     return false;
   }
-  *out = PyLong_AsUnsignedLongLong(v);
-  if (PyErr_Occurred()) {
+  *out = PyLong_AsUnsignedLong(v);
+  if (*out == static_cast<uint64_t>(-1) && PyErr_Occurred()) {
     PyErr_Clear();
     PyErr_Format(PyExc_ValueError, "%s: value=%R does not fit an unsigned 64-bit signal word", fn, v);
     return false;
@@ -687,7 +714,6 @@ bool register_handle_types(PyObject* module) {
   s_add = PyUnicode_InternFromString("add");
   s_value = PyUnicode_InternFromString("value");
   s_timeout = PyUnicode_InternFromString("timeout");
-  for (int i = 0; i < 6; ++i) s_cmp[i] = PyUnicode_InternFromString(kCmpText[i]);
   for (int i = 0; i < 7; ++i) s_put_signal_params[i] = PyUnicode_InternFromString(kPutSignalParams[i]);
   for (int i = 0; i < 5; ++i) s_wait_params[i] = PyUnicode_InternFromString(kWaitParams[i]);
   g_put_signal_type = PyType_FromSpec(&put_signal_spec);
