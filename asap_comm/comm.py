@@ -678,12 +678,14 @@ class Communicator:
         Ordering: the data is visible on ``pe`` before the signal is: a PE that
         observes the new signal value (acquire) observes all of ``dst``.
         ``op``: ``"set"`` stores ``value``; ``"add"`` adds it (mod 2**64).
-        A call repeating the (dst, src, pe, sig, idx, op) of an earlier one
-        is served natively (``_C.FastPath``) after checking that ``src`` still
-        has the same data pointer; do not resize or re-stride ``src`` in place
-        between calls. The native table keeps references to the tensors of up
-        to 64 recent calls (sources smaller than 1 MiB). (Instances bind this
-        name to the native path directly.)
+        The first call with given (dst, src, pe, sig, idx, op) is validated
+        into the same native handle ``prepare_put_signal`` returns; a call
+        repeating them runs that handle (``_C.FastPath``) after checking that
+        ``src`` still has the same data pointer, so do not re-stride ``src``
+        in place between calls. The native table keeps references to the
+        tensors and handles of up to 64 recent calls (contiguous, and on this
+        host smaller than 1 MiB). (Instances bind this name to the native path
+        directly.)
         """
         return self._fastpath.put_signal(dst, src, pe, sig, idx, value, op)
 
@@ -725,9 +727,10 @@ class Communicator:
             else:
                 _C.signal_update(addr + g[6][pe], value, code, self._ctrl[pe])
             return None
-        if src.__class__ is torch.Tensor and dst.__class__ is torch.Tensor:
+        if src.__class__ is torch.Tensor and dst.__class__ is torch.Tensor and h.nbytes < _COPY_WITH_TORCH:
             # Later calls with these objects run this handle natively (the
-            # table holds dst, src and sig, so their identities stay theirs).
+            # table holds dst, src and sig, so their identities stay theirs;
+            # the size bound caps what 64 entries keep alive).
             self._fastpath.add_put_signal(dst, src, pe, sig, idx, code, h)
         return h(value)
 

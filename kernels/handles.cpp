@@ -29,7 +29,7 @@ namespace {
 PyObject* g_tensor = nullptr;    // torch.Tensor
 PyObject* g_data_ptr = nullptr;  // torch.Tensor.data_ptr, the unbound method
 PyCFunction g_data_ptr_fn = nullptr;  // its C function, when it is a METH_NOARGS method descriptor
-PyObject *s_data_ptr, *s_is_cpu, *s_element_size, *s_shape, *s_stride, *s_set, *s_add, *s_value, *s_timeout;
+PyObject *s_data_ptr, *s_is_cpu, *s_element_size, *s_shape, *s_stride, *s_set, *s_add;
 
 PyObject* g_put_signal_type = nullptr;
 PyObject* g_wait_type = nullptr;
@@ -712,8 +712,6 @@ bool register_handle_types(PyObject* module) {
   s_stride = PyUnicode_InternFromString("stride");
   s_set = PyUnicode_InternFromString("set");
   s_add = PyUnicode_InternFromString("add");
-  s_value = PyUnicode_InternFromString("value");
-  s_timeout = PyUnicode_InternFromString("timeout");
   for (int i = 0; i < 7; ++i) s_put_signal_params[i] = PyUnicode_InternFromString(kPutSignalParams[i]);
   for (int i = 0; i < 5; ++i) s_wait_params[i] = PyUnicode_InternFromString(kWaitParams[i]);
   g_put_signal_type = PyType_FromSpec(&put_signal_spec);

@@ -419,6 +419,17 @@ PyObject* inbox_poll(PyObject* self_, PyObject*) {
   return make_message(self, r);
 }
 
+// (pe, tensor, tag) that Mailbox's validating path has checked: the PE and tag, and the tensor's facts.
+bool validated_send(Inbox* self, const char* fn, PyObject* const* a, long long* pe, long long* tag, SendFacts* f) {
+  *pe = PyLong_AsLongLong(a[0]);
+  *tag = PyLong_AsLongLong(a[2]);
+  if (PyErr_Occurred()) return false;
+  const int ok = *pe >= 0 && *pe < self->world ? send_facts(self, a[1], f) : 0;
+  if (ok == 0)
+    PyErr_Format(PyExc_ValueError, "%s: pe=%lld or the tensor is not sendable as validated", fn, *pe);
+  return ok > 0;
+}
+
 // _ring_send(pe, tensor, tag, timeout): the send of the validating path (Mailbox._send_checked), which has
 // checked the arguments and made the tensor contiguous.
 PyObject* inbox_ring_send(PyObject* self_, PyObject* const* a, Py_ssize_t n) {
@@ -427,17 +438,10 @@ PyObject* inbox_ring_send(PyObject* self_, PyObject* const* a, Py_ssize_t n) {
     PyErr_SetString(PyExc_TypeError, "_ring_send(pe, tensor, tag, timeout)");
     return nullptr;
   }
-  const long long pe = PyLong_AsLongLong(a[0]);
-  const long long tag = PyLong_AsLongLong(a[2]);
   const double timeout = PyFloat_AsDouble(a[3]);
-  if (PyErr_Occurred()) return nullptr;
+  long long pe, tag;
   SendFacts f;
-  const int ok = pe >= 0 && pe < self->world ? send_facts(self, a[1], &f) : 0;
-  if (ok < 0) return nullptr;
-  if (ok == 0) {
-    PyErr_Format(PyExc_ValueError, "send: pe=%lld or the tensor is not sendable as validated", pe);
-    return nullptr;
-  }
+  if ((timeout == -1.0 && PyErr_Occurred()) || !validated_send(self, "send", a, &pe, &tag, &f)) return nullptr;
   return send_message(self, static_cast<int>(pe), f, tag, timeout);
 }
 
@@ -516,16 +520,9 @@ PyObject* inbox_make_prepared_send(PyObject* self_, PyObject* const* a, Py_ssize
     PyErr_SetString(PyExc_TypeError, "_make_prepared_send(pe, tensor, tag)");
     return nullptr;
   }
-  const long long pe = PyLong_AsLongLong(a[0]);
-  const long long tag = PyLong_AsLongLong(a[2]);
-  if (PyErr_Occurred()) return nullptr;
+  long long pe, tag;
   SendFacts f;
-  const int ok = pe >= 0 && pe < self->world ? send_facts(self, a[1], &f) : 0;
-  if (ok < 0) return nullptr;
-  if (ok == 0) {
-    PyErr_Format(PyExc_ValueError, "prepare_send: pe=%lld or the tensor is not sendable as validated", pe);
-    return nullptr;
-  }
+  if (!validated_send(self, "prepare_send", a, &pe, &tag, &f)) return nullptr;
   auto* tp = reinterpret_cast<PyTypeObject*>(g_prepared_send_type);
   auto* h = reinterpret_cast<PreparedSend*>(tp->tp_alloc(tp, 0));
   if (h == nullptr) return nullptr;
