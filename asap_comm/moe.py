@@ -39,9 +39,24 @@ Each token travels once per destination expert rank (whatever number of its
 k experts live there); expert ranks with no token in a micro-batch are not
 contacted. Routing metadata (global expert ids, -1 for experts held by other
 ranks, and weights) travels in the same region as the rows.
+
+Across hosts (node-aware, as DeepEP does between nodes): toward a host that
+holds two or more of the expert ranks, a token travels once per *host*, not
+once per rank, and returns once. The attention rank puts the rows every
+expert rank of that host needs into one of them, its gateway for that host
+(spread over the attention ranks), completes the put (``quiet``), then sends
+each contacted rank of the host a descriptor naming the gateway. Each rank
+gathers its own rows from the gateway's region over shared memory, computes,
+and leaves its partial sums in its own ``red`` region; it then adds 1 to the
+(attention rank, slot) counter on the gateway. The rank whose add completes
+the count sums the host's partials (same host: shared memory) and returns one
+row per token with one ``put_signal``. Nobody waits for anybody: the last to
+finish reduces. This halves the bytes on the link between the hosts for
+every token that has experts on two ranks of a host.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Iterator
@@ -55,7 +70,7 @@ __all__ = ["MoEPlan", "expert_placement", "AttentionEnd", "ExpertEnd", "Dispatch
            "join_as_bystander",
            "apply_experts", "reference_combine", "reference_dispatch"]
 
-_DESC_WORDS = 4  # descriptor: (slot, layer, rows, combine offset), int64
+_DESC_WORDS = 6  # descriptor: (slot, layer, rows, combine offset, gateway PE or -1, contacted mask), int64
 _FIN = -1  # slot value of the "this attention rank is finished" descriptor
 
 
@@ -161,6 +176,30 @@ class _Buffers:
         self.combine = comm.empty((S, plan.combine_rows, H), plan.dtype)  # [S, R, H]
         self.done = comm.signals(S)  # per slot: how many expert ranks have returned their rows (cumulative)
         self.inbox = comm.mailbox(_DESC_WORDS * 8, A * (S + 1))  # descriptors, never full
+        # node-aware groups (module docstring): the expert PEs of each host that holds two or more of them,
+        # when an attention PE is on another host; the same on every PE (comm.hosts is)
+        self.host_groups = _host_groups(comm, plan)
+        self.red = self.red_count = None
+        if self.host_groups:
+            self.red = comm.empty((A, S, T, H), plan.dtype)  # [A, S, T, H]: this rank's partial sums
+            self.red_count = comm.signals(A * S)  # on a gateway: partials left in red, per (a, slot)
+
+
+def _host_groups(comm, plan: MoEPlan) -> "dict[str, list[int]]":
+    """{host: its expert PEs, ascending} for every host holding two or more expert PEs of ``plan`` while some
+    attention PE is on another host: the hosts that dispatch and combine reach once per token.
+    ``ASAP_MOE_NODE_AWARE=0`` (in every PE's environment) turns this off: every expert rank is reached
+    directly, for comparisons."""
+    if os.environ.get("ASAP_MOE_NODE_AWARE", "1") == "0":  # every PE must see the same setting
+        return {}
+    hosts = getattr(comm, "hosts", None) or ["local"] * comm.world_size
+    A = plan.num_attention_ranks
+    groups: dict[str, list[int]] = {}
+    for pe in range(A, plan.world_size):
+        groups.setdefault(hosts[pe], []).append(pe)
+    attention_hosts = {hosts[a] for a in range(A)}
+    return {h: pes for h, pes in groups.items()
+            if len(pes) >= 2 and (attention_hosts - {h})}
 
 
 def join_as_bystander(comm, plan: MoEPlan) -> None:
@@ -179,12 +218,13 @@ class DispatchHandle:
     layer: int
     num_tokens: int
     target: int  # value of the slot's counter once every contacted rank has returned
-    parts: list = field(default_factory=list)  # (expert PE, rows [n] int64, combine offset, n)
+    parts: list = field(default_factory=list)  # (expert PE or gateway, rows [n] int64, combine offset, n)
+    pes: list = field(default_factory=list)  # every expert PE contacted, ascending
 
     @property
     def expert_pes(self) -> list[int]:
         """The expert PEs this micro-batch contacted."""
-        return [p[0] for p in self.parts]
+        return list(self.pes)
 
 
 class AttentionEnd:
@@ -208,6 +248,16 @@ class AttentionEnd:
                         (comm.remote(self._buf.tokens[a, s], pe), comm.remote(self._buf.expert_ids[a, s], pe),
                          comm.remote(self._buf.weights[a, s], pe))
                         for pe in range(A, plan.world_size) for s in range(S)}
+        # what dispatch_send reaches, ascending by first PE: an expert rank index, or a host's expert PEs
+        # (node-aware; only toward other hosts)
+        grouped = {pe: pes for pes in self._buf.host_groups.values() for pe in pes if comm.is_remote(pe)}
+        self._targets: list = []
+        for r in range(plan.num_expert_ranks):
+            pe = A + r
+            if pe not in grouped:
+                self._targets.append(r)
+            elif grouped[pe][0] == pe:
+                self._targets.append(tuple(grouped[pe]))
         self._stage = None
         if any(v is None for v in self._remote.values()):
             self._stage = (torch.empty(plan.max_tokens, plan.hidden, dtype=plan.dtype),
@@ -267,6 +317,8 @@ class AttentionEnd:
         outstanding). Each token is written once into each expert rank that
         holds any of its experts, with the ids (-1 for experts elsewhere) and
         weights; then that rank gets a descriptor (release: it sees the rows).
+        Toward another host with two or more expert ranks, once per host (the
+        module docstring's node-aware path).
         """
         T = self._check(x, topk_ids, topk_weights, layer)
         plan = self.plan
@@ -277,7 +329,11 @@ class AttentionEnd:
             weights = topk_weights.to(torch.float32)
             rank_of = plan.rank_of_expert[topk_ids]  # [T, k] expert-rank index of each choice
             off = 0
-            for r in range(plan.num_expert_ranks):
+            for target in self._targets:
+                if isinstance(target, tuple):  # node-aware: the expert PEs of another host
+                    off += self._dispatch_host(target, h, x, ids32, weights, rank_of, off)
+                    continue
+                r = target
                 on_r = rank_of == r  # [T, k]
                 rows = on_r.any(1).nonzero().flatten()  # [n] tokens with an expert on r
                 n = rows.numel()
@@ -287,28 +343,67 @@ class AttentionEnd:
                 views = self._remote[(pe, slot)]
                 tok, eid, w = views if views is not None else self._stage
                 # rows, routing ids (-1: expert elsewhere) and weights straight into the peer's region
-                if n == T:  # every token: plain copies, rows are 0..T-1
-                    tok[:n].copy_(x)
-                    torch.where(on_r, ids32, self._minus1, out=eid[:n])
-                    w[:n].copy_(weights)
-                else:
-                    torch.index_select(x, 0, rows, out=tok[:n])
-                    torch.index_select(torch.where(on_r, ids32, self._minus1), 0, rows, out=eid[:n])
-                    torch.index_select(weights, 0, rows, out=w[:n])
+                self._fill(tok, eid, w, x, ids32, weights, on_r, rows, T)
                 if views is None:  # another host: put the staged rows (applied before the descriptor below)
-                    a, comm, buf = self.comm.rank, self.comm, self._buf
-                    comm.put(buf.tokens[a, slot, :n], tok[:n], pe)
-                    comm.put(buf.expert_ids[a, slot, :n], eid[:n], pe)
-                    comm.put(buf.weights[a, slot, :n], w[:n], pe)
-                words = self._desc_words
-                words[0], words[1], words[2], words[3] = slot, layer, n, off
-                self._send_desc[pe]()  # release: the rows above are visible before the descriptor
+                    self._put_staged(pe, slot, n)
+                self._send_descriptor(pe, slot, layer, n, off, -1, 0)  # release: rows before it
                 h.parts.append((pe, rows, off, n))
+                h.pes.append(pe)
                 off += n
         self._counted[slot] += len(h.parts)
         h.target = self._counted[slot]
         self._outstanding[slot] = h
         return h
+
+    def _fill(self, tok, eid, w, x, ids32, weights, on, rows, T) -> None:
+        """Rows ``rows`` of the micro-batch, their routing ids (-1 where ``on`` is False) and weights, into
+        ``tok``/``eid``/``w``."""
+        n = rows.numel()
+        if n == T:  # every token: plain copies, rows are 0..T-1
+            tok[:n].copy_(x)
+            torch.where(on, ids32, self._minus1, out=eid[:n])
+            w[:n].copy_(weights)
+        else:
+            torch.index_select(x, 0, rows, out=tok[:n])
+            torch.index_select(torch.where(on, ids32, self._minus1), 0, rows, out=eid[:n])
+            torch.index_select(weights, 0, rows, out=w[:n])
+
+    def _put_staged(self, pe: int, slot: int, n: int) -> None:
+        """The staged rows, ids and weights into PE ``pe``'s region (this rank, ``slot``) on another host."""
+        a, comm, buf = self.comm.rank, self.comm, self._buf
+        tok, eid, w = self._stage
+        comm.put(buf.tokens[a, slot, :n], tok[:n], pe)
+        comm.put(buf.expert_ids[a, slot, :n], eid[:n], pe)
+        comm.put(buf.weights[a, slot, :n], w[:n], pe)
+
+    def _send_descriptor(self, pe: int, slot: int, layer: int, n: int, off: int, gateway: int, mask: int) -> None:
+        words = self._desc_words
+        words[0], words[1], words[2], words[3], words[4], words[5] = slot, layer, n, off, gateway, mask
+        self._send_desc[pe]()
+
+    def _dispatch_host(self, pes: tuple, h: DispatchHandle, x, ids32, weights, rank_of, off: int) -> int:
+        """Node-aware dispatch of ``h``'s micro-batch to the expert PEs ``pes`` of one other host (module
+        docstring); returns the combine rows it reserved at ``off``."""
+        plan, A, slot = self.plan, self.plan.num_attention_ranks, h.slot
+        ranks = torch.tensor([pe - A for pe in pes])
+        on = torch.isin(rank_of, ranks)  # [T, k] choices held on that host
+        rows = on.any(1).nonzero().flatten()
+        n = rows.numel()
+        if n == 0:
+            return 0
+        contacted = [pe for pe in pes if bool((rank_of[rows] == pe - A).any())]
+        gateway = pes[self.comm.rank % len(pes)]
+        tok, eid, w = self._stage
+        self._fill(tok, eid, w, x, ids32, weights, on, rows, h.num_tokens)
+        self._put_staged(gateway, slot, n)
+        if contacted != [gateway]:
+            self.comm.quiet()  # the rows are in the gateway's memory before any other rank hears of them
+        mask = sum(1 << i for i, pe in enumerate(pes) if pe in contacted)
+        for pe in contacted:
+            self._send_descriptor(pe, slot, h.layer, n, off, gateway, mask)
+        h.parts.append((gateway, rows, off, n))  # one reduced row per token comes back
+        h.pes.extend(contacted)
+        return n
 
     def is_ready(self, handle: DispatchHandle) -> bool:
         """True once every expert rank ``handle`` contacted has returned its rows (never waits)."""
@@ -369,10 +464,8 @@ class AttentionEnd:
         if self._finished:
             return
         self._finished = True
-        words = self._desc_words
-        words[0], words[1], words[2], words[3] = _FIN, 0, 0, 0
-        for send in self._send_desc.values():
-            send()
+        for pe in self._send_desc:
+            self._send_descriptor(pe, _FIN, 0, 0, 0, -1, 0)
 
 
 @dataclass(eq=False)
@@ -485,6 +578,15 @@ class ExpertEnd:
         # (None for attention PEs on other hosts: their rows travel with put_signal)
         self._combine_remote = [None if comm.is_remote(a) else comm.remote(self._buf.combine, a).data_ptr()
                                 for a in range(plan.num_attention_ranks)]
+        self._mine = torch.zeros(plan.num_experts, dtype=torch.bool)  # [N]: experts held here
+        self._mine[self.experts] = True
+        self._minus1 = torch.tensor(-1, dtype=torch.int32)
+        # node-aware parts received and not yet combined: (a, slot) -> (gateway, host PEs, union rows n, combine
+        # offset, contacted mask, rows of the union that are this rank's)
+        self._host_parts: dict = {}
+        self._group = next((pes for pes in self._buf.host_groups.values() if comm.rank in pes), None)
+        self.node_aware_parts = 0  # node-aware parts received (each gathered from a gateway)
+        self.node_aware_reductions = 0  # node-aware parts this rank reduced and returned
 
     @property
     def finished(self) -> bool:
@@ -494,19 +596,52 @@ class ExpertEnd:
     def _batch(self, msg) -> "ExpertBatch | None":
         plan = self.plan
         a = msg.src
-        slot, layer, n, off = msg.tensor.tolist() if msg.tensor.numel() == _DESC_WORDS else (None,) * 4
+        slot, layer, n, off, gateway, mask = (msg.tensor.tolist() if msg.tensor.numel() == _DESC_WORDS
+                                              else (None,) * _DESC_WORDS)
         msg.release()
         if slot == _FIN and 0 <= a < plan.num_attention_ranks:
             self._finished.add(a)
             return None
         ok = (slot is not None and 0 <= a < plan.num_attention_ranks and 0 <= slot < plan.max_inflight
               and 0 < n <= plan.max_tokens and 0 <= off and off + n <= plan.combine_rows and layer >= 0)
+        group = self._group
+        ok = ok and (gateway == -1 or (group is not None and gateway in group and (a, slot) not in self._host_parts
+                                       and 0 < mask < (1 << len(group))))
         if not ok:
             raise CommError(f"dispatch_recv: corrupt descriptor from PE {a}: slot={slot} layer={layer} "
-                            f"rows={n} offset={off}")
+                            f"rows={n} offset={off} gateway={gateway} mask={mask}")
         buf = self._buf
+        if gateway != -1:
+            return self._host_batch(a, slot, layer, n, off, gateway, mask)
         return ExpertBatch(layer, buf.tokens[a, slot, :n], buf.expert_ids[a, slot, :n], buf.weights[a, slot, :n],
                            [(a, slot, off, n, 0)])
+
+    def _union(self, a: int, slot: int, n: int, gateway: int) -> tuple:
+        """(tokens, expert_ids, weights) of the ``n`` rows attention PE ``a`` put for this host in ``gateway``'s
+        region (``slot``): views over shared memory (the gateway is on this host)."""
+        buf, comm = self._buf, self.comm
+        views = (buf.tokens[a, slot, :n], buf.expert_ids[a, slot, :n], buf.weights[a, slot, :n])
+        return views if gateway == comm.rank else tuple(comm.remote(v, gateway) for v in views)
+
+    def _rows_of(self, pe: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Indices of the union rows (``expert_ids`` [n, k], this host's experts, -1 elsewhere) that have an
+        expert on ``pe``."""
+        owner = self.plan.rank_of_expert[expert_ids.clamp(min=0).to(torch.int64)] + self.plan.num_attention_ranks
+        return ((owner == pe) & (expert_ids >= 0)).any(1).nonzero().flatten()
+
+    def _host_batch(self, a: int, slot: int, layer: int, n: int, off: int, gateway: int, mask: int) -> ExpertBatch:
+        """This rank's rows of a node-aware part: gathered from the gateway's region (shared memory)."""
+        tokens, ids, weights = self._union(a, slot, n, gateway)
+        rows = self._rows_of(self.comm.rank, ids)
+        if rows.numel() == 0:
+            raise CommError(f"dispatch_recv: descriptor from PE {a} (slot {slot}) names no row for this rank")
+        self._host_parts[(a, slot)] = (gateway, n, off, mask, rows)
+        self.node_aware_parts += 1
+        mine = torch.where(self._mine[ids.clamp(min=0).to(torch.int64)] & (ids >= 0), ids, self._minus1)
+        if rows.numel() == n:
+            return ExpertBatch(layer, tokens, mine, weights, [(a, slot, off, n, 0)])
+        return ExpertBatch(layer, tokens.index_select(0, rows), mine.index_select(0, rows),
+                           weights.index_select(0, rows), [(a, slot, off, rows.numel(), 0)])
 
     def dispatch_recv(self, timeout=None) -> "ExpertBatch | None":
         """The next micro-batch from any attention rank, any layer (waits, bounded).
@@ -568,6 +703,8 @@ class ExpertEnd:
         if len(batch.parts) != 1:
             return torch.empty(batch.num_rows, self.plan.hidden, dtype=self.plan.dtype)
         a, slot, off, n, _first = batch.parts[0]
+        if (a, slot) in self._host_parts:  # node-aware: this rank's partial sums, read by the host's reducer
+            return self._buf.red[a, slot, :n]
         if self._combine_remote[a] is None:  # another host: computed here, then put
             return torch.empty(n, self.plan.hidden, dtype=self.plan.dtype)
         return self.comm.remote(self._buf.combine[slot, off:off + n], a)
@@ -593,6 +730,9 @@ class ExpertEnd:
         buf, comm = self._buf, self.comm
         row_bytes = plan.hidden * out.element_size()
         for a, slot, off, n, first in batch.parts:
+            if (a, slot) in self._host_parts:
+                self._combine_host(a, slot, out[first:first + n])
+                continue
             if self._combine_remote[a] is None:  # another host: rows and counter in one message
                 comm.put_signal(buf.combine[slot, off:off + n], out[first:first + n], a, buf.done, slot, 1, op="add")
                 continue
@@ -601,6 +741,38 @@ class ExpertEnd:
                 comm.remote(buf.combine[slot, off:off + n], a).copy_(out[first:first + n])
             # else: computed in place by output_buffer(): nothing to copy
             comm.signal_op(buf.done, slot, 1, "add", a)  # release: rows first
+
+    def _combine_host(self, a: int, slot: int, out: torch.Tensor) -> None:
+        """Node-aware combine of one part: leave ``out`` (this rank's rows) in ``red``, count it on the
+        gateway; the rank whose count completes the part reduces the host's partials and returns them."""
+        gateway, n, off, mask, rows = self._host_parts.pop((a, slot))
+        buf, comm, S = self._buf, self.comm, self.plan.max_inflight
+        mine = buf.red[a, slot, :rows.numel()]
+        if out.data_ptr() != mine.data_ptr() or not out.is_contiguous():
+            mine.copy_(out)
+        done = comm.signal_op(buf.red_count, a * S + slot, 1, "add", gateway) + 1  # release: red first
+        if done == bin(mask).count("1"):  # the last partial of this part: reduce (acquire: every red is seen)
+            self._reduce(a, slot, gateway, n, off, mask)
+
+    def _reduce(self, a: int, slot: int, gateway: int, n: int, off: int, mask: int) -> None:
+        """Sum the contacted host ranks' partials of attention PE ``a``'s part (``slot``) in PE order and
+        return them with one put_signal."""
+        plan, buf, comm, S = self.plan, self._buf, self.comm, self.plan.max_inflight
+        acc_dtype = torch.float32 if plan.dtype in (torch.float16, torch.bfloat16) else plan.dtype
+        ids = self._union(a, slot, n, gateway)[1]
+        y = torch.zeros(n, plan.hidden, dtype=acc_dtype)
+        for i, pe in enumerate(self._group):
+            if not mask >> i & 1:
+                continue
+            rows = self._rows_of(pe, ids)
+            part = buf.red[a, slot, :rows.numel()]
+            if pe != comm.rank:
+                part = comm.remote(part, pe)
+            y.index_add_(0, rows, part if acc_dtype == plan.dtype else part.to(acc_dtype))
+        comm.signal_op(buf.red_count, a * S + slot, 0, "set", gateway)  # the next use of the slot counts anew
+        self.node_aware_reductions += 1
+        comm.put_signal(buf.combine[slot, off:off + n], y if acc_dtype == plan.dtype else y.to(plan.dtype), a,
+                        buf.done, slot, 1, op="add")
 
 
 # ----------------------------------------------------------------------------- pure-torch reference

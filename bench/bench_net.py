@@ -18,7 +18,9 @@ network engine between them. Measured in the same run, round by round (``--round
 * ``asap_put_bw``: ``comm.put`` of 16 MiB float32 into the other host's symmetric tensor (GB/s);
 * ``asap_mailbox_rt``: ``box.send``/``recv`` round trip of 64 B between the hosts;
 * ``asap_moe_T128`` / ``gloo_moe_T128`` (and T=1024): ``bench_moe.py``'s dispatch + combine round trip with
-  the attention ranks (PEs 0-1) on one host and the expert ranks (PEs 2-3) on the other;
+  the attention ranks (PEs 0-1) on one host and the expert ranks (PEs 2-3) on the other (``asap_comm.moe``'s
+  node-aware path: once per expert host); the ``_direct`` rows run it again with every expert rank reached
+  directly (``ASAP_MOE_NODE_AWARE=0``), each against its own gloo run;
 * one host, ``backend="auto"`` against ``backend="shm"``: the generic ping-pong and the mailbox round trip
   (auto on one host builds no network engine: the rows show it costs nothing).
 
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
     ucx = {"put_lat": [], "am_lat": [], "put_bw": []}
     per = {"prepared": [], "generic_kw": [], "generic_kw_unpinned": [], "gloo": [], "put_bw": [], "mailbox": []}
     bad = {k: 0 for k in per}
-    moe_results = None
+    moe_results = moe_direct = None
     stats = []
     with Hosts(2) as hosts:
         for rnd in range(1, ROUNDS[mode] + 1):
@@ -200,6 +202,9 @@ def main(argv=None) -> int:
         log("asap_comm.moe across hosts (attention PEs on host 0, expert PEs on host 1) against gloo")
         cfg = bench_moe.QUICK if args.quick else bench_moe.FULL
         moe_results = run_across_hosts(hosts, [2, 2], bench_moe.moe_pe, cfg, 1, False, True, timeout=900)
+        log("the same with every expert rank reached directly (ASAP_MOE_NODE_AWARE=0)")
+        moe_direct = run_across_hosts(hosts, [2, 2], bench_moe.moe_pe, cfg, 1, False, True, timeout=900,
+                                      env={"ASAP_MOE_NODE_AWARE": "0"})
     log("one host: backend='auto' against backend='shm'")
     import asap_comm
 
@@ -244,21 +249,24 @@ def main(argv=None) -> int:
         _compare(g, rows["gloo_pingpong"], 3.0, False, ">= 3x lower than gloo")
         rows[g["name"]] = g
     _compare(rows["asap_put_bw"], rows["ucx_put_bw"], 0.8, True, ">= 0.8x UCX put")
-    moe_rows = bench_moe.build_rows(moe_results, "", {t: sum(bench_moe.round_trip_bytes(bench_moe.make_routing(t, a))
-                                                              for a in range(bench_moe.NUM_ATTENTION))
-                                                       // bench_moe.NUM_ATTENTION for t in bench_moe.SIZES})
-    by = {r["name"]: r for r in moe_rows}
-    for t in bench_moe.SIZES:
-        a, g = by.get(f"asap_moe_T{t}"), by.get(f"gloo_moe_T{t}")
-        if a is None or g is None:
-            continue
-        ra = _row(f"asap_moe_T{t}_across_hosts", f"asap_comm.moe dispatch+combine, T={t}, A on host 0, E on "
-                  "host 1", "us", [], 0)
-        ra.update({k: a[k] for k in ("median", "p10", "p90", "samples", "correct")})
-        rg = _row(f"gloo_moe_T{t}_across_hosts", f"gloo all_to_all_single dispatch+combine, T={t}", "us", [], 0)
-        rg.update({k: g[k] for k in ("median", "p10", "p90", "samples", "correct")})
-        _compare(ra, rg, 3.0 if t == 128 else None, False, ">= 3x gloo")
-        rows[ra["name"]], rows[rg["name"]] = ra, rg
+    per_rank_bytes = {t: sum(bench_moe.round_trip_bytes(bench_moe.make_routing(t, a))
+                             for a in range(bench_moe.NUM_ATTENTION)) // bench_moe.NUM_ATTENTION
+                      for t in bench_moe.SIZES}
+    for results, suffix, how in ((moe_results, "", "node-aware: once per expert host"),
+                                 (moe_direct, "_direct", "every expert rank reached directly")):
+        by = {r["name"]: r for r in bench_moe.build_rows(results, "", per_rank_bytes)}
+        for t in bench_moe.SIZES:
+            a, g = by.get(f"asap_moe_T{t}"), by.get(f"gloo_moe_T{t}")
+            if a is None or g is None:
+                continue
+            ra = _row(f"asap_moe_T{t}_across_hosts{suffix}", f"asap_comm.moe dispatch+combine, T={t}, A on host 0, "
+                      f"E on host 1 ({how})", "us", [], 0)
+            ra.update({k: a[k] for k in ("median", "p10", "p90", "samples", "correct")})
+            rg = _row(f"gloo_moe_T{t}_across_hosts{suffix}", f"gloo all_to_all_single dispatch+combine, T={t}"
+                      + (" (same processes as the direct run)" if suffix else ""), "us", [], 0)
+            rg.update({k: g[k] for k in ("median", "p10", "p90", "samples", "correct")})
+            _compare(ra, rg, 3.0 if t == 128 else None, False, ">= 3x gloo")
+            rows[ra["name"]], rows[rg["name"]] = ra, rg
     for kind, key, what in (("pp", "pingpong_generic_kw", "generic ping-pong, one-way"),
                             ("mb", "mailbox_rt", "mailbox 64 B round trip")):
         s = _row(f"onehost_shm_{key}", f"one host, backend='shm': {what}", "us", local["shm"][kind],

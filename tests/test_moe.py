@@ -97,7 +97,8 @@ def _expert_loop(comm, plan, seed):
             # half the time compute in place, into the origin's combine area (zero-copy combine)
             out = ex.output_buffer(b) if rng.random() < 0.5 else None
             ex.combine_send(b, apply_experts(b, expert_fn, out=out))
-    return {"received": received, "merged": merged_batches, "experts": ex.experts}
+    return {"received": received, "merged": merged_batches, "experts": ex.experts,
+            "node_aware": (ex.node_aware_parts, ex.node_aware_reductions)}
 
 
 def _attention_scenarios(comm, plan, seed):

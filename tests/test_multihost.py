@@ -247,18 +247,36 @@ def test_api_matrix_across_two_hosts_under_torchrun(hosts):
 def _moe_across(comm, plan, seed):
     from test_moe import _moe_group
 
-    assert all(comm.is_remote(pe) for pe in range(plan.num_attention_ranks, plan.world_size)) == \
-        (comm.rank < plan.num_attention_ranks)
-    return _moe_group(comm, plan, seed)
+    out = _moe_group(comm, plan, seed)
+    if comm.rank < plan.num_attention_ranks:  # how many of its handles reached each expert PE
+        out["reached"] = {pe: sum(pe in ref for _layer, ref in out["sent"])
+                          for pe in range(plan.num_attention_ranks, plan.world_size)}
+    return out
 
 
-def test_moe_attention_and_expert_ranks_on_different_hosts(hosts):
+@pytest.mark.parametrize("layout,attention", [([2, 2], 2), ([3, 2], 2), ([1, 3], 1)],
+                         ids=["2A|2E", "2A+1E|2E", "1A|3E"])
+def test_moe_attention_and_expert_ranks_on_different_hosts(hosts, layout, attention):
+    """Exact against the reference, with the expert PEs of the other host reached once per host (node-aware:
+    one gateway receives the rows, every contacted rank gathers its own, the last to finish reduces); an
+    expert PE on the attention ranks' own host (2A+1E|2E) is reached directly, over shared memory."""
     from test_moe import _check_group
 
-    plan = MoEPlan(num_attention_ranks=2, num_expert_ranks=2, num_experts=8, hidden=32, top_k=3, max_tokens=24,
-                   max_inflight=3, dtype=torch.float32)
-    results = run_across_hosts(hosts, [2, 2], _moe_across, plan, 5, timeout=240)
+    world = sum(layout)
+    plan = MoEPlan(num_attention_ranks=attention, num_expert_ranks=world - attention, num_experts=12, hidden=32,
+                   top_k=3, max_tokens=24, max_inflight=3, dtype=torch.float32)
+    results = run_across_hosts(hosts, layout, _moe_across, plan, 5, timeout=240)
     _check_group(results, plan)
+    remote = range(layout[0], world)  # the expert PEs on host 1
+    for pe in range(attention, world):
+        parts, reductions = results[pe]["node_aware"]
+        expected = sum(results[a]["reached"][pe] for a in range(attention)) if pe in remote else 0
+        assert parts == expected, f"PE {pe}: {parts} node-aware parts, expected {expected}"
+        if pe not in remote:
+            assert reductions == 0
+    # every node-aware handle was reduced exactly once, by one of the host's ranks
+    handles = sum(sum(any(pe in ref for pe in remote) for _layer, ref in results[a]["sent"]) for a in range(attention))
+    assert sum(results[pe]["node_aware"][1] for pe in remote) == handles > 0
 
 
 # --------------------------------------------------------------------------- the prefill runtime across hosts
