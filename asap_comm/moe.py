@@ -258,6 +258,9 @@ class AttentionEnd:
                 self._targets.append(r)
             elif grouped[pe][0] == pe:
                 self._targets.append(tuple(grouped[pe]))
+        # Below this many bytes of rows per host, the quiet and the host-side reduction cost more than the
+        # bytes they save (bench/bench_net.py: T=128 x 4 KiB rows is faster direct, T=1024 node-aware).
+        self.node_aware_bytes = int(os.environ.get("ASAP_MOE_NODE_AWARE_BYTES", 1 << 20))
         self._stage = None
         if any(v is None for v in self._remote.values()):
             self._stage = (torch.empty(plan.max_tokens, plan.hidden, dtype=plan.dtype),
@@ -330,30 +333,39 @@ class AttentionEnd:
             rank_of = plan.rank_of_expert[topk_ids]  # [T, k] expert-rank index of each choice
             off = 0
             for target in self._targets:
-                if isinstance(target, tuple):  # node-aware: the expert PEs of another host
-                    off += self._dispatch_host(target, h, x, ids32, weights, rank_of, off)
-                    continue
-                r = target
-                on_r = rank_of == r  # [T, k]
-                rows = on_r.any(1).nonzero().flatten()  # [n] tokens with an expert on r
-                n = rows.numel()
-                if n == 0:
-                    continue  # not contacted
-                pe = plan.num_attention_ranks + r
-                views = self._remote[(pe, slot)]
-                tok, eid, w = views if views is not None else self._stage
-                # rows, routing ids (-1: expert elsewhere) and weights straight into the peer's region
-                self._fill(tok, eid, w, x, ids32, weights, on_r, rows, T)
-                if views is None:  # another host: put the staged rows (applied before the descriptor below)
-                    self._put_staged(pe, slot, n)
-                self._send_descriptor(pe, slot, layer, n, off, -1, 0)  # release: rows before it
-                h.parts.append((pe, rows, off, n))
-                h.pes.append(pe)
-                off += n
+                if isinstance(target, tuple):  # the expert PEs of another host: node-aware when large enough
+                    n = self._dispatch_host(target, h, x, ids32, weights, rank_of, off)
+                    if n is not None:
+                        off += n
+                        continue
+                    ranks = [pe - plan.num_attention_ranks for pe in target]
+                else:
+                    ranks = [target]
+                for r in ranks:
+                    off += self._dispatch_rank(r, h, x, ids32, weights, rank_of, off)
         self._counted[slot] += len(h.parts)
         h.target = self._counted[slot]
         self._outstanding[slot] = h
         return h
+
+    def _dispatch_rank(self, r: int, h: DispatchHandle, x, ids32, weights, rank_of, off: int) -> int:
+        """Dispatch ``h``'s rows for expert rank ``r`` to it directly; returns the combine rows reserved."""
+        on_r = rank_of == r  # [T, k]
+        rows = on_r.any(1).nonzero().flatten()  # [n] tokens with an expert on r
+        n = rows.numel()
+        if n == 0:
+            return 0  # not contacted
+        pe, slot = self.plan.num_attention_ranks + r, h.slot
+        views = self._remote[(pe, slot)]
+        tok, eid, w = views if views is not None else self._stage
+        # rows, routing ids (-1: expert elsewhere) and weights straight into the peer's region
+        self._fill(tok, eid, w, x, ids32, weights, on_r, rows, h.num_tokens)
+        if views is None:  # another host: put the staged rows (applied before the descriptor below)
+            self._put_staged(pe, slot, n)
+        self._send_descriptor(pe, slot, h.layer, n, off, -1, 0)  # release: rows before it
+        h.parts.append((pe, rows, off, n))
+        h.pes.append(pe)
+        return n
 
     def _fill(self, tok, eid, w, x, ids32, weights, on, rows, T) -> None:
         """Rows ``rows`` of the micro-batch, their routing ids (-1 where ``on`` is False) and weights, into
@@ -381,9 +393,10 @@ class AttentionEnd:
         words[0], words[1], words[2], words[3], words[4], words[5] = slot, layer, n, off, gateway, mask
         self._send_desc[pe]()
 
-    def _dispatch_host(self, pes: tuple, h: DispatchHandle, x, ids32, weights, rank_of, off: int) -> int:
+    def _dispatch_host(self, pes: tuple, h: DispatchHandle, x, ids32, weights, rank_of, off: int) -> "int | None":
         """Node-aware dispatch of ``h``'s micro-batch to the expert PEs ``pes`` of one other host (module
-        docstring); returns the combine rows it reserved at ``off``."""
+        docstring); returns the combine rows it reserved at ``off``, or None (nothing sent) when the host's
+        rows are fewer than ``node_aware_bytes``: those go to each rank directly."""
         plan, A, slot = self.plan, self.plan.num_attention_ranks, h.slot
         ranks = torch.tensor([pe - A for pe in pes])
         on = torch.isin(rank_of, ranks)  # [T, k] choices held on that host
@@ -391,6 +404,8 @@ class AttentionEnd:
         n = rows.numel()
         if n == 0:
             return 0
+        if n * plan.hidden * x.element_size() < self.node_aware_bytes:
+            return None
         contacted = [pe for pe in pes if bool((rank_of[rows] == pe - A).any())]
         gateway = pes[self.comm.rank % len(pes)]
         tok, eid, w = self._stage

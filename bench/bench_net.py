@@ -18,8 +18,9 @@ network engine between them. Measured in the same run, round by round (``--round
 * ``asap_put_bw``: ``comm.put`` of 16 MiB float32 into the other host's symmetric tensor (GB/s);
 * ``asap_mailbox_rt``: ``box.send``/``recv`` round trip of 64 B between the hosts;
 * ``asap_moe_T128`` / ``gloo_moe_T128`` (and T=1024): ``bench_moe.py``'s dispatch + combine round trip with
-  the attention ranks (PEs 0-1) on one host and the expert ranks (PEs 2-3) on the other (``asap_comm.moe``'s
-  node-aware path: once per expert host); the ``_direct`` rows run it again with every expert rank reached
+  the attention ranks (PEs 0-1) on one host and the expert ranks (PEs 2-3) on the other (``asap_comm.moe`` as
+  shipped: node-aware, once per expert host, for micro-batches with at least 1 MiB of rows for that host, so
+  T=1024 here, and direct below that); the ``_direct`` rows run it again with every expert rank reached
   directly (``ASAP_MOE_NODE_AWARE=0``), each against its own gloo run;
 * one host, ``backend="auto"`` against ``backend="shm"``: the generic ping-pong and the mailbox round trip
   (auto on one host builds no network engine: the rows show it costs nothing).
@@ -252,7 +253,7 @@ def main(argv=None) -> int:
     per_rank_bytes = {t: sum(bench_moe.round_trip_bytes(bench_moe.make_routing(t, a))
                              for a in range(bench_moe.NUM_ATTENTION)) // bench_moe.NUM_ATTENTION
                       for t in bench_moe.SIZES}
-    for results, suffix, how in ((moe_results, "", "node-aware: once per expert host"),
+    for results, suffix, how in ((moe_results, "", "node-aware from 1 MiB per host"),
                                  (moe_direct, "_direct", "every expert rank reached directly")):
         by = {r["name"]: r for r in bench_moe.build_rows(results, "", per_rank_bytes)}
         for t in bench_moe.SIZES:

@@ -247,36 +247,47 @@ def test_api_matrix_across_two_hosts_under_torchrun(hosts):
 def _moe_across(comm, plan, seed):
     from test_moe import _moe_group
 
-    out = _moe_group(comm, plan, seed)
-    if comm.rank < plan.num_attention_ranks:  # how many of its handles reached each expert PE
-        out["reached"] = {pe: sum(pe in ref for _layer, ref in out["sent"])
-                          for pe in range(plan.num_attention_ranks, plan.world_size)}
-    return out
+    return _moe_group(comm, plan, seed)
 
 
-@pytest.mark.parametrize("layout,attention", [([2, 2], 2), ([3, 2], 2), ([1, 3], 1)],
-                         ids=["2A|2E", "2A+1E|2E", "1A|3E"])
-def test_moe_attention_and_expert_ranks_on_different_hosts(hosts, layout, attention):
-    """Exact against the reference, with the expert PEs of the other host reached once per host (node-aware:
-    one gateway receives the rows, every contacted rank gathers its own, the last to finish reduces); an
-    expert PE on the attention ranks' own host (2A+1E|2E) is reached directly, over shared memory."""
+@pytest.mark.parametrize("layout,attention,threshold", [([2, 2], 2, 0), ([3, 2], 2, 0), ([1, 3], 1, 0),
+                                                      ([2, 2], 2, 12 * 32 * 4)],
+                         ids=["2A|2E", "2A+1E|2E", "1A|3E", "2A|2E-mixed"])
+def test_moe_attention_and_expert_ranks_on_different_hosts(hosts, layout, attention, threshold):
+    """Exact against the reference. A micro-batch whose rows for the other host reach the node-aware threshold
+    (``ASAP_MOE_NODE_AWARE_BYTES``; 0: every one) goes there once per host (one gateway receives the rows, every
+    contacted rank gathers its own, the last to finish reduces); the others reach each expert rank directly, as
+    does an expert PE on the attention ranks' own host (2A+1E|2E). "mixed": 12 rows of 32 floats, so both kinds
+    occur among the scenarios' micro-batches of 0-24 tokens."""
     from test_moe import _check_group
 
     world = sum(layout)
     plan = MoEPlan(num_attention_ranks=attention, num_expert_ranks=world - attention, num_experts=12, hidden=32,
                    top_k=3, max_tokens=24, max_inflight=3, dtype=torch.float32)
-    results = run_across_hosts(hosts, layout, _moe_across, plan, 5, timeout=240)
+    results = run_across_hosts(hosts, layout, _moe_across, plan, 5, timeout=240,
+                               env={"ASAP_MOE_NODE_AWARE_BYTES": str(threshold)})
     _check_group(results, plan)
     remote = range(layout[0], world)  # the expert PEs on host 1
+    row_bytes = plan.hidden * 4
+    parts = {pe: 0 for pe in remote}  # node-aware parts each should have received
+    reductions = 0
+    for a in range(attention):
+        for _layer, ref in results[a]["sent"]:
+            union = set().union(*(set(ref[pe][0].tolist()) for pe in remote if pe in ref))
+            if union and len(union) * row_bytes >= threshold:
+                reductions += 1
+                for pe in remote:
+                    parts[pe] += pe in ref
     for pe in range(attention, world):
-        parts, reductions = results[pe]["node_aware"]
-        expected = sum(results[a]["reached"][pe] for a in range(attention)) if pe in remote else 0
-        assert parts == expected, f"PE {pe}: {parts} node-aware parts, expected {expected}"
+        got_parts, got_reductions = results[pe]["node_aware"]
+        assert got_parts == parts.get(pe, 0), f"PE {pe}: {got_parts} node-aware parts, expected {parts.get(pe, 0)}"
         if pe not in remote:
-            assert reductions == 0
-    # every node-aware handle was reduced exactly once, by one of the host's ranks
-    handles = sum(sum(any(pe in ref for pe in remote) for _layer, ref in results[a]["sent"]) for a in range(attention))
-    assert sum(results[pe]["node_aware"][1] for pe in remote) == handles > 0
+            assert got_reductions == 0
+    # every node-aware micro-batch was reduced exactly once, by one of the host's ranks
+    assert sum(results[pe]["node_aware"][1] for pe in remote) == reductions > 0
+    if threshold:  # and the mixed run had direct ones too
+        sent = sum(any(pe in ref for pe in remote) for a in range(attention) for _l, ref in results[a]["sent"])
+        assert 0 < reductions < sent
 
 
 # --------------------------------------------------------------------------- the prefill runtime across hosts
