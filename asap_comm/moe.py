@@ -767,11 +767,11 @@ class ExpertEnd:
             mine.copy_(out)
         done = comm.signal_op(buf.red_count, a * S + slot, 1, "add", gateway) + 1  # release: red first
         if done == bin(mask).count("1"):  # the last partial of this part: reduce (acquire: every red is seen)
-            self._reduce(a, slot, gateway, n, off, mask)
+            self._reduce(a, slot, gateway, n, off, mask, rows)
 
-    def _reduce(self, a: int, slot: int, gateway: int, n: int, off: int, mask: int) -> None:
+    def _reduce(self, a: int, slot: int, gateway: int, n: int, off: int, mask: int, own_rows) -> None:
         """Sum the contacted host ranks' partials of attention PE ``a``'s part (``slot``) in PE order and
-        return them with one put_signal."""
+        return them with one put_signal. ``own_rows``: this rank's rows of the union (known from dispatch)."""
         plan, buf, comm, S = self.plan, self._buf, self.comm, self.plan.max_inflight
         acc_dtype = torch.float32 if plan.dtype in (torch.float16, torch.bfloat16) else plan.dtype
         ids = self._union(a, slot, n, gateway)[1]
@@ -779,7 +779,7 @@ class ExpertEnd:
         for i, pe in enumerate(self._group):
             if not mask >> i & 1:
                 continue
-            rows = self._rows_of(pe, ids)
+            rows = own_rows if pe == comm.rank else self._rows_of(pe, ids)
             part = buf.red[a, slot, :rows.numel()]
             if pe != comm.rank:
                 part = comm.remote(part, pe)
