@@ -1,6 +1,6 @@
 """The HTTP prefill service, started for real in a subprocess on a free port and driven with plain httpx and
 with the real client: outputs equal the reference forward; bad input gets 400s naming the field; a burst past
-the admission bound gets 429s and loses nothing admitted; deadlines give 504 and cancel the work; a client
+the admission bound (and its waiting room) gets 429s and loses nothing admitted, a call over the bound 413; deadlines give 504 and cancel the work; a client
 that disconnects frees its slot; /metrics parses; a killed worker gives 503 and an unhealthy /health, then
 the service exits; SIGTERM drains and leaves no process and no shared-memory segment behind."""
 import glob
@@ -229,8 +229,10 @@ def test_burst_past_the_admission_bound_gets_429_and_loses_nothing_admitted(serv
         else:
             assert r.json()["choices"][0]["token_ids"] == [reference(p)[0]]
     assert server.wait_metric("asap_admitted_prompt_tokens", lambda v: v == 0) == 0
-    # a call over the bound on its own is admitted whole when nothing else is in flight (never a 429 forever)
-    batch = prompts[:3]
+    # a call over the bound on its own is refused at once (413 naming the bound), never admitted whole
+    r = server.client.post("/v1/completions", json={"prompt": prompts[:3]})
+    assert r.status_code == 413 and "admission bound of 4096 tokens" in r.json()["error"]["message"], r.text
+    batch = prompts[:2]  # 4000 tokens: within the bound
     r = server.client.post("/v1/completions", json={"prompt": batch})
     assert r.status_code == 200, r.text
     assert [c["token_ids"][0] for c in r.json()["choices"]] == [reference(p)[0] for p in batch]
@@ -238,8 +240,8 @@ def test_burst_past_the_admission_bound_gets_429_and_loses_nothing_admitted(serv
 
 def test_a_client_that_disconnects_frees_its_slot(server):
     cancelled = server.metric("asap_requests_total", outcome="cancelled")
-    with pytest.raises(httpx.ReadTimeout):  # ~1 s of work; the client leaves after 0.2 s
-        httpx.post(server.url + "/v1/completions", json={"prompt": _prompt(8000, 77)}, timeout=0.2)
+    with pytest.raises(httpx.ReadTimeout):  # ~0.5 s of work (within the bound); the client leaves after 0.2 s
+        httpx.post(server.url + "/v1/completions", json={"prompt": _prompt(4000, 77)}, timeout=0.2)
     v = server.wait_metric("asap_requests_total", lambda v: v > cancelled, outcome="cancelled")
     assert v == cancelled + 1
     assert server.metric("asap_admitted_prompt_tokens") == 0 and server.metric("asap_num_requests_running") == 0
