@@ -27,12 +27,14 @@ within about 20 ms of the death.
 """
 from __future__ import annotations
 
+import hmac
 import itertools
 import math
 import numbers
 import os
 import secrets
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,6 +44,8 @@ import torch
 from ._native import _C
 from .errors import CommError, PeerFailure, TimeoutError
 from .mailbox import Mailbox
+from .rendezvous import GroupStore, bound_store, resolve_secret, spans_hosts_without_secret
+from .rendezvous import secret_token as _secret_token
 
 __all__ = ["Communicator", "init"]
 
@@ -91,13 +95,15 @@ class Communicator:
     ``comm``).
     """
 
-    def __init__(self, rank: int, world_size: int, store, *, timeout: float,
-                 heap_chunk_bytes: int, shm_prefix: str, backend: str = "auto", host_id: "str | None" = None) -> None:
+    def __init__(self, rank: int, world_size: int, store, *, timeout: float, heap_chunk_bytes: int, shm_prefix: str,
+                 backend: str = "auto", host_id: "str | None" = None, group_secret: "str | None" = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.timeout = float(timeout)
         self.id = next(_ids)
         self._store = store
+        self._group_secret = group_secret
+        self._secret_file: "str | None" = None  # one host, no secret given: rank 0's 0600 secret file
         self._chunk_bytes = heap_chunk_bytes
         self._shm_prefix = shm_prefix
         self._closed = False
@@ -112,7 +118,6 @@ class Communicator:
         self._group = _C.Group(rank, world_size)
         self._ghandle = self._group.handle
         self._pid = os.getpid()
-        self._prefix = ""
         self._backend_arg = backend
         self.host_id = host_id if host_id is not None else _host_id()
         self.hosts: "list[str]" = [self.host_id] * world_size  # host id of every PE
@@ -136,36 +141,28 @@ class Communicator:
     def _new_name(self) -> str:
         return f"/{self._shm_prefix}{secrets.token_hex(16)}"
 
-    def _store_get(self, key: str) -> str:
-        try:
-            return self._store.get(self._prefix + key).decode()
-        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
-            raise TimeoutError(f"init: waiting for store key {key!r} failed: {e}") from None
-
-    def _store_rendezvous(self, key: str) -> None:
-        n = self._store.add(self._prefix + key, 1)
-        if n == self.world_size:
-            self._store.set(self._prefix + key + "/done", "1")
-        try:
-            self._store.wait([self._prefix + key + "/done"], timedelta(seconds=self.timeout))
-        except Exception as e:
-            raise TimeoutError(f"init: rendezvous {key!r} did not complete within {self.timeout} s "
-                               f"({n}/{self.world_size} PEs arrived when this PE did): {e}") from None
-
     def _bootstrap(self) -> None:
-        joined = self._store.add("asap/join", 1)
-        self._prefix = f"asap/{(joined - 1) // self.world_size}/"
+        # Everything read from the store is authenticated with the group secret (asap_comm.rendezvous): a
+        # value that fails the check raises CommError before anything it names is mapped or connected.
+        found = resolve_secret(self._store, self.rank, self.world_size, self.host_id, self._group_secret,
+                               self._shm_prefix)
+        self._group_secret = None
+        self._secret, self._secret_file = found.key, found.file  # the key stays for the network handshake
+        gs = self._gs = GroupStore(self._store, found.key, self.world_size, self.timeout)
+        gs.join()
         name = self._new_name()
         self._ctrl_map = _C.create_segment(name, _C.CTRL_BYTES)
         self._linked.append(name)
         self._ctrl_local = self._ctrl_map.addr
         _C.ctrl_init(self._ctrl_local, self.rank, self._pid)
-        self._store.set(self._prefix + f"host/{self.rank}", self.host_id)
-        self._store.set(self._prefix + f"ctrl/{self.rank}", name)
-        self.hosts = [self.host_id if pe == self.rank else self._store_get(f"host/{pe}")
+        gs.set(f"host/{self.rank}", self.host_id)
+        gs.set(f"ctrl/{self.rank}", name)
+        self.hosts = [self.host_id if pe == self.rank else gs.get_str(f"host/{pe}", f"PE {pe}'s host")
                       for pe in range(self.world_size)]
         self._remote = [h != self.host_id for h in self.hosts]
         spans = any(self._remote)
+        if spans and found.source == "file":
+            raise spans_hosts_without_secret(self.hosts)
         if spans and self._backend_arg == "shm":
             raise CommError(f"init: backend='shm' needs every PE on one host, but this group spans "
                             f"{len(set(self.hosts))} hosts ({_host_summary(self.hosts)}); use backend='auto'")
@@ -174,7 +171,7 @@ class Communicator:
         self.local_world_size = len(self.local_pes)
         if spans:
             self._net = _net_engine(self)
-            self._store.set(self._prefix + f"net/{self.rank}", self._net.address())
+            gs.set(f"net/{self.rank}", self._net.address())
         self._ctrl_maps = []
         for pe in range(self.world_size):
             if pe == self.rank:
@@ -183,7 +180,7 @@ class Communicator:
                 self._ctrl_maps.append(None)
                 continue
             else:
-                peer_name = self._store_get(f"ctrl/{pe}")
+                peer_name = gs.get_str(f"ctrl/{pe}", f"PE {pe}'s control segment")
                 mp = _C.map_segment(peer_name, _C.CTRL_BYTES)
                 if not _C.ctrl_check(mp.addr, pe):
                     raise CommError(f"init: control segment of PE {pe} is not initialised")
@@ -191,17 +188,54 @@ class Communicator:
             self._group.set_peer(pe, mp.addr, _C.ctrl_pid(mp.addr))
         self._ctrl = [0 if mp is None else mp.addr for mp in self._ctrl_maps]
         if spans:
-            for pe in range(self.world_size):
-                if self._remote[pe]:
-                    try:
-                        addr = self._store.get(self._prefix + f"net/{pe}")
-                    except Exception as e:
-                        raise TimeoutError(f"init: waiting for PE {pe}'s network address failed: {e}") from None
-                    self._net.connect(pe, addr)
+            addrs = {pe: gs.get(f"net/{pe}", f"PE {pe}'s network address")
+                     for pe in range(self.world_size) if self._remote[pe]}  # every one checked before any is used
+            for pe, addr in addrs.items():
+                self._net.connect(pe, addr)
+            self._net_handshake()
             self._net.start()
-        self._store_rendezvous("ctrl_mapped")
+        gs.rendezvous("ctrl_mapped")  # every PE mapped its peers and authenticated the remote ones
         self._unlink_own()
+        if self._secret_file is not None:
+            _unlink_quietly(self._secret_file)
+            self._secret_file = None
         self.barrier()
+
+    def _net_handshake(self) -> None:
+        """Challenge-response with every remote PE on the endpoint opened to it: each PE sends each remote
+        peer 32 random bytes and accepts the peer (``NetEngine.authenticate``) once the peer answers with the
+        HMAC of them under the group secret, bound to this group, the challenger and the answerer. Until then
+        the engine applies nothing the peer sends (it counts it as ``unauthenticated``)."""
+        remote = [pe for pe in range(self.world_size) if self._remote[pe]]
+        nonces = {pe: secrets.token_bytes(32) for pe in remote}
+        for pe in remote:
+            self._net.handshake_send(pe, False, nonces[pe])
+        verified: "set[int]" = set()
+        answered: "set[int]" = set()
+        deadline = time.monotonic() + self.timeout
+        while len(verified) < len(remote) or len(answered) < len(remote):
+            self._net.poll()
+            for pe, kind, payload in self._net.take_handshakes():
+                if kind == "challenge" and pe not in answered:
+                    self._net.handshake_send(pe, True, self._handshake_mac(pe, self.rank, payload))
+                    answered.add(pe)
+                elif kind == "answer" and pe not in verified:
+                    if not hmac.compare_digest(payload, self._handshake_mac(self.rank, pe, nonces[pe])):
+                        raise CommError(f"init: PE {pe} on host {self.hosts[pe]!r} failed the network "
+                                        "challenge: the process at its published address does not hold this "
+                                        "group's secret; nothing it sent was applied")
+                    self._net.authenticate(pe)
+                    verified.add(pe)
+            if time.monotonic() > deadline:
+                late = sorted(set(remote) - verified)
+                raise TimeoutError(f"init: remote PEs {late} did not answer this PE's network challenge within "
+                                   f"{self.timeout} s" + (f" (and PEs {sorted(set(remote) - answered)} sent no "
+                                                          "challenge)" if len(answered) < len(remote) else ""))
+            time.sleep(0.0005)
+
+    def _handshake_mac(self, challenger: int, answerer: int, nonce: bytes) -> bytes:
+        return hmac.new(self._secret, b"\0".join([b"asap-net-v1", self._gs.prefix.encode(), str(challenger).encode(),
+                                                   str(answerer).encode(), nonce]), "sha256").digest()
 
     def _unlink_own(self) -> None:
         while self._linked:
@@ -220,6 +254,9 @@ class Communicator:
             net.shutdown()  # says goodbye to remote PEs, stops its thread, frees UCX's resources
             self._net = None
         self._unlink_own()
+        if getattr(self, "_secret_file", None) is not None:
+            _unlink_quietly(self._secret_file)
+            self._secret_file = None
         self._chunks = []
         self._allocs = {}
         self._fast = {}
@@ -248,6 +285,7 @@ class Communicator:
             self._teardown()
             self._ctrl_maps = []
             self._store = None
+            self._gs = None
             with _registry_lock:
                 _registry.pop(self.id, None)
             self._finalizer.detach()
@@ -276,6 +314,15 @@ class Communicator:
         """True when PE ``pe`` is on another host (reached through the network engine)."""
         pe = self._check_pe("is_remote", pe)
         return self._remote[pe]
+
+    def secret_token(self, label: str) -> str:
+        """A string only this group's members can compute (32 hex characters, from the group secret and
+        ``label``): the key prefix of a side channel's rendezvous (the baseline's gloo group), so that a
+        process without the secret cannot name its keys."""
+        self._check_open("secret_token")
+        if not isinstance(label, str):
+            raise TypeError(f"secret_token: label must be a str, got {type(label).__name__}")
+        return _secret_token(self._secret, self._gs.prefix + label)
 
     def net_stats(self) -> dict:
         """Counters of the network engine (``{}`` on one host): messages sent and received, heart-beats,
@@ -364,7 +411,7 @@ class Communicator:
         local = _C.create_segment(name, size)
         self._linked.append(name)
         try:
-            self._store.set(self._prefix + f"chunk/{index}/{self.rank}", f"{name}:{size}")
+            self._gs.set(f"chunk/{index}/{self.rank}", f"{name}:{size}")
             peers = []
             for pe in range(self.world_size):
                 if pe == self.rank:
@@ -373,7 +420,8 @@ class Communicator:
                 if self._remote[pe]:
                     peers.append(None)
                     continue
-                peer_name, peer_size = self._store_get(f"chunk/{index}/{pe}").rsplit(":", 1)
+                peer_name, peer_size = self._gs.get_str(f"chunk/{index}/{pe}",
+                                                        f"PE {pe}'s heap chunk {index}").rsplit(":", 1)
                 if int(peer_size) != size:
                     raise CommError(f"alloc: PE {pe} created heap chunk {index} with {peer_size} bytes, "
                                     f"this PE with {size}: collective calls were made in a different order")
@@ -863,7 +911,11 @@ class Communicator:
 
         Raises ``PeerFailure`` if a PE died or closed before arriving, and
         ``TimeoutError`` after ``timeout`` s; this PE's arrival stays counted,
-        so calling ``barrier`` again retries the same round.
+        so calling ``barrier`` again retries the same round. A PE that
+        completed a round and then closes never fails a peer still finishing
+        that round: each PE records the last round it completed in its control
+        block (and its goodbye carries it across hosts), and the waits of a
+        round skip PEs that left after completing it.
         """
         self._check_open("barrier")
         t = self._timeout("barrier", timeout)
@@ -880,21 +932,28 @@ class Communicator:
             k = self._epoch
             if _C.signal_update(ctrl0 + _C.BARRIER_ARRIVE_OFFSET, 1, 1, ctrl0) == k * self.world_size - 1:
                 _C.signal_update(gen, k, 0, ctrl0)  # last to arrive: release everyone
+                self._barrier_done(k)
                 return
         else:
             k = self._barrier_pending  # a retry after a timeout: already arrived
         self._barrier_pending = k
-        self._ctrl_wait(gen, ctrl0, "barrier: waiting for barrier #")(k, t)
+        self._ctrl_wait(gen, ctrl0, "barrier: waiting for barrier #", _C.DEP_BARRIER)(k, t)
         self._barrier_pending = None
+        self._barrier_done(k)
 
-    def _ctrl_wait(self, addr: int, owner: int, what: str):
-        """The barrier's wait handle (``>=``, every PE may satisfy it) for control word ``addr`` of PE
-        ``owner``'s control block; ``what`` prefixes its errors, completed by the awaited value."""
+    def _barrier_done(self, k: int) -> None:
+        """Record round ``k`` as completed by this PE (read by peers that outlive it, see ``barrier``)."""
+        _C.signal_update(self._ctrl_local + _C.BARRIER_DONE_OFFSET, k, 0, self._ctrl_local)
+
+    def _ctrl_wait(self, addr: int, owner: int, what: str, dep: int):
+        """The barrier's wait handle (``>=``) for control word ``addr`` of PE ``owner``'s control block; ``what``
+        prefixes its errors, completed by the awaited value. ``dep``: ``DEP_BARRIER`` for a wait whose value is
+        the round (a PE that closed after completing it is not a failure), ``DEP_ALL`` otherwise."""
         waits = self.__dict__.setdefault("_ctrl_waits", {})
         h = waits.get(addr)
         if h is None:
             h = waits[addr] = _C.make_wait("barrier", self._ghandle, addr, _CMPS[">="], owner, self.timeout,
-                                           _C.DEP_ALL, None, what, (self._group,))
+                                           dep, None, what, (self._group,))
         return h
 
     def _barrier_net(self, t: float) -> None:
@@ -920,8 +979,8 @@ class Communicator:
         self._barrier_pending = k
         if self.rank == 0:
             if self._barrier_released < k:
-                self._ctrl_wait(ctrl + arrive_off, ctrl, "barrier: waiting for every PE to arrive, count >= ")(
-                    k * self.world_size, t)
+                self._ctrl_wait(ctrl + arrive_off, ctrl, "barrier: waiting for every PE to arrive, count >= ",
+                                _C.DEP_ALL)(k * self.world_size, t)
                 for pe in range(1, self.world_size):
                     if self._remote[pe]:
                         self._net.signal(pe, 0, gen_off, k, 0, False, t)
@@ -929,8 +988,9 @@ class Communicator:
                         _C.signal_update(self._ctrl[pe] + gen_off, k, 0, self._ctrl[pe])
                 self._barrier_released = k
         else:
-            self._ctrl_wait(ctrl + gen_off, ctrl, "barrier: waiting for barrier #")(k, t)
+            self._ctrl_wait(ctrl + gen_off, ctrl, "barrier: waiting for barrier #", _C.DEP_BARRIER)(k, t)
         self._barrier_pending = None
+        self._barrier_done(k)
 
     # ------------------------------------------------------------ across hosts
     def _region_of(self, fn: str, t: torch.Tensor, addr: int, nbytes: int) -> "tuple[int, int]":
@@ -992,6 +1052,13 @@ class Communicator:
         return "alive" if bad is None else ("closed" if bad[1].startswith("closed") else "died")
 
 
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _host_id() -> str:
     """This host's identity: ``$ASAP_HOST_ID`` if set, else the hostname (as on real clusters)."""
     v = os.environ.get("ASAP_HOST_ID")
@@ -1048,7 +1115,8 @@ def _env_int(name: str, fn: str) -> int:
 
 def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_addr: "str | None" = None,
          master_port: "int | None" = None, backend: "str | None" = None, timeout: float = 30.0, store=None,
-         heap_chunk_bytes: "int | None" = None, shm_prefix: "str | None" = None) -> Communicator:
+         heap_chunk_bytes: "int | None" = None, shm_prefix: "str | None" = None,
+         group_secret: "str | None" = None) -> Communicator:
     """Join (collectively) a group of ``world_size`` PEs, on one host or several.
 
     ``rank``/``world_size``/``master_addr``/``master_port`` default to
@@ -1065,6 +1133,12 @@ def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_a
     ``heap_chunk_bytes``: symmetric heap growth step (default 64 MiB, env
     ``ASAP_HEAP_CHUNK_BYTES``); segments are sparse, so untouched bytes cost
     nothing. Returns a :class:`Communicator` (also a context manager).
+    ``group_secret``: the secret that admits a PE to the group (default ``$ASAP_GROUP_SECRET``; every PE of a
+    group that spans hosts needs the same one; on one host without it, rank 0 generates one and hands it to
+    the others through a file only this user can read). Everything a PE reads from the store is authenticated
+    with it, and across hosts every peer proves it holds it before anything it sends is applied
+    (``asap_comm.rendezvous``). A store that rank 0 hosts listens on ``master_addr`` only (127.0.0.1 for a
+    group on one host), not on every interface.
     """
     if backend is None:
         backend = os.environ.get("ASAP_BACKEND") or "auto"
@@ -1106,10 +1180,12 @@ def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_a
 
         is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         try:
-            store = TCPStore(addr, port, world_size if is_master else None, is_master,
-                             timedelta(seconds=t), wait_for_workers=False)
+            if is_master:  # listens on master_addr only, not on every interface
+                store = bound_store(addr, port, world_size, t)
+            else:
+                store = TCPStore(addr, port, None, False, timedelta(seconds=t))
         except Exception as e:
-            if is_master and port != 0 and "in use" in str(e).lower():
+            if is_master and port != 0 and ("in use" in str(e).lower() or getattr(e, "errno", None) == 98):
                 with _registry_lock:
                     mine = [c for c in _registry.values() if not c.closed and c._hosted == (addr, port)]
                 if mine:
@@ -1121,12 +1197,12 @@ def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_a
             raise CommError(f"init: cannot {'host' if is_master else 'reach'} the TCPStore at "
                             f"{addr}:{port}: {e}") from None
         comm = Communicator(rank, world_size, store, timeout=t, heap_chunk_bytes=heap_chunk_bytes,
-                            shm_prefix=shm_prefix, backend=backend)
+                            shm_prefix=shm_prefix, backend=backend, group_secret=group_secret)
         if is_master:
             comm._hosted = (addr, port)
         return comm
     return Communicator(rank, world_size, store, timeout=t, heap_chunk_bytes=heap_chunk_bytes,
-                        shm_prefix=shm_prefix, backend=backend)
+                        shm_prefix=shm_prefix, backend=backend, group_secret=group_secret)
 
 
 def _by_id(comm_id: int) -> Communicator:

@@ -34,7 +34,7 @@ def _report_unguarded() -> None:
     raise RuntimeError(f"asap_comm.launch: {_UNGUARDED}")
 
 
-def _child(fn, rank, world_size, port, args, conn, shm_prefix, comm_timeout):
+def _child(fn, rank, world_size, port, args, conn, shm_prefix, comm_timeout, secret):
     # Runs in a spawned process.
     from torch.distributed import TCPStore
 
@@ -42,7 +42,8 @@ def _child(fn, rank, world_size, port, args, conn, shm_prefix, comm_timeout):
 
     try:
         store = TCPStore("127.0.0.1", port, None, False, __import__("datetime").timedelta(seconds=comm_timeout))
-        with init(rank, world_size, store=store, timeout=comm_timeout, shm_prefix=shm_prefix) as comm:
+        with init(rank, world_size, store=store, timeout=comm_timeout, shm_prefix=shm_prefix,
+                  group_secret=secret) as comm:
             result = fn(comm, *args)
         # Plain pickle, by value: multiprocessing's pickler would share tensor
         # storage through file descriptors that die with this process.
@@ -90,7 +91,8 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
     importable module or a script file (not ``python -`` or a notebook cell),
     and guard the script's top level with ``if __name__ == "__main__":``.
     Return values travel back pickled by value. The store is
-    hosted by this process on a free 127.0.0.1 port. If any rank raises or
+    hosted by this process on a free port of 127.0.0.1 (listening there only), and a fresh group secret
+    (``asap_comm.rendezvous``) reaches each child through its spawn arguments, never the environment. If any rank raises or
     dies, the others are stopped and :class:`asap_comm.LaunchError` is raised
     with that rank's traceback (the root cause is preferred over the
     ``PeerFailure`` it caused elsewhere). If the ranks are not done within
@@ -116,11 +118,10 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
     if leader is not None and (isinstance(leader, bool) or not isinstance(leader, int)
                                or not 0 <= leader < world_size):
         raise ValueError(f"launch: leader={leader!r} must be None or a rank in [0, {world_size})")
-    from datetime import timedelta
+    from .rendezvous import loopback_store, new_secret
 
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, world_size, True, timedelta(seconds=comm_timeout), wait_for_workers=False)
+    store = loopback_store(comm_timeout, world_size)
+    secret = new_secret()
     prefix = f"asap-{secrets.token_hex(6)}-"
     ctx = mp.get_context("spawn")
     procs, conns = [], []
@@ -132,7 +133,8 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
         for rank in range(world_size):
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"asap-pe{rank}",
-                            args=(fn, rank, world_size, store.port, args, w, prefix, comm_timeout), daemon=True)
+                            args=(fn, rank, world_size, store.port, args, w, prefix, comm_timeout, secret),
+                            daemon=True)
             p.start()
             w.close()
             procs.append(p)

@@ -206,9 +206,9 @@ def gloo_suite(plan: BatchPlan, sizes: tuple, bw_bytes: int, bw_iters: int, bw_w
     size and ``bandwidth`` (ns per ``bw_bytes`` send + ack, ``bad``, and
     whether both ranks ended with the same bytes in ``same_digest``).
     """
-    import torch.distributed as dist
+    from asap_comm.rendezvous import loopback_store
 
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=timeout), wait_for_workers=False)
+    store = loopback_store(timeout, 2)
     args = (store.port, plan, sizes, bw_bytes, bw_iters, bw_warmup, timeout)
     r0, r1 = run_processes(_gloo_worker, [(0, *args), (1, *args)], timeout, "gloo")
     del store

@@ -329,15 +329,15 @@ def _gloo_init(comm):
     store = None
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # PE 0's address (across hosts: its host's)
     if comm.rank == 0:
-        store = dist.TCPStore(host, 0, WORLD, True, timedelta(seconds=GLOO_TIMEOUT_S), wait_for_workers=False)
+        store = asap_comm.rendezvous.bound_store(host, 0, WORLD, GLOO_TIMEOUT_S)  # listens on `host` only
         port[0] = store.port
     comm.barrier(timeout=WAIT_TIMEOUT_S)
     if comm.rank != 0:
         local = torch.zeros(1, dtype=torch.int64)
         comm.get(local, port, 0)
         store = dist.TCPStore(host, int(local[0]), WORLD, False, timedelta(seconds=GLOO_TIMEOUT_S))
-    dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=WORLD,
-                            timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+    asap_comm.rendezvous.gloo_group(store, comm.secret_token("bench-moe-gloo"), comm.rank, WORLD, GLOO_TIMEOUT_S,
+                                    loopback=comm.backend == "shm")
     return store
 
 

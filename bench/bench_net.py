@@ -65,8 +65,9 @@ def _gloo_pingpong(comm, iters: int) -> dict:
     """8-byte gloo send/recv ping-pong between PE 0 and PE 1 (one-way ns per sample of 100 round trips)."""
     import torch.distributed as dist
 
-    store = dist.PrefixStore("bench-net-gloo", comm._store)
-    dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=2, timeout=timedelta(seconds=60))
+    from asap_comm.rendezvous import gloo_group
+
+    gloo_group(comm._store, comm.secret_token("bench-net-gloo"), comm.rank, 2, 60.0, loopback=comm.backend == "shm")
     try:
         buf = torch.zeros(1, dtype=torch.int64)
         samples, bad = [], 0

@@ -76,6 +76,10 @@ struct alignas(64) Ctrl {
   // Central barrier (used on PE 0 only): cumulative arrivals and generation.
   alignas(64) uint64_t barrier_arrive;
   alignas(64) uint64_t barrier_gen;
+  // The last barrier round this PE completed (every PE, atomic access only):
+  // a PE that closes after completing round k is not missing from round k,
+  // so peers still finishing it do not fail (kDepBarrier).
+  alignas(64) uint64_t barrier_done;
 };
 static_assert(sizeof(Ctrl) <= 4096, "control block must fit in one page");
 
@@ -93,6 +97,10 @@ constexpr int kDepSet = -3;     // the PEs of a mask may satisfy it: fails only
 constexpr int kDepOthers = -4;  // any other PE may satisfy it (a mailbox
                                 // recv): fails only when every other PE has
                                 // died or closed
+constexpr int kDepBarrier = -5; // barrier round `round` (the awaited value):
+                                // as kDepAll, except that a PE which closed
+                                // (or, on this host, died) after completing
+                                // that round is not a failure
 // dep >= 0: that one PE must act: fails if it died or closed.
 
 enum WaitStatus : int { kWaitOk = 0, kWaitTimeout = 1, kWaitPeer = 2, kWaitInterrupted = 3, kWaitAbandoned = 4 };
@@ -142,13 +150,16 @@ class Group {
   void set_remote(int pe);
   bool is_remote(int pe) const { return remote_[pe] != 0; }
   void set_remote_state(int pe, uint32_t state);  // kStateClosed, or kStateDead
+  // The last barrier round remote PE `pe` completed, as its goodbye said (before set_remote_state).
+  void set_remote_done(int pe, uint64_t round) { rdone_[pe].store(round, std::memory_order_release); }
   uint32_t remote_state(int pe) const { return rstate_[pe].load(std::memory_order_acquire); }
   void set_net(NetIface* net) { net_ = net; }
   NetIface* net() const { return net_; }
   // Returns -1 if the wait may go on, else the PE whose death or close makes
   // it hopeless; *why says what happened. `mask` (world_size bytes) is read
   // for dep == kDepSet only.
-  int check(int dep, const char** why, const uint8_t* mask = nullptr) const;
+  // `round`: the barrier round of a kDepBarrier wait.
+  int check(int dep, const char** why, const uint8_t* mask = nullptr, uint64_t round = 0) const;
   // True once `pe` died or closed.
   bool gone(int pe) const;
   bool is_dead(int pe) const;
@@ -165,6 +176,8 @@ class Group {
   int rank_, world_;
   std::vector<uint8_t> remote_;
   std::unique_ptr<std::atomic<uint32_t>[]> rstate_;
+  std::unique_ptr<std::atomic<uint64_t>[]> rdone_;
+  bool completed_round(int pe, uint64_t round) const;
   NetIface* net_ = nullptr;
   std::vector<Ctrl*> ctrl_;
   std::vector<int> pid_;

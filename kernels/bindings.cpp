@@ -234,11 +234,13 @@ PYBIND11_MODULE(_C, m) {
   m.attr("CTRL_COLL_SLOT_BYTES") = py::int_(512);
   m.attr("BARRIER_ARRIVE_OFFSET") = py::int_(offsetof(Ctrl, barrier_arrive));
   m.attr("BARRIER_GEN_OFFSET") = py::int_(offsetof(Ctrl, barrier_gen));
+  m.attr("BARRIER_DONE_OFFSET") = py::int_(offsetof(Ctrl, barrier_done));
   m.attr("STATE_CLOSED") = py::int_(static_cast<int>(kStateClosed));
   m.attr("DEP_ANY") = py::int_(kDepAny);
   m.attr("DEP_ALL") = py::int_(kDepAll);
   m.attr("DEP_SET") = py::int_(kDepSet);
   m.attr("DEP_OTHERS") = py::int_(kDepOthers);
+  m.attr("DEP_BARRIER") = py::int_(kDepBarrier);
   m.attr("MAILBOX_MAX_PES") = py::int_(kMailboxMaxPes);
 
   m.def("fence", [] { std::atomic_thread_fence(std::memory_order_seq_cst); },

@@ -783,7 +783,8 @@ PyObject* make_put_signal(PyObject*, PyObject* const* a, Py_ssize_t n) {
 
 // make_wait(fn, group, addr, cmp, owner, timeout, dep, mask, what, keep) -> PreparedWait
 //   The one builder of a signal wait: the word at `addr` (checked against the live mappings) compared with
-//   `cmp` (0..5: == != > >= < <=); `timeout` when a call gives none; dep DEP_ANY/DEP_ALL, or DEP_SET with
+//   `cmp` (0..5: == != > >= < <=); `timeout` when a call gives none; dep DEP_ANY/DEP_ALL/DEP_BARRIER (the
+//   awaited value is the barrier round), or DEP_SET with
 //   `mask` (bytes, one per PE); `what` prefixes error texts (the awaited value is appended).
 PyObject* make_wait(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (n != 10 || !PyUnicode_Check(a[0]) || !PyUnicode_Check(a[8]) || (a[7] != Py_None && !PyBytes_Check(a[7]))) {
@@ -801,7 +802,7 @@ PyObject* make_wait(PyObject*, PyObject* const* a, Py_ssize_t n) {
   const long dep = PyLong_AsLong(a[6]);
   double timeout;
   if (PyErr_Occurred() || !parse_timeout(fn, a[5], 0.0, &timeout)) return nullptr;
-  if (cmp < 0 || cmp > 5 || (dep != kDepAny && dep != kDepAll && dep != kDepSet) ||
+  if (cmp < 0 || cmp > 5 || (dep != kDepAny && dep != kDepAll && dep != kDepSet && dep != kDepBarrier) ||
       ((dep == kDepSet) != (a[7] != Py_None)) ||
       (a[7] != Py_None && PyBytes_GET_SIZE(a[7]) != g->world_size())) {
     PyErr_Format(PyExc_ValueError, "%s: cmp=%ld, dep=%ld or the PE mask out of range", fn, cmp, dep);

@@ -23,6 +23,14 @@
 //   progress thread sleeps on the worker's event file descriptor and wakes
 //   only when something arrives (or every 100 ms for heart-beats), so an idle
 //   PE burns no core.
+// * Who may talk: every message travels with UCP_AM_SEND_FLAG_REPLY, so the
+//   receiver learns the endpoint it came through. A message is applied only
+//   if that endpoint is the one this PE opened to the sender the header
+//   names, and that endpoint passed the group's challenge-response at set-up
+//   (each PE challenges each remote peer with 32 random bytes; the answer is
+//   an HMAC with the group secret, computed and checked in Python: see
+//   Communicator._net_handshake). Anything else is dropped and counted
+//   (`unauthenticated`). The cost per message is one table lookup.
 // * Liveness: a PE that closes says so (CLOSE); a broken connection (the
 //   process died: the kernel resets its sockets) or a silence longer than the
 //   peer timeout (the host or link disappeared) marks the PE dead, and every
@@ -149,7 +157,10 @@ enum Kind : uint32_t {
   kHeartbeat = 8,
   kClose = 9,
   kReply = 10,
+  kHello = 11,     // set-up: a challenge (32 random bytes) for the receiver to answer
+  kHelloAck = 12,  // set-up: the answer (a 32-byte HMAC computed in Python with the group secret)
 };
+constexpr size_t kHandshakeBytes = 32;
 enum ReplyStatus : int32_t { kReplyOk = 0, kReplyFull = 1, kReplyBad = 2 };
 
 struct Hdr {
@@ -290,6 +301,38 @@ class NetEngine final : public NetIface {
     if (thread_.joinable()) return;
     stop_ = false;
     thread_ = std::thread([this] { progress_loop(); });
+  }
+
+  // ---------------------------------------------------------------- authentication (set-up, before start)
+  // Sends PE `pe` a handshake message (a challenge or an answer: 32 bytes).
+  void handshake_send(int pe, bool answer, const std::string& payload) {
+    if (payload.size() != kHandshakeBytes)
+      throw std::invalid_argument("net: handshake: the payload must be " + std::to_string(kHandshakeBytes) + " bytes");
+    Hdr h = make(answer ? kHelloAck : kHello, pe);
+    h.nbytes = payload.size();
+    send_blocking(pe, h, payload.data(), payload.size(), answer ? "handshake answer" : "handshake challenge");
+  }
+
+  // The handshake messages received since the last call: [(pe, "challenge"|"answer", payload)].
+  py::list take_handshakes() {
+    std::vector<Handshake> got;
+    {
+      std::lock_guard<std::mutex> g(hs_mu_);
+      got.swap(handshakes_);
+    }
+    py::list out;
+    for (const auto& x : got)
+      out.append(py::make_tuple(x.pe, x.kind == kHello ? "challenge" : "answer", py::bytes(x.payload)));
+    return out;
+  }
+
+  // PE `pe` answered this PE's challenge correctly: from now on its messages are applied.
+  void authenticate(int pe) {
+    check_pe("authenticate", pe);
+    std::lock_guard<std::mutex> g(mu_);
+    if (eps_[pe] == nullptr) throw std::invalid_argument("net: authenticate: PE " + std::to_string(pe) + " is not connected");
+    last_rx_[pe] = Clock::now();  // its silence is counted from here
+    authed_[pe] = 1;
   }
 
   void add_region(uint32_t index, uintptr_t base, size_t size) {
@@ -455,6 +498,7 @@ class NetEngine final : public NetIface {
     py::dict d;
     d["disorder"] = disorder_;
     d["bad_messages"] = bad_;
+    d["unauthenticated"] = unauth_;
     d["received"] = received_;
     d["sent"] = sent_;
     d["heartbeats_sent"] = hb_sent_;
@@ -480,6 +524,7 @@ class NetEngine final : public NetIface {
         if (p == nullptr) continue;
         Hdr h = header(kClose);
         h.token = token;
+        h.value = std::atomic_ref<uint64_t>(own_->barrier_done).load(std::memory_order_acquire);  // rounds done
         void* req = send_nb(pe, h, nullptr, 0);
         if (req != nullptr && req != reinterpret_cast<void*>(-1)) ucx.ucp_request_free(req);
         byes.push_back(p);
@@ -577,7 +622,7 @@ class NetEngine final : public NetIface {
     h.seq = tx_seq_[pe]++;
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_AM_SEND_FLAG_COPY_HEADER;
+    rp.flags = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY;  // the receiver checks the endpoint
     void* req = ucx.ucp_am_send_nbx(eps_[pe], kAmId, &h, sizeof h, data, n, &rp);
     last_tx_[pe] = Clock::now();
     ++sent_;
@@ -817,7 +862,8 @@ class NetEngine final : public NetIface {
     Hdr h;
     std::memcpy(&h, header, sizeof h);
     const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-    return self->handle(h, data, length, rndv);
+    const ucp_ep_h via = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
+    return self->handle(h, data, length, rndv, via);
   }
 
   static void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
@@ -849,19 +895,38 @@ class NetEngine final : public NetIface {
     deferred_.push_back(d);
   }
 
-  ucs_status_t handle(Hdr& h, void* data, size_t length, bool rndv) {
+  ucs_status_t handle(Hdr& h, void* data, size_t length, bool rndv, ucp_ep_h via) {
     ++received_;
     const int src = static_cast<int>(h.src);
-    if (src < 0 || src >= world_ || eps_[src] == nullptr) {
-      ++bad_;
+    // The endpoint must be the one opened to the PE the header names: a message from any other endpoint
+    // (a process outside the group, or a member claiming another's rank) is dropped unread.
+    if (src < 0 || src >= world_ || eps_[src] == nullptr || via != eps_[src]) {
+      ++unauth_;
+      last_error_ = "dropped a message from an endpoint that is not the named sender's";
+      return UCS_OK;
+    }
+    if (h.seq != rx_seq_[src]) ++disorder_;  // the named sender's own endpoint: its sequence counts
+    rx_seq_[src] = h.seq + 1;
+    if (h.kind == kHello || h.kind == kHelloAck) {
+      if (rndv || length != kHandshakeBytes) {
+        ++unauth_;
+        return UCS_OK;
+      }
+      std::lock_guard<std::mutex> g(hs_mu_);
+      if (handshakes_.size() < 4 * static_cast<size_t>(world_))
+        handshakes_.push_back({src, h.kind, std::string(static_cast<const char*>(data), length)});
+      return UCS_OK;
+    }
+    if (!authed_[src]) {  // the peer has not answered this PE's challenge (yet): nothing of it is applied
+      ++unauth_;
+      last_error_ = "dropped a message from PE " + std::to_string(src) + " before it authenticated";
       return UCS_OK;
     }
     last_rx_[src] = Clock::now();
-    if (h.seq != rx_seq_[src]) ++disorder_;
-    rx_seq_[src] = h.seq + 1;
     switch (h.kind) {
       case kHeartbeat: return UCS_OK;
       case kClose:
+        group_->set_remote_done(src, h.value);  // before the state: a waiter that sees "closed" sees this too
         mark(src, kStateClosed);
         reply(src, h, kReplyOk, 0, nullptr, 0);
         return UCS_OK;
@@ -1025,7 +1090,7 @@ class NetEngine final : public NetIface {
   void tick() {
     const auto now = Clock::now();
     for (int pe = 0; pe < world_; ++pe) {
-      if (eps_[pe] == nullptr || group_->remote_state(pe) != kStateAlive) continue;
+      if (eps_[pe] == nullptr || !authed_[pe] || group_->remote_state(pe) != kStateAlive) continue;
       if (now - last_rx_[pe] > std::chrono::nanoseconds(peer_timeout_ns_)) {
         last_error_ = "PE " + std::to_string(pe) + " silent for longer than the peer timeout";
         mark(pe, kStateDead);
@@ -1137,7 +1202,15 @@ class NetEngine final : public NetIface {
   Clock::time_point last_tick_ = Clock::now();
   uint64_t parks_ = 0;
   bool debug_ = std::getenv("ASAP_NET_DEBUG") != nullptr;
-  uint64_t disorder_ = 0, bad_ = 0, received_ = 0, sent_ = 0, hb_sent_ = 0, wakeups_ = 0;
+  uint64_t disorder_ = 0, bad_ = 0, received_ = 0, sent_ = 0, hb_sent_ = 0, wakeups_ = 0, unauth_ = 0;
+  std::vector<uint8_t> authed_ = std::vector<uint8_t>(world_, 0);  // the peer answered this PE's challenge
+  struct Handshake {
+    int pe;
+    uint32_t kind;
+    std::string payload;
+  };
+  std::mutex hs_mu_;
+  std::vector<Handshake> handshakes_;  // received, for Python to answer or check
   std::string last_error_;
 };
 
@@ -1157,6 +1230,9 @@ void bind_net(py::module& m) {
       .def("address", &NetEngine::address)
       .def("connect", &NetEngine::connect, py::arg("pe"), py::arg("address"))
       .def("start", &NetEngine::start)
+      .def("handshake_send", &NetEngine::handshake_send, py::arg("pe"), py::arg("answer"), py::arg("payload"))
+      .def("take_handshakes", &NetEngine::take_handshakes)
+      .def("authenticate", &NetEngine::authenticate, py::arg("pe"))
       .def("add_region",
            [](NetEngine& e, uint32_t index, const Mapping& mp) { e.add_region(index, mp.addr(), mp.size()); },
            py::arg("index"), py::arg("mapping"), "Region `index` (1 + heap chunk) is this mapping.")

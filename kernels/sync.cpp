@@ -106,10 +106,14 @@ Group::Group(int rank, int world_size)
       world_(world_size),
       remote_(world_size, 0),
       rstate_(new std::atomic<uint32_t>[world_size]),
+      rdone_(new std::atomic<uint64_t>[world_size]),
       ctrl_(world_size, nullptr),
       pid_(world_size, 0),
       pidfd_(world_size, -1) {
-  for (int i = 0; i < world_size; ++i) rstate_[i].store(kStateAlive, std::memory_order_relaxed);
+  for (int i = 0; i < world_size; ++i) {
+    rstate_[i].store(kStateAlive, std::memory_order_relaxed);
+    rdone_[i].store(0, std::memory_order_relaxed);
+  }
   std::lock_guard<std::mutex> g(g_groups_mu);
   g_groups.push_back(this);
 }
@@ -168,7 +172,12 @@ bool Group::gone(int pe) const {
   return closed_state(pe) || is_dead(pe);
 }
 
-int Group::check(int dep, const char** why, const uint8_t* mask) const {
+bool Group::completed_round(int pe, uint64_t round) const {
+  if (remote_[pe]) return rdone_[pe].load(std::memory_order_acquire) >= round;  // only a goodbye tells
+  return ctrl_[pe] != nullptr && A(ctrl_[pe]->barrier_done).load(std::memory_order_acquire) >= round;
+}
+
+int Group::check(int dep, const char** why, const uint8_t* mask, uint64_t round) const {
   auto closed = [&](int pe) { return closed_state(pe); };
   if (dep >= 0) {
     if (dep == rank_) return -1;
@@ -204,10 +213,15 @@ int Group::check(int dep, const char** why, const uint8_t* mask) const {
     if (closed(pe)) {
       ++gone;
       if (first_closed < 0) first_closed = pe;
-      if (dep == kDepAll) { *why = "closed"; return pe; }
+      if (dep == kDepBarrier && completed_round(pe, round)) continue;  // it left after this round
+      if (dep == kDepAll || dep == kDepBarrier) { *why = "closed"; return pe; }
       continue;
     }
-    if (is_dead(pe)) { *why = "died"; return pe; }
+    if (is_dead(pe)) {
+      if (dep == kDepBarrier && !remote_[pe] && completed_round(pe, round)) continue;
+      *why = "died";
+      return pe;
+    }
   }
   if (dep == kDepAny && world_ > 1 && gone == world_ - 1) {
     *why = "closed (every other PE has closed)";
@@ -286,7 +300,7 @@ WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner
   for (;;) {
     int64_t left = timeout_ns - elapsed_ns();
     const char* why = nullptr;
-    int bad = group != nullptr ? group->check(dep, &why, mask) : -1;
+    int bad = group != nullptr ? group->check(dep, &why, mask, value) : -1;
     v = A(*w).load(std::memory_order_acquire);
     if (cmp_ok(v, cmp, value)) return {kWaitOk, v, -1, nullptr};
     if (hook != nullptr) {

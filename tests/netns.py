@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import shutil
 import signal
 import subprocess
@@ -233,6 +234,7 @@ def run_across_hosts(hosts: Hosts, layout: "list[int]", fn, *args, timeout: floa
     where = os.path.dirname(os.path.abspath(mod.__file__))
     base["PYTHONPATH"] = os.pathsep.join(p for p in (where, base.get("PYTHONPATH", "")) if p)
     base["ASAP_TEST_DUMP_AFTER"] = str(max(1.0, timeout - 8))  # a hung PE prints its stacks before the kill
+    base = with_secret(base)
     if launcher == "torchrun":
         procs = torchrun(hosts, layout, [_WORKER, target, out], env=base, port=port)
     elif launcher == "python":
@@ -294,11 +296,22 @@ def run_across_hosts(hosts: Hosts, layout: "list[int]", fn, *args, timeout: floa
         shutil.rmtree(out, ignore_errors=True)
 
 
+def with_secret(env: "dict | None") -> dict:
+    """``env`` (default: this process's) with a fresh ``ASAP_GROUP_SECRET`` unless it names one: a group across
+    hosts needs one, as a user exports it on every host. ``{"ASAP_GROUP_SECRET": None}`` removes it."""
+    env = dict(os.environ if env is None else env)
+    if "ASAP_GROUP_SECRET" not in env:
+        env["ASAP_GROUP_SECRET"] = secrets.token_hex(32)
+    return {k: v for k, v in env.items() if v is not None}
+
+
 def torchrun(hosts: Hosts, layout: "list[int]", argv: "list[str]", env: "dict | None" = None,
              port: "int | None" = None) -> "list[subprocess.Popen]":
     """Start ``torchrun --nnodes N --nproc-per-node layout[i] --node-rank i ... argv`` on every host ``i``
-    (static rendezvous on host 0's address); returns the torchrun processes (stdout+stderr piped, text)."""
+    (static rendezvous on host 0's address), all with one group secret (:func:`with_secret`); returns the
+    torchrun processes (stdout+stderr piped, text)."""
     port = free_port() if port is None else port
+    env = with_secret(env)
     return [hosts[h].popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(layout)}",
                             f"--nproc-per-node={n}", f"--node-rank={h}", f"--master-addr={hosts[0].addr}",
                             f"--master-port={port}", *argv],

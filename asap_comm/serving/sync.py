@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import ExpertBatch, apply_experts, expert_placement
+from ..rendezvous import gloo_group, loopback_store
 from .frontend import ChunkTaker, DeathWatch, Replay, finish_chunks, layer_loop, run_group, run_to_end
 from .policies import MicroBatcher
 from .protocol import Channels, ModelInfo, PromptRequest, RunResult, RuntimeConfig, open_channels
@@ -447,8 +448,8 @@ def _worker_main(comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, store
         store = store_port
     else:
         store = dist.TCPStore("127.0.0.1", store_port, None, False, timedelta(seconds=cfg.timeout_s))
-    dist.init_process_group("gloo", store=dist.PrefixStore("asap-sync", store), rank=comm.rank, world_size=W,
-                            timeout=timedelta(seconds=cfg.timeout_s))
+    # keys under a prefix only the group can name; on one host gloo listens on loopback only
+    gloo_group(store, comm.secret_token("sync-gloo"), comm.rank, W, cfg.timeout_s, loopback=comm.backend == "shm")
     try:
         return worker.run(ch)
     finally:
@@ -500,7 +501,7 @@ def run_sync(model_factory: Callable[[str, list], Any], info: ModelInfo, request
     fd, report = tempfile.mkstemp(prefix="asap-sync-", suffix=".pkl")
     os.close(fd)
     # The workers' gloo group rendezvous through a store this process hosts on a free port.
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
+    store = loopback_store(cfg.timeout_s)
     try:
         return run_group(group_main, W + 1, (cfg, info, model_factory, store.port, Replay(list(requests), report)),
                          requests, report, cfg.timeout_s, RunResult, "sync")

@@ -166,9 +166,10 @@ def _comm_pe(comm, hidden: int, num_experts: int, top_k: int, row_counts, reps: 
     from asap_comm.moe import AttentionEnd, ExpertEnd, MoEPlan, apply_experts, join_as_bystander
 
     torch.set_num_threads(1)
+    from asap_comm.rendezvous import gloo_group
+
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore("asap-calib", store), rank=comm.rank,
-                            world_size=comm.world_size, timeout=timedelta(seconds=60))
+    gloo_group(store, comm.secret_token("calib-gloo"), comm.rank, comm.world_size, 60.0, loopback=True)
     result: dict = {}
     try:
         pair = dist.new_group([0, 1])
@@ -242,7 +243,7 @@ def _time_comm(shapes: ModelShapes, quick: bool, progress: bool) -> dict:
     t = time.perf_counter()
     row_counts = (1, 64, 512) if quick else (1, 16, 64, 256, 1024)
     a2a_rows = (4, 256) if quick else (4, 64, 256, 1024)
-    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+    store = asap_comm.rendezvous.loopback_store(60.0)
     try:
         res = asap_comm.launch(_comm_pe, 4, shapes.hidden, shapes.num_experts, shapes.top_k, row_counts,
                                5 if quick else 40, store.port, a2a_rows, 3 if quick else 20,
