@@ -100,7 +100,7 @@ def test_bodies_are_bounded_before_they_are_read_whole(svc, reference):
     assert head.startswith(b"HTTP/1.1 413"), head
     # a body within the bound, larger than what is parsed on the loop, through the parse thread
     ids = _prompt(1500, 5)
-    r = _post(svc, json.dumps({"prompt": ids}, indent=4).encode())
+    r = _post(svc, json.dumps({"prompt": ids, "user": "x" * 100_000}, indent=4).encode())
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [reference(ids)[0]], r.text
     _no_traceback(svc)
 

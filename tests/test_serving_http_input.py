@@ -101,6 +101,18 @@ def test_completion_fields(body, status, param, words):
     assert len(e.message) < 400  # whatever the value's size
 
 
+def test_sizes_are_checked_before_contents_and_a_call_over_the_bound_is_413():
+    e = _err(parse_completion, {"prompt": [[1] * 40, [2] * 40]}, "tiny", INFO, CFG, None, 64)
+    assert (e.status, e.param) == (413, "prompt") and "80 prompt tokens in one call are more than the admission " \
+        "bound of 64 tokens" in e.message
+    e = _err(_parse, {"prompt": ["x"] * 10 ** 6})  # refused by its length, whatever its items
+    assert e.status == 400 and "a batch of 1000000 prompts" in e.message
+    e = _err(_parse, {"prompt": [None] * 10 ** 6})
+    assert e.status == 400 and "prompt of 1000000 tokens is longer than the maximum 64" in e.message
+    call = parse_completion({"prompt": [[1] * 32, [2] * 32]}, "tiny", INFO, CFG, None, 64)
+    assert call.num_tokens == 64
+
+
 def test_fields_that_do_not_change_the_answer_are_accepted():
     for extra in ({}, {"n": 1, "best_of": 1, "echo": False, "logprobs": None}, {"n": None, "best_of": None,
                   "echo": None, "max_tokens": None}, {"temperature": 0.7, "user": "x", "stop": ["\n"]}):
@@ -158,6 +170,46 @@ def test_api_key_is_a_bearer_token_compared_by_digest():
     assert api_key_matches("Bearer s3cret", key) and api_key_matches("bearer  s3cret ", key)
     for bad in (None, "", "s3cret", "Bearer", "Bearer s3cre", "Bearer s3cret2", "Basic s3cret", "Bearer \udcff"):
         assert not api_key_matches(bad, key), bad
+
+
+def test_the_parse_process_parses_refuses_survives_its_death_and_drops_what_was_left():
+    import asyncio
+
+    from asap_comm.serving.http_parse import ParseProcess
+
+    async def run():
+        released = []
+        pp = ParseProcess({"model_name": "tiny", "vocab_size": 128, "max_prompt_len": 64, "max_call_tokens": 100})
+        await pp.start()
+        try:
+            call = await pp.parse(json.dumps({"prompt": [[1, 2], [127]], "stream": True}).encode(),
+                                  lambda: released.append(1))
+            assert call.is_batch and call.stream and call.texts is None
+            assert [torch.frombuffer(bytearray(b), dtype=torch.int64).tolist() for b in call.ids] == [[1, 2], [127]]
+            for body, status, words in ((b"[" * 100_000, 400, "nests"), (b'{"prompt": [[1] * 70]}', 400, "JSON"),
+                                        (json.dumps({"prompt": [[1] * 60, [2] * 60]}).encode(), 413, "bound of 100"),
+                                        (json.dumps({"prompt": [1], "n": 3}).encode(), 400, "n: must be 1")):
+                with pytest.raises(HttpError) as e:
+                    await pp.parse(body, lambda: released.append(1))
+                assert e.value.status == status and words in e.value.message, e.value.message
+            pp.proc.kill()  # the child dies: that body gets a 503, the next one a fresh child
+            await pp.proc.wait()
+            with pytest.raises(HttpError) as e:
+                await pp.parse(b'{"prompt": [1]}', lambda: released.append(1))
+            assert e.value.status == 503 and pp.restarts == 1
+            assert (await pp.parse(b'{"prompt": [5]}', lambda: released.append(1))).ids is not None
+            # a caller that leaves: its body is dropped (and released) without an answer
+            task = asyncio.ensure_future(pp.parse(b'{"prompt": [5]}', lambda: released.append(1)))
+            await asyncio.sleep(0)
+            task.cancel()
+            ok = await pp.parse(b'{"prompt": [6]}', lambda: released.append(1))
+            assert torch.frombuffer(bytearray(ok.ids[0]), dtype=torch.int64).tolist() == [6]
+            assert len(released) == 9  # every body given back
+        finally:
+            await pp.close()
+        assert pp.proc.returncode is not None
+
+    asyncio.run(run())
 
 
 # ----------------------------------------------------------------------------- the waiting room

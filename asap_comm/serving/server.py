@@ -49,12 +49,14 @@ Behaviour (statuses of ``/v1/completions``):
   ``Content-Encoding``) 415; nothing reaches a worker. No client input
   gives a 500.
 * **Bodies are bounded** before they are read whole: ``--max-body-bytes``
-  (default 1 MiB + 16 bytes per token of ``--max-queued-tokens``); a larger
+  (default 1 MiB + 16 bytes per token of ``--max-queued-tokens``: 2 MiB
+  for the default bound); a larger
   ``Content-Length`` gets 413 before a byte is read, a chunked body 413 as
   soon as it passes the bound; a body not received within the request
   timeout gets 408. Bodies held at once, across requests, are bounded by
-  8x the bound (429 past it). Bodies over 64 KiB are parsed on a worker
-  thread (all of them with a tokenizer).
+  8x the bound (429 past it). Bodies over 64 KiB are parsed in a parse
+  process beside the front end (``http_parse``: JSON parsing holds the GIL,
+  and would stall this loop); text prompts are tokenized on a thread.
 * **Fairness** (``waiting_room``): a call whose prompt tokens exceed
   ``--max-queued-tokens`` gets 413 at once. Any other call is admitted when
   nobody waits and it fits beside the admitted tokens; otherwise it waits,
@@ -109,8 +111,9 @@ from ..errors import CommError, LaunchError, PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
 from .frontend import FrontEnd, Rejected
 from .heartbeat import Heartbeats
-from .http_input import (BodyBudget, ClientErrorFilter, HttpError, api_key_matches, check_headers, decode_body,
-                         default_max_body_bytes, parse_completion, read_body)
+from .http_input import (BodyBudget, ClientErrorFilter, HttpError, api_key_matches, check_headers, completion_of,
+                         default_max_body_bytes, read_body)
+from .http_parse import INLINE_BYTES, ParseProcess, parse_call
 from .protocol import BATCH_BUCKETS, RuntimeConfig
 from .waiting_room import MAX_WAITING_CALLS, Waiter, WaitingRoom
 
@@ -119,7 +122,6 @@ __all__ = ["ServiceOptions", "HttpFront", "service_main", "service_options", "bu
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 _BLOCK_S = 0.0005  # while requests are in flight: the longest the loop blocks in the result inbox at a time
 _IDLE_S = 0.02  # health check period while idle
-_INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this size are parsed on the loop (a thread hop costs more)
 _BODY_BUDGET_BODIES = 8  # request bodies held at once: at most this many times --max-body-bytes
 _OPEN_PATHS = ("/health", "/metrics")  # what --api-key leaves open
 # what each refused status counts as in asap_requests_total{outcome}
@@ -190,7 +192,9 @@ class _Service:
         self.deadlines: list = []  # heap of (deadline, request id)
         self.room = WaitingRoom(opts.waiting_bound, MAX_WAITING_CALLS)
         self.bodies = BodyBudget(_BODY_BUDGET_BODIES * opts.body_bound)
-        self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asap-parse")  # one parse at a time
+        self.parser = ParseProcess({"model_name": opts.model_name, "vocab_size": info.vocab_size,
+                                    "max_prompt_len": cfg.max_prompt_len, "max_call_tokens": opts.max_queued_tokens})
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asap-tokenize")  # not thread-safe
         self.key_digest = hashlib.sha256(opts.api_key.encode()).digest() if opts.api_key is not None else None
         self.beats = Heartbeats(ch.stats.table, range(comm.world_size - 1))
         self.stalled: set = set()  # PEs reported stalled (for the log's transitions)
@@ -500,27 +504,28 @@ class _Service:
             return HttpError(503, "the service is shutting down")
         return None
 
-    def _parse(self, body: bytes):
-        return parse_completion(decode_body(body), self.opts.model_name, self.info, self.cfg, self.tokenizer)
-
     async def _read_call(self, request, arrived: float):
-        """Read, decode and check the body (``http_input.Completion``). Large bodies (and all with a tokenizer,
-        which is not safe to call from two threads) are parsed on the one parse thread; a body holds its bytes
-        of the body budget until its parse is over."""
+        """Read, decode and check the body (``http_input.Completion``). Bodies over ``INLINE_BYTES`` are parsed
+        in the parse process (``http_parse``), so they never hold this loop; a body holds its bytes of the body
+        budget until its parse is over. Text goes through the tokenizer on its one thread."""
         held = [0]
         try:
             body = await read_body(request, self.opts.body_bound,
                                    self.opts.request_timeout_s - (time.monotonic() - arrived), self.bodies, held)
-            if len(body) <= _INLINE_PARSE_BYTES and self.tokenizer is None:
-                return self._parse(body)
-            loop, n = asyncio.get_running_loop(), held[0]
-            held[0] = 0  # given back by the parse thread's future, whenever it is done (a cancelled call too)
-            job = self.parser.submit(self._parse, body)
-            job.add_done_callback(lambda _job: _call_soon(loop, self.bodies.give, n))
+            if len(body) <= INLINE_BYTES:
+                call = parse_call(body, self.opts.model_name, self.info.vocab_size, self.cfg.max_prompt_len,
+                                  self.opts.max_queued_tokens)
+            else:
+                n = held[0]
+                held[0] = 0  # given back by the parse process's worker once it is done with the body
+                call = await self.parser.parse(body, lambda: self.bodies.give(n))
             del body
-            return await asyncio.wrap_future(job, loop=loop)
         finally:
             self.bodies.give(held[0])
+        if call.ids is None:  # text: through the tokenizer, off the loop
+            return await asyncio.get_running_loop().run_in_executor(
+                self.tokenizing, completion_of, call, self.info, self.cfg, self.tokenizer, self.opts.max_queued_tokens)
+        return completion_of(call, self.info, self.cfg, self.tokenizer, self.opts.max_queued_tokens)
 
     async def completions(self, request):
         from aiohttp import web
@@ -627,14 +632,6 @@ class _Service:
              "max_model_len": self.cfg.max_prompt_len, "vocab_size": self.info.vocab_size}]})
 
 
-def _call_soon(loop, fn, *args) -> None:
-    """``fn(*args)`` on ``loop`` from another thread, unless the loop is gone already (at shutdown)."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        pass
-
-
 class _WorkerCollector:
     """Prometheus collector of the workers' live statistics (``protocol.WorkerStats``) and heartbeat ages."""
 
@@ -710,6 +707,7 @@ class HttpFront:
             logger.addFilter(ClientErrorFilter())
         runner = web.AppRunner(svc.app(), handler_cancellation=True, access_log=None, auto_decompress=False,
                                logger=logger)
+        await svc.parser.start()
         await runner.setup()
         site = web.TCPSite(runner, self.opts.host, self.opts.port)
         await site.start()
@@ -724,7 +722,8 @@ class HttpFront:
             await svc.engine()
         finally:
             await runner.cleanup()
-            svc.parser.shutdown(wait=False, cancel_futures=True)
+            await svc.parser.close()
+            svc.tokenizing.shutdown(wait=False, cancel_futures=True)
         if svc.failure is None:
             svc.fe.stop(5.0)
         else:
