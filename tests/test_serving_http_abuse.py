@@ -206,6 +206,16 @@ def test_api_key_guards_the_api_and_leaves_health_and_metrics_open(svc):
     assert svc.client.get("/health").status_code == 200 and svc.client.get("/metrics").status_code == 200
     assert svc.api.get("/v1/models").status_code == 200
     assert svc.metric("asap_requests_total", outcome="unauthorized") >= 12
+    # the load-testing client carries the key
+    import asyncio
+
+    from asap_comm.serving.client import make_prompts, replay
+    from asap_comm.serving.traces import Request
+    trace = [Request(i, 0.01 * i, 8) for i in range(3)]
+    prompts = make_prompts(trace, 128, 0)
+    with_key = asyncio.run(replay(svc.url, trace, prompts, progress=False, api_key=KEY))
+    without = asyncio.run(replay(svc.url, trace, prompts, progress=False))
+    assert [r["status"] for r in with_key] == [200] * 3 and [r["status"] for r in without] == [401] * 3
 
 
 def test_fields_that_would_change_the_answer_are_refused(svc):

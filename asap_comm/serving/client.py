@@ -12,6 +12,9 @@ Traces: ``synthetic`` (Gamma arrivals, log-normal lengths), a Mooncake JSONL
 or an Azure CSV file, with the runtime's scaling options
 (``--rate`` = target request rate, ``--length-scale``, ``--max-prompt-len``).
 
+A service started with an API key needs it here too (``--api-key``, or
+``ASAP_API_KEY`` in the environment).
+
 TTFT is measured at the client: from sending a request to receiving its
 answer (for a prefill tier, the first token is the whole answer). Output
 (``--out``): ``summary.json`` (the runtime's summary keys, measured here, plus
@@ -28,6 +31,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -128,9 +132,15 @@ async def _post(session, url: str, body: dict, timeout_s: float) -> tuple:
         return 0, {"error": {"message": f"{type(e).__name__}: {e}"}}, time.perf_counter() - t
 
 
+def _auth(api_key: "str | None") -> dict:
+    """The headers that carry the service's API key (``--api-key`` / ``ASAP_API_KEY`` of the server)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def replay(url: str, trace: list, prompts: list, *, model: "str | None" = None, timeout_s: float = 600.0,
-                 progress: bool = True, label: str = "client") -> list:
-    """Send each request at its arrival time; return one record dict per request (trace order)."""
+                 progress: bool = True, label: str = "client", api_key: "str | None" = None) -> list:
+    """Send each request at its arrival time; return one record dict per request (trace order). ``api_key``:
+    sent as ``Authorization: Bearer``."""
     import aiohttp
 
     endpoint = url.rstrip("/") + "/v1/completions"
@@ -138,7 +148,7 @@ async def replay(url: str, trace: list, prompts: list, *, model: "str | None" = 
     live = progress and sys.stderr.isatty()
     state = {"sent": 0, "done": 0, "failed": 0}
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector, headers=_auth(api_key)) as session:
         t0 = time.perf_counter()
 
         async def one(i: int, r) -> None:
@@ -260,24 +270,27 @@ def plot_cdf(path: Path, runs: dict, slo_s: float) -> None:
     plt.close(fig)
 
 
-async def _server_info(url: str) -> dict:
+async def _server_info(url: str, api_key: "str | None" = None) -> dict:
     import aiohttp
 
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=_auth(api_key)) as session:
         async with session.get(url.rstrip("/") + "/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            if resp.status == 401:
+                raise ConnectionError("GET /v1/models answered 401: the service needs its API key (--api-key or "
+                                      "ASAP_API_KEY)")
             if resp.status != 200:
                 raise ConnectionError(f"GET /v1/models answered {resp.status}")
             return (await resp.json())["data"][0]
 
 
-async def _auto_slo(url: str, trace: list, vocab: int, model: str) -> tuple:
+async def _auto_slo(url: str, trace: list, vocab: int, model: str, api_key: "str | None" = None) -> tuple:
     """3x the median unloaded TTFT of a p90-length prompt (sent one at a time)."""
     lens = sorted(r.prompt_len for r in trace)
     p90 = lens[min(len(lens) - 1, int(0.9 * len(lens)))]
     g = torch.Generator().manual_seed(12345)
     ttfts = []
     import aiohttp
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=_auth(api_key)) as session:
         for _ in range(SLO_PROBES):
             ids = torch.randint(0, vocab, (p90,), generator=g).tolist()
             status, data, dur = await _post(session, url.rstrip("/") + "/v1/completions",
@@ -308,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout-s", type=float, default=600.0, help="client-side bound on one request")
     ap.add_argument("--out", default="runs/client")
     ap.add_argument("--no-plot", action="store_true", help="skip the TTFT CDF plot (needs matplotlib)")
+    ap.add_argument("--api-key", default=None, help="the service's API key (sent as Authorization: Bearer); unset: "
+                                                    "the environment variable ASAP_API_KEY, if any")
     return ap
 
 
@@ -334,8 +349,9 @@ def main(argv=None) -> int:
     except (ValueError, TraceError, OSError) as e:
         print(f"client: {e}", file=sys.stderr)
         return 2
+    api_key = args.api_key if args.api_key is not None else os.environ.get("ASAP_API_KEY")
     try:
-        info = asyncio.run(_server_info(args.url))
+        info = asyncio.run(_server_info(args.url, api_key))
     except Exception as e:  # connection refused, bad URL, not our server
         print(f"client: cannot reach the service at {args.url}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -347,7 +363,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if slo_given is None:
-        slo, unloaded, p90 = asyncio.run(_auto_slo(args.url, trace, vocab, model))
+        slo, unloaded, p90 = asyncio.run(_auto_slo(args.url, trace, vocab, model, api_key))
         print(f"client: SLO {slo:.3f} s = {SLO_MULTIPLIER:g} x the unloaded TTFT {unloaded:.3f} s of a {p90}-token "
               "(p90) prompt", file=sys.stderr)
     else:
@@ -359,7 +375,8 @@ def main(argv=None) -> int:
     for rate in (rates or [None]):
         load = trace if rate is None else scale_trace(trace, target_rate=rate)
         label = f"{args.rate if rate is None else rate:g} req/s"
-        records = asyncio.run(replay(args.url, load, prompts, model=model, timeout_s=args.timeout_s, label=label))
+        records = asyncio.run(replay(args.url, load, prompts, model=model, timeout_s=args.timeout_s, label=label,
+                                     api_key=api_key))
         s = summarize(records, slo)
         s["rate_req_s"] = args.rate if rate is None else rate
         runs[label], summaries[label] = records, s
