@@ -160,6 +160,7 @@ class Communicator:
         self.hosts = [self.host_id if pe == self.rank else gs.get_str(f"host/{pe}", f"PE {pe}'s host")
                       for pe in range(self.world_size)]
         self._remote = [h != self.host_id for h in self.hosts]
+        gs.rendezvous("hosts")  # every PE read every host before any refuses (a refusing store host ends the store)
         spans = any(self._remote)
         if spans and found.source == "file":
             raise spans_hosts_without_secret(self.hosts)
@@ -1076,18 +1077,18 @@ def _host_summary(hosts: "list[str]") -> str:
     return ", ".join(f"{h!r}: PEs {pes}" for h, pes in by.items())
 
 
-def _net_engine(comm: "Communicator"):
-    """The network engine of a group that spans hosts (UCX, loaded from the libucx wheel)."""
+def load_net(why: str) -> "tuple[str, float]":
+    """Load UCX (from the libucx wheel) for the network engine; returns (UCX transports, peer timeout in s).
+    ``why`` says who needs it, for the error when the backend is missing."""
     if not getattr(_C, "NET_AVAILABLE", False):
-        raise CommError("init: this group spans hosts (" + _host_summary(comm.hosts) + "), but asap_comm was built "
-                        "without the network backend (UCX headers were missing at build time): reinstall with "
-                        "pip install -e \".[net]\" (or set UCX_HOME) so that kernels/net.cpp is compiled")
+        raise CommError(f"init: {why}, but asap_comm was built without the network backend (UCX headers were "
+                        "missing at build time): reinstall with pip install -e \".[net]\" (or set UCX_HOME) so "
+                        "that kernels/net.cpp is compiled")
     try:
         import libucx
     except ImportError:
-        raise CommError("init: this group spans hosts (" + _host_summary(comm.hosts) + ") and needs the network "
-                        "backend: pip install 'asap-comm[net]' (from a clone: pip install -e \".[net]\"), which "
-                        "installs UCX (libucx-cu12)") from None
+        raise CommError(f"init: {why} and needs the network backend: pip install 'asap-comm[net]' (from a clone: "
+                        "pip install -e \".[net]\"), which installs UCX (libucx-cu12)") from None
     # UCX's InfiniBand and CUDA modules are left out unless the user asks for them: without the hardware they
     # only slow start-up, and the bundled InfiniBand module crashes at exit on hosts without it.
     os.environ.setdefault("UCX_MODULES", "^ib,cuda")
@@ -1095,7 +1096,12 @@ def _net_engine(comm: "Communicator"):
     libucx.load_library()
     _C.net_load(os.path.join(lib, "libucp.so"), os.path.join(lib, "libucs.so"))
     tls = "" if "UCX_TLS" in os.environ else "tcp"  # same-host peers use shared memory, not UCX
-    peer_timeout = float(os.environ.get("ASAP_NET_PEER_TIMEOUT_S", "5"))
+    return tls, float(os.environ.get("ASAP_NET_PEER_TIMEOUT_S", "5"))
+
+
+def _net_engine(comm: "Communicator"):
+    """The network engine of a group that spans hosts."""
+    tls, peer_timeout = load_net("this group spans hosts (" + _host_summary(comm.hosts) + ")")
     try:
         return _C.NetEngine(comm._group, comm._ctrl_local, peer_timeout, tls)
     except RuntimeError as e:

@@ -118,8 +118,8 @@ class GroupStore:
         ``CommError`` naming the key if the value is too long or fails authentication."""
         try:
             raw = self._store.get(self.prefix + key)
-        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
-            raise CommTimeoutError(f"init: waiting for {what or 'store key ' + repr(key)} failed: {e}") from None
+        except Exception as e:  # torch raises DistStoreError on timeout, DistNetworkError when the store is gone
+            raise _store_error(e, what or "store key " + repr(key)) from None
         if len(raw) > MAX_VALUE_BYTES + _MAC_BYTES:
             raise CommError(f"init: store value {key!r} is {len(raw)} bytes, more than the {MAX_VALUE_BYTES} a "
                             "member publishes; refusing it (someone other than the group wrote it)")
@@ -138,12 +138,25 @@ class GroupStore:
         n = self._store.add(self.prefix + key, 1)
         if n == self._world:
             self.set(key + "/done", b"1")
-        try:
+        try:  # (only a member can name the key: its existence is the signal)
             self._store.wait([self.prefix + key + "/done"], timedelta(seconds=self._timeout))
         except Exception as e:
-            raise CommTimeoutError(f"init: rendezvous {key!r} did not complete within {self._timeout} s "
-                                   f"({n}/{self._world} PEs arrived when this PE did): {e}") from None
-        self.get(key + "/done")
+            err = _store_error(e, f"rendezvous {key!r}")
+            if isinstance(err, CommTimeoutError):
+                err = CommTimeoutError(f"init: rendezvous {key!r} did not complete within {self._timeout} s "
+                                       f"({n}/{self._world} PEs arrived when this PE did): {e}")
+            raise err from None
+
+
+def _store_error(e: Exception, what: str) -> CommError:
+    """A store failure as the documented error: ``TimeoutError`` when the wait ran out, ``CommError`` when the
+    store itself went away (its host, rank 0, exited: e.g. it refused the group first)."""
+    import torch.distributed as dist
+
+    if isinstance(e, dist.DistNetworkError):
+        return CommError(f"init: lost the rendezvous store while waiting for {what} (the PE hosting it may have "
+                         f"exited): {e}")
+    return CommTimeoutError(f"init: waiting for {what} failed: {e}")
 
 
 # ----------------------------------------------------------------------------- where the secret comes from

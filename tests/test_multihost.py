@@ -417,3 +417,82 @@ def test_auto_on_one_host_is_the_shm_backend():
         assert c.local_rank == 0 and c.local_world_size == 1
     finally:
         c.close()
+
+
+# --------------------------------------------------------------------------- who may join
+def test_a_group_across_hosts_without_a_secret_refuses_to_start(hosts):
+    """No ASAP_GROUP_SECRET: the PEs on the other host refuse with a message that says how to set one; the
+    others (whose one-host secret nobody across hosts could know) fail their bounded wait."""
+    results = run_across_hosts(hosts, [1, 1], _init_shm_across, timeout=90,
+                               env={"ASAP_GROUP_SECRET": None, "ASAP_TEST_BACKEND": "auto",
+                                    "ASAP_TEST_COMM_TIMEOUT": "5"})
+    assert results[1][0] == "init_error" and results[1][1] == "CommError", results
+    assert "ASAP_GROUP_SECRET" in results[1][2] and "export ASAP_GROUP_SECRET" in results[1][2], results[1]
+    assert results[0][0] == "init_error", results[0]
+
+
+_ROGUE = r"""
+import os, sys, time, torch
+import asap_comm
+from asap_comm._native import _C
+from asap_comm.comm import load_net
+addr = bytes.fromhex(open(sys.argv[1]).read())
+tls, _ = load_net("a rogue peer")
+g = _C.Group(1, 2)  # claims to be PE 1 of the victim's group
+ctrl = _C.create_segment("/asap-rogue-" + os.urandom(8).hex(), _C.CTRL_BYTES)
+_C.ctrl_init(ctrl.addr, 1, os.getpid())
+g.set_peer(1, ctrl.addr, os.getpid())
+eng = _C.NetEngine(g, ctrl.addr, 5.0, tls)
+eng.connect(0, addr)
+eng.authenticate(0)  # (its own side: it trusts the victim; the victim does not trust it)
+junk = torch.full((16,), 666.0)
+eng.put(0, 1, 0, junk, 0, 64)                 # into the victim's first heap chunk
+eng.signal(0, 1, 64, 7, 0, False, 5.0)        # and a signal word after it
+eng.handshake_send(0, True, b"\0" * 32)       # a forged answer to a challenge nobody sent it
+for _ in range(50):
+    eng.poll()
+    time.sleep(0.01)
+eng.shutdown()
+print("rogue done", flush=True)
+"""
+
+
+def _victim(comm, out_dir):
+    x = comm.zeros(32, torch.float32)  # heap chunk 0 = region 1: bytes 0..127
+    comm.barrier()
+    if comm.rank == 0:
+        with open(os.path.join(out_dir, "addr"), "w") as f:
+            f.write(comm._net.address().hex())
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(out_dir, "rogue-done")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    comm.barrier(timeout=90)
+    untouched = bool(torch.equal(x, torch.zeros(32)))
+    comm.barrier()
+    return {"untouched": untouched, "stats": comm.net_stats()}
+
+
+def test_a_rogue_network_peer_is_ignored_and_counted(hosts, tmp_path):
+    """A process outside the group that knows PE 0's network address (as a sniffer of the store would) connects
+    claiming to be PE 1 and sends a put, a signal and a forged handshake answer: nothing is applied, the group
+    goes on, and PE 0 counts each message as unauthenticated."""
+    out = str(tmp_path)
+
+    def rogue(hs, procs):
+        deadline = time.monotonic() + 90
+        while not os.path.exists(os.path.join(out, "addr")):
+            assert time.monotonic() < deadline, "PE 0 never published its address"
+            assert all(p.poll() is None for p in procs), "a PE ended early"
+            time.sleep(0.05)
+        p = hs[1].popen([sys.executable, "-c", _ROGUE, os.path.join(out, "addr")], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
+        text = p.communicate(timeout=60)[0]
+        with open(os.path.join(out, "rogue-done"), "w") as f:
+            f.write(text)
+        assert p.returncode == 0 and "rogue done" in text, text
+
+    results = run_across_hosts(hosts, [1, 1], _victim, out, timeout=150, during=rogue)
+    assert results[0]["untouched"] and results[1]["untouched"], results
+    assert results[0]["stats"]["unauthenticated"] >= 3, results[0]["stats"]
+    assert results[1]["stats"]["unauthenticated"] == 0, results[1]["stats"]
+    assert results[0]["stats"]["disorder"] == 0 and results[0]["stats"]["bad_messages"] == 0, results[0]["stats"]
