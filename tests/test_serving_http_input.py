@@ -349,3 +349,19 @@ def test_service_options_take_the_api_key_from_the_flag_or_the_environment():
     assert opts.body_bound == default_max_body_bytes(1000) and opts.waiting_bound == 2000
     opts = service_options(parse(["--max-body-bytes", "5000", "--max-waiting-tokens", "7"]), {})
     assert (opts.body_bound, opts.waiting_bound, opts.worker_stall_s) == (5000, 7, 10.0)
+
+
+def test_the_deadline_of_python_3_10_times_out_and_otherwise_stays_out_of_the_way():
+    import asyncio
+
+    from asap_comm.serving.http_input import _Deadline
+
+    async def run():
+        async with _Deadline(5.0):
+            await asyncio.sleep(0)
+        with pytest.raises(asyncio.TimeoutError):
+            async with _Deadline(0.01):
+                await asyncio.sleep(3600)
+        return "ok"
+
+    assert asyncio.run(run()) == "ok"

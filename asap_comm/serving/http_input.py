@@ -139,31 +139,57 @@ async def read_body(request, max_bytes: int, timeout_s: float, budget: BodyBudge
     from aiohttp.web_protocol import RequestPayloadError
 
     check_headers(request.headers, max_bytes)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+    length = request.headers.get("Content-Length")
+    length = int(length) if length is not None else None
     buf = bytearray()
-    while True:
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            raise HttpError(408, f"the request body did not arrive within {timeout_s:.3g} s ({len(buf)} bytes "
-                                 "came)", close=True)
-        try:
-            chunk = await asyncio.wait_for(request.content.readany(), remaining)
-        except asyncio.TimeoutError:
-            continue  # reported at the top of the loop
-        except (ConnectionError, RequestPayloadError) as e:  # the client left, or broke the chunked framing
-            raise HttpError(400, f"the request body broke off after {len(buf)} bytes: {_clip(str(e), 120)}",
-                            close=True) from None
-        if not chunk:
-            return bytes(buf)
-        if len(buf) + len(chunk) > max_bytes:
-            raise HttpError(413, f"request body is larger than this service's bound of {max_bytes} bytes "
-                                 "(--max-body-bytes); it was cut off there", close=True)
-        if not budget.take(len(chunk)):
-            raise HttpError(429, f"the service holds {budget.used} bytes of other request bodies (bound "
-                                 f"{budget.total}); retry later", retry_after=1, close=True)
-        held[0] += len(chunk)
-        buf += chunk
+    try:
+        async with _timeout(timeout_s):
+            while length is None or len(buf) < length:  # with a length, no read waits for the end
+                try:
+                    chunk = await request.content.readany()
+                except (ConnectionError, RequestPayloadError) as e:  # the client left, or broke the chunked framing
+                    raise HttpError(400, f"the request body broke off after {len(buf)} bytes: {_clip(str(e), 120)}",
+                                    close=True) from None
+                if not chunk:
+                    break
+                if len(buf) + len(chunk) > max_bytes:
+                    raise HttpError(413, f"request body is larger than this service's bound of {max_bytes} bytes "
+                                         "(--max-body-bytes); it was cut off there", close=True)
+                if not budget.take(len(chunk)):
+                    raise HttpError(429, f"the service holds {budget.used} bytes of other request bodies (bound "
+                                         f"{budget.total}); retry later", retry_after=1, close=True)
+                held[0] += len(chunk)
+                buf += chunk
+    except asyncio.TimeoutError:
+        raise HttpError(408, f"the request body did not arrive within {timeout_s:.3g} s ({len(buf)} bytes came)",
+                        close=True) from None
+    return bytes(buf)
+
+
+class _Deadline:
+    """``asyncio.timeout`` for Python 3.10 (which lacks it): cancels the task at the deadline, and turns that
+    cancellation into ``asyncio.TimeoutError``."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.expired, self.handle = delay, False, None
+
+    async def __aenter__(self):
+        task = asyncio.current_task()
+        self.handle = asyncio.get_running_loop().call_later(max(0.0, self.delay), self._expire, task)
+        return self
+
+    def _expire(self, task) -> None:
+        self.expired = True
+        task.cancel()
+
+    async def __aexit__(self, kind, exc, tb):
+        self.handle.cancel()
+        if kind is asyncio.CancelledError and self.expired:
+            raise asyncio.TimeoutError from None
+        return False
+
+
+_timeout = getattr(asyncio, "timeout", _Deadline)  # a timer per body, not a task per read
 
 
 @dataclass
