@@ -2,9 +2,9 @@
 
 Usage::
 
-    python bench/bench_http.py [--out bench/results/http] [--quick]
+    python bench/bench_http.py [--out bench/results/http] [--quick] [--parts 1,2,3,4]
 
-Three measurements, each against a baseline measured in the same run:
+Four measurements, each against a baseline measured in the same run:
 
 1. **Added latency at light load.** The same prompts (``small`` model,
    64 tokens, evenly spaced at 2 req/s) through the in-process trace replay
@@ -29,6 +29,21 @@ Three measurements, each against a baseline measured in the same run:
    on both paths (the in-process runs launch a group per run; the service is
    started per point), so both include the same warm-up. Every answer is
    checked against the reference forward.
+4. **The front door under hostile bodies.** ``GET /health`` latency
+   (p50/p99/max, one keep-alive client probing every 5 ms for
+   ``HOSTILE_S`` seconds) while four clients send 50 MB bodies back to back,
+   against the same probe with no load in the same run (``tiny``, A=2 +
+   E=2, the default ``--max-queued-tokens`` 65536 and so the default body
+   bound of 1 MiB): bodies with a ``Content-Length`` (refused from the
+   header; aiohttp reads and drops the rest, its lingering close), chunked
+   bodies (cut off at the bound), and the two costliest bodies the bound
+   lets in: 1 MiB of one-digit ids (parsed, then 413: past the admission
+   bound), and a whole admission bound of 6-digit ids (8 x 8192, parsed and
+   converted, then refused for its last id, outside the vocabulary). For
+   reference, the 50 MB bodies again
+   against a service whose bound was raised to 64 MiB
+   (``--max-body-bytes``): what the bound protects. Target: p99 <= 50 ms
+   under the default bound.
 
 Writes ``http.json`` and ``http.md`` under ``--out``.
 """
@@ -38,8 +53,10 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +67,7 @@ import prefill  # noqa: E402  (the example's load, reference and SLO code)
 
 from asap_comm.serving import slo_compliant_throughput, summarize_run  # noqa: E402
 from asap_comm.serving.client import ServiceProcess, make_prompts, replay, summarize  # noqa: E402
+from asap_comm.serving.http_input import default_max_body_bytes  # noqa: E402
 from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async  # noqa: E402
 from asap_comm.serving.sync import run_sync  # noqa: E402
 from asap_comm.serving.traces import FixedLengths, Request, scale_trace, synthetic_trace  # noqa: E402
@@ -234,8 +252,163 @@ def slo_throughput(quick: bool) -> dict:
             if sct["async/in_process"] and sct["sync/in_process"] else None}
 
 
+# ----------------------------------------------------------------------------- 4. hostile bodies
+HOSTILE_S = 4.0  # seconds of probing per scenario
+HOSTILE_MB = 50  # each hostile body
+PROBE_EVERY_S = 0.005
+
+
+def _address(url: str) -> tuple:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _probe_health(url: str, seconds: float) -> list:
+    """``GET /health`` on one keep-alive connection every ``PROBE_EVERY_S`` for ``seconds``: latencies (s)."""
+    import http.client
+    host, port = _address(url)
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    out = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t = time.perf_counter()
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        out.append(time.perf_counter() - t)
+        assert r.status == 200, r.status
+        time.sleep(PROBE_EVERY_S)
+    conn.close()
+    return out
+
+
+def _send_bodies(url: str, body: bytes, chunked: bool, stop: threading.Event, tally: dict) -> None:
+    """Send ``body`` as a /v1/completions request again and again until ``stop``; count the answers' statuses
+    (``"reset"``: the connection closed before an answer could be read) and the bytes sent."""
+    piece = 1 << 20
+    while not stop.is_set():
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        head += b"Transfer-Encoding: chunked\r\n\r\n" if chunked else b"Content-Length: %d\r\n\r\n" % len(body)
+        status = "reset"
+        try:
+            with socket.create_connection(_address(url), timeout=60) as s:
+                s.sendall(head)
+                for i in range(0, len(body), piece):
+                    part = body[i:i + piece]
+                    s.sendall(b"%x\r\n" % len(part) + part + b"\r\n" if chunked else part)
+                    tally["bytes"] = tally.get("bytes", 0) + len(part)
+                if chunked:
+                    s.sendall(b"0\r\n\r\n")
+                answer = s.recv(64)
+                if answer.startswith(b"HTTP/1.1 "):
+                    status = answer[9:12].decode()
+        except OSError:
+            pass
+        tally[status] = tally.get(status, 0) + 1
+
+
+def _ids_body(num_bytes: int) -> bytes:
+    """A ``{"prompt": [...]}`` body of about ``num_bytes`` bytes of token ids (``"123, "``)."""
+    ids = b"123, " * (num_bytes // 5)
+    return b'{"prompt": [' + ids + b'1]}'
+
+
+def _hostile_scenario(url: str, body: "bytes | None", chunked: bool, senders: int = 4) -> dict:
+    stop = threading.Event()
+    tallies = [{} for _ in range(senders)]
+    threads = [threading.Thread(target=_send_bodies, args=(url, body, chunked, stop, t), daemon=True)
+               for t in tallies] if body is not None else []
+    for t in threads:
+        t.start()
+    try:
+        lat = _probe_health(url, HOSTILE_S)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    total: dict = {}
+    for t in tallies:
+        for k, v in t.items():
+            total[k] = total.get(k, 0) + v
+    lat.sort()
+    pick = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))])
+    return {"probes": len(lat), "p50_ms": pick(0.5) * 1e3, "p99_ms": pick(0.99) * 1e3, "max_ms": lat[-1] * 1e3,
+            "mb_sent": total.pop("bytes", 0) / 1e6, "answers": total}
+
+
+def hostile_bodies(quick: bool) -> dict:
+    cfg = RuntimeConfig(2, 2, token_budget=512, chunk_len=512, max_prompt_len=8192)
+    big = _ids_body(HOSTILE_MB * 1000 * 1000)
+    bound = default_max_body_bytes(65536)
+    # the costliest body the default bound reads: one-digit ids, a batch of 8192-token prompts (413 after parsing)
+    row = "[" + ",".join(["1"] * 8192) + "]"
+    ones = ('{"prompt": [' + ",".join([row] * ((bound - 64) // (len(row) + 1))) + "]}").encode()
+    # a whole admission bound of 6-digit ids (8 x 8192), parsed and converted, refused for its last id
+    row = "[" + ", ".join(["123456"] * 8192) + "]"
+    last = "[" + ", ".join(["123456"] * 8191 + ["99999999"]) + "]"
+    full = ('{"prompt": [' + ", ".join([row] * 7 + [last]) + "]}").encode()
+    assert len(ones) <= bound and len(full) <= bound, (len(ones), len(full), bound)
+    rows = []
+    args = ["--model", "tiny", "--port", "0", "--attention-ranks", "2", "--expert-ranks", "2", "--max-prompt-len",
+            str(cfg.max_prompt_len)]
+    svc = ServiceProcess(args, cwd=str(REPO))
+    try:
+        for name, body, chunked in (("unloaded", None, False),
+                                    (f"4 x {HOSTILE_MB} MB, Content-Length (413 from the header)", big, False),
+                                    (f"4 x {HOSTILE_MB} MB, chunked (413 at the bound)", big, True),
+                                    (f"4 x {len(ones) / 2 ** 20:.2f} MiB of 1-digit ids (parsed, 413)", ones, False),
+                                    (f"4 x {len(full) / 2 ** 20:.2f} MiB, 65536 6-digit ids (parsed, converted, 400)",
+                                     full, False),
+                                    ("unloaded (again)", None, False)):
+            log(f"4/4 hostile bodies, default bound: {name} ...")
+            rows.append({"bound": f"default ({bound / 2 ** 20:g} MiB)", "scenario": name,
+                         **_hostile_scenario(svc.url, body, chunked)})
+    finally:
+        svc.stop()
+    if not quick:
+        svc = ServiceProcess(args + ["--max-body-bytes", str(64 << 20)], cwd=str(REPO))
+        try:
+            for name, body, chunked in (("unloaded", None, False),
+                                        (f"4 x {HOSTILE_MB} MB, Content-Length (parsed, 400)", big, False)):
+                log(f"4/4 hostile bodies, bound raised to 64 MiB: {name} ...")
+                rows.append({"bound": "raised (64 MiB)", "scenario": name,
+                             **_hostile_scenario(svc.url, body, chunked)})
+        finally:
+            svc.stop()
+    default = [r for r in rows if r["bound"].startswith("default") and not r["scenario"].startswith("unloaded")]
+    return {"seconds_per_scenario": HOSTILE_S, "probe_every_s": PROBE_EVERY_S, "rows": rows,
+            "target_p99_ms": 50.0, "met": all(r["p99_ms"] <= 50.0 for r in default)}
+
+
+def markdown_hostile(h: dict) -> list:
+    out = ["## 4. `/health` under hostile bodies (`tiny`, 4 senders back to back, "
+           f"{h['seconds_per_scenario']:g} s of probes every {h['probe_every_s'] * 1e3:g} ms per row)", "",
+           "| body bound | load | /health p50 ms | p99 ms | max ms | probes | MB sent | answers |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in h["rows"]:
+        answers = ", ".join(f"{k}: {v}" for k, v in sorted(r["answers"].items())) or "-"
+        out.append(f"| {r['bound']} | {r['scenario']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['max_ms']:.1f} | "
+                   f"{r['probes']} | {r['mb_sent']:.0f} | {answers} |")
+    out += ["", f"Target p99 <= {h['target_p99_ms']:g} ms under the default bound: "
+            f"**{'met' if h['met'] else 'NOT met'}**.", ""]
+    return out
+
+
 def markdown(res: dict) -> str:
-    a = res["added_latency"]
+    """The tables of whichever measurements ``res`` holds."""
+    out: list = []
+    if "added_latency" in res:
+        out += _markdown_latency(res["added_latency"])
+    if "capacity" in res:
+        out += _markdown_capacity(res["capacity"])
+    if "slo" in res:
+        out += _markdown_slo(res["slo"])
+    if "hostile_bodies" in res:
+        out += markdown_hostile(res["hostile_bodies"])
+    return "\n".join(out)
+
+
+def _markdown_latency(a: dict) -> list:
     t = a["ttft_s"]
     f = (lambda q: f"{q['median'] * 1e3:.1f} ms (IQR {q['q1'] * 1e3:.1f}-{q['q3'] * 1e3:.1f}, n={q['n']})")
     out = ["## 1. Added latency at light load (`small`, 64-token prompts, 2 req/s)", "",
@@ -250,8 +423,11 @@ def markdown(res: dict) -> str:
            "HTTP client / HTTP server, ms): " + "; ".join(
                f"{r['in_process'] * 1e3:.1f} / {r['http_client'] * 1e3:.1f} / {r['http_server'] * 1e3:.1f}"
                for r in a["rounds"]) + ".", ""]
-    c = res["capacity"]
-    out += ["## 2. Front-end capacity (`tiny`, 16-token prompts, Poisson)", "",
+    return out
+
+
+def _markdown_capacity(c: dict) -> list:
+    out = ["## 2. Front-end capacity (`tiny`, 16-token prompts, Poisson)", "",
             "| path | offered req/s | achieved req/s | TTFT p50 ms | p99 ms | failed | sustained |",
             "|---|---|---|---|---|---|---|"]
     for r in c["rows"]:
@@ -261,8 +437,11 @@ def markdown(res: dict) -> str:
                    f"{r['failed']} | {'yes' if r.get('sustained') else 'no'} |")
     out += ["", f"Sustained ({c['criterion']}): HTTP **{c['sustained_req_s']['http']} req/s**, in process "
             f"**{c['sustained_req_s']['in_process']} req/s**.", ""]
-    s = res["slo"]
-    out += [f"## 3. SLO-compliant throughput (example workload, SLO {s['slo_ttft_s']:.3f} s)", "",
+    return out
+
+
+def _markdown_slo(s: dict) -> list:
+    out = [f"## 3. SLO-compliant throughput (example workload, SLO {s['slo_ttft_s']:.3f} s)", "",
             "| mode | in process req/s | through HTTP req/s |", "|---|---|---|"]
     for m in ("async", "sync"):
         out.append(f"| {m} | {s['slo_compliant_req_s'][f'{m}/in_process']} | {s['slo_compliant_req_s'][f'{m}/http']} |")
@@ -276,14 +455,14 @@ def markdown(res: dict) -> str:
     fmt = (lambda v: "-" if v is None else f"{v:.2f}x")
     out += ["", f"ASAP / baseline: in process {fmt(s['ratio_in_process'])}, through HTTP {fmt(s['ratio_http'])}. "
             f"Outputs checked: {s['checked']}, mismatches: {s['mismatches']}.", ""]
-    return "\n".join(out)
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/http")
     ap.add_argument("--quick", action="store_true", help="fewer requests and rates (a smoke run)")
-    ap.add_argument("--parts", default="1,2,3", help="which measurements to run")
+    ap.add_argument("--parts", default="1,2,3,4", help="which measurements to run")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -291,6 +470,8 @@ def main(argv=None) -> int:
     parts = {int(p) for p in args.parts.split(",")}
     t0 = time.monotonic()
     res: dict = {}
+    if 4 in parts:  # first: on a host that has not run the others yet
+        res["hostile_bodies"] = hostile_bodies(args.quick)
     if 1 in parts:
         res["added_latency"] = added_latency(args.quick)
     if 2 in parts:
@@ -298,12 +479,12 @@ def main(argv=None) -> int:
     if 3 in parts:
         res["slo"] = slo_throughput(args.quick)
     res["wall_s"] = time.monotonic() - t0
-    (out / "http.json").write_text(json.dumps(res, indent=2, default=str))
-    if {1, 2, 3} <= parts:
-        md = markdown(res)
-        (out / "http.md").write_text(md)
-        print(md)
-    log(f"done in {res['wall_s']:.0f} s; wrote {out}/http.json" + (", http.md" if {1, 2, 3} <= parts else ""))
+    name = "http" if {1, 2, 3} <= parts else "http-parts-" + "".join(str(p) for p in sorted(parts))
+    (out / f"{name}.json").write_text(json.dumps(res, indent=2, default=str))
+    md = markdown(res)
+    (out / f"{name}.md").write_text(md)
+    print(md)
+    log(f"done in {res['wall_s']:.0f} s; wrote {out}/{name}.json, {name}.md")
     return 1 if res.get("slo", {}).get("mismatches") else 0
 
 
