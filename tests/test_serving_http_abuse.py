@@ -168,16 +168,18 @@ CTYPE = st.sampled_from([None, b"application/json", b"application/json; charset=
 AUTHZ = st.sampled_from([f"Bearer {KEY}".encode()] * 4 + [None, b"Bearer", b"Bearer wrong", f"bearer {KEY}".encode(),
                                                           f"Basic {KEY}".encode(), f"Bearer {KEY}x".encode()]) | RAW
 ENCODING = st.sampled_from([None, None, None, b"identity", b"gzip", b"br"]) | RAW
+EXPECT = st.sampled_from([None] * 6 + [b"100-continue", b"100-CONTINUE", b"bogus"])
 TARGET = st.sampled_from([("POST", "/v1/completions")] * 8 + [("GET", "/v1/completions"), ("GET", "/v1/models"),
                                                               ("POST", "/health"), ("GET", "/nope")])
-STATUSES = {200, 400, 401, 404, 405, 413, 415}
+STATUSES = {200, 400, 401, 404, 405, 413, 415, 417}
+FUZZ_EXAMPLES = int(os.environ.get("ASAP_FUZZ_EXAMPLES", "200"))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(target=TARGET, body=BODY, ctype=CTYPE, authz=AUTHZ, encoding=ENCODING, chunked=st.booleans())
-def test_fuzzed_requests_never_get_a_500(svc, target, body, ctype, authz, encoding, chunked):
-    headers = {k: v for k, v in (("Content-Type", ctype), ("Authorization", authz), ("Content-Encoding", encoding))
-               if v is not None}
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(target=TARGET, body=BODY, ctype=CTYPE, authz=AUTHZ, encoding=ENCODING, expect=EXPECT, chunked=st.booleans())
+def test_fuzzed_requests_never_get_a_500(svc, target, body, ctype, authz, encoding, expect, chunked):
+    headers = {k: v for k, v in (("Content-Type", ctype), ("Authorization", authz), ("Content-Encoding", encoding),
+                                 ("Expect", expect)) if v is not None}
     method, path = target
     content = iter([body[:7], body[7:]]) if chunked else body
     r = svc.client.request(method, path, content=content, headers=headers)  # no default auth header here

@@ -195,7 +195,8 @@ class _Service:
         self.parser = ParseProcess({"model_name": opts.model_name, "vocab_size": info.vocab_size,
                                     "max_prompt_len": cfg.max_prompt_len, "max_call_tokens": opts.max_queued_tokens})
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asap-tokenize")  # not thread-safe
-        self.key_digest = hashlib.sha256(opts.api_key.encode()).digest() if opts.api_key is not None else None
+        self.key_digest = (hashlib.sha256(opts.api_key.encode("utf-8", "surrogateescape")).digest()
+                           if opts.api_key is not None else None)  # as api_key_matches encodes what it is given
         self.beats = Heartbeats(ch.stats.table, range(comm.world_size - 1))
         self.stalled: set = set()  # PEs reported stalled (for the log's transitions)
         self.next_id = 1
