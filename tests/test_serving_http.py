@@ -1,8 +1,9 @@
 """The HTTP prefill service, started for real in a subprocess on a free port and driven with plain httpx and
 with the real client: outputs equal the reference forward; bad input gets 400s naming the field; a burst past
-the admission bound and its waiting room gets 429s and loses nothing admitted, a call over the bound a 413; deadlines give 504 and cancel the work; a client
-that disconnects frees its slot; /metrics parses; a killed worker gives 503 and an unhealthy /health, then
-the service exits; SIGTERM drains and leaves no process and no shared-memory segment behind."""
+the admission bound and its waiting room gets 429s and loses nothing admitted, a call over the bound a 413;
+deadlines give 504 and cancel the work; a client that disconnects frees its slot; /metrics parses; a killed
+worker gives 503 and an unhealthy /health, then the service exits; SIGTERM drains and leaves no process and
+no shared-memory segment behind."""
 import glob
 import json
 import os

@@ -608,7 +608,8 @@ class _Service:
             self._fail(f"{w['role']} PE {w['pe']} died")
         err = self._unavailable()
         limit = self.opts.worker_stall_s
-        stalled = [w for w in workers if w["state"] == "alive" and w["heartbeat_age_s"] > limit]
+        stalled = sorted((w for w in workers if w["state"] == "alive" and w["heartbeat_age_s"] > limit),
+                         key=lambda w: -w["heartbeat_age_s"])  # the oldest first: in lock-step, the one others wait on
         if err is None and stalled:
             err = HttpError(503, "stalled: " + "; ".join(
                 f"{w['role']} PE {w['pe']} (pid {w['pid']}) sent no heartbeat for {w['heartbeat_age_s']:.1f} s"
