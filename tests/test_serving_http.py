@@ -304,8 +304,22 @@ def test_client_reports_an_unreachable_service(tmp_path):
     assert proc.returncode == 1 and "cannot reach the service at http://127.0.0.1:9" in proc.stderr
 
 
+def _children(pid: int) -> list:
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if d.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
 def test_sigterm_drains_and_leaves_nothing_behind(server):
-    pids = [w["pid"] for w in server.client.get("/health").json()["workers"]]
+    health = server.client.get("/health").json()
+    pids = [w["pid"] for w in health["workers"]] + _children(health["front_end_pid"])  # + the parse process
+    assert len(pids) == len(health["workers"]) + 1
     box: dict = {}
     t = threading.Thread(target=lambda: box.update(r=httpx.post(server.url + "/v1/completions",
                                                                  json={"prompt": _prompt(3000, 5)}, timeout=120)))
