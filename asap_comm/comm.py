@@ -33,6 +33,8 @@ import math
 import numbers
 import os
 import secrets
+import socket
+import struct
 import threading
 import time
 import weakref
@@ -96,13 +98,15 @@ class Communicator:
     """
 
     def __init__(self, rank: int, world_size: int, store, *, timeout: float, heap_chunk_bytes: int, shm_prefix: str,
-                 backend: str = "auto", host_id: "str | None" = None, group_secret: "str | None" = None) -> None:
+                 backend: str = "auto", host_id: "str | None" = None, group_secret: "str | None" = None,
+                 master_addr: "str | None" = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.timeout = float(timeout)
         self.id = next(_ids)
         self._store = store
         self._group_secret = group_secret
+        self._master_addr = master_addr or os.environ.get("MASTER_ADDR")  # where this host's address is seen from
         self._secret_file: "str | None" = None  # one host, no secret given: rank 0's 0600 secret file
         self._chunk_bytes = heap_chunk_bytes
         self._shm_prefix = shm_prefix
@@ -194,6 +198,7 @@ class Communicator:
             for pe, addr in addrs.items():
                 self._net.connect(pe, addr)
             self._net_handshake()
+            self._liveness_lines()
             self._net.start()
         gs.rendezvous("ctrl_mapped")  # every PE mapped its peers and authenticated the remote ones
         self._unlink_own()
@@ -234,9 +239,71 @@ class Communicator:
                                                           "challenge)" if len(answered) < len(remote) else ""))
             time.sleep(0.0005)
 
-    def _handshake_mac(self, challenger: int, answerer: int, nonce: bytes) -> bytes:
-        return hmac.new(self._secret, b"\0".join([b"asap-net-v1", self._gs.prefix.encode(), str(challenger).encode(),
+    def _handshake_mac(self, challenger: int, answerer: int, nonce: bytes, what: bytes = b"asap-net-v1") -> bytes:
+        return hmac.new(self._secret, b"\0".join([what, self._gs.prefix.encode(), str(challenger).encode(),
                                                    str(answerer).encode(), nonce]), "sha256").digest()
+
+    def _liveness_lines(self) -> None:
+        """One TCP connection per remote peer that carries no data: the engine watches it (``NetEngine.watch``),
+        and the peer's kernel keeps it up exactly as long as the peer's process lives, however loaded or stopped
+        the process is; a lost host or link fails its keepalive within the peer timeout. Each PE dials its remote
+        peers of higher rank and accepts those of lower rank; the acceptor challenges the dialer (an HMAC with
+        the group secret over 32 random bytes, bound to both ranks), so a line stands for the PE it names. The
+        listening socket is bound to this host's address toward the store and closed once every line stands."""
+        remote = [pe for pe in range(self.world_size) if self._remote[pe]]
+        addr = _address_towards(self._master_addr)
+        lst = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+        lines: "dict[int, socket.socket]" = {}
+        deadline = time.monotonic() + self.timeout
+        try:
+            lst.bind((addr, 0))
+            lst.listen(max(1, len(remote)))
+            self._gs.set(f"alive/{self.rank}", f"{addr} {lst.getsockname()[1]}")
+            for pe in remote:
+                if pe < self.rank:
+                    continue
+                host, port = self._gs.get_str(f"alive/{pe}", f"PE {pe}'s liveness address").split()
+                s = socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic()))
+                lines[pe] = s
+                s.sendall(struct.pack("<I", self.rank))
+                nonce = _recv_exact(s, 32, f"PE {pe}'s liveness challenge")
+                s.sendall(self._handshake_mac(pe, self.rank, nonce, b"asap-line-v1"))
+                if _recv_exact(s, 1, f"PE {pe}'s liveness verdict") != b"\1":
+                    raise CommError(f"init: PE {pe} refused this PE's liveness line")
+            expected = {pe for pe in remote if pe < self.rank}
+            while expected:
+                lst.settimeout(max(0.01, deadline - time.monotonic()))
+                try:
+                    conn, _ = lst.accept()
+                except socket.timeout:
+                    raise TimeoutError(f"init: remote PEs {sorted(expected)} did not open their liveness line to "
+                                       f"this PE within {self.timeout} s") from None
+                conn.settimeout(max(0.1, deadline - time.monotonic()))
+                try:  # an outsider's connection is dropped without an answer that could help it
+                    (pe,) = struct.unpack("<I", _recv_exact(conn, 4, "a liveness line's rank"))
+                    nonce = secrets.token_bytes(32)
+                    conn.sendall(nonce)
+                    proof = _recv_exact(conn, 32, f"PE {pe}'s liveness proof")
+                    if pe not in expected or not hmac.compare_digest(
+                            proof, self._handshake_mac(self.rank, pe, nonce, b"asap-line-v1")):
+                        conn.close()
+                        continue
+                    conn.sendall(b"\1")
+                except (OSError, CommError):
+                    conn.close()
+                    continue
+                lines[pe] = conn
+                expected.discard(pe)
+            for pe, s in lines.items():
+                self._net.watch(pe, s.fileno())  # the engine keeps its own descriptor
+        except CommError:
+            raise
+        except OSError as e:
+            raise CommError(f"init: setting up the liveness lines to the remote PEs failed ({addr}): {e}") from None
+        finally:
+            lst.close()
+            for s in lines.values():
+                s.close()
 
     def _unlink_own(self) -> None:
         while self._linked:
@@ -1053,6 +1120,32 @@ class Communicator:
         return "alive" if bad is None else ("closed" if bad[1].startswith("closed") else "died")
 
 
+def _recv_exact(s: socket.socket, n: int, what: str) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = s.recv(n - len(out))
+        if not got:
+            raise CommError(f"init: the connection closed while waiting for {what}")
+        out += got
+    return out
+
+
+def _address_towards(target: "str | None") -> str:
+    """This host's address on the route toward ``target`` (the store's host): the address peers on other hosts
+    reach it at. Without a target, the address the hostname resolves to."""
+    if target:
+        try:
+            family = socket.AF_INET6 if ":" in target else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((target, 9))  # a datagram socket's connect sends nothing: it picks the route
+                addr = s.getsockname()[0]
+            if not addr.startswith("127.") and addr != "::1":
+                return addr
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -1203,7 +1296,7 @@ def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_a
             raise CommError(f"init: cannot {'host' if is_master else 'reach'} the TCPStore at "
                             f"{addr}:{port}: {e}") from None
         comm = Communicator(rank, world_size, store, timeout=t, heap_chunk_bytes=heap_chunk_bytes,
-                            shm_prefix=shm_prefix, backend=backend, group_secret=group_secret)
+                            shm_prefix=shm_prefix, backend=backend, group_secret=group_secret, master_addr=addr)
         if is_master:
             comm._hosted = (addr, port)
         return comm

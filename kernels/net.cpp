@@ -31,10 +31,18 @@
 //   an HMAC with the group secret, computed and checked in Python: see
 //   Communicator._net_handshake). Anything else is dropped and counted
 //   (`unauthenticated`). The cost per message is one table lookup.
-// * Liveness: a PE that closes says so (CLOSE); a broken connection (the
-//   process died: the kernel resets its sockets) or a silence longer than the
-//   peer timeout (the host or link disappeared) marks the PE dead, and every
-//   wait that depends on it raises PeerFailure.
+// * Liveness comes from the kernel, never from a thread the scheduler can
+//   starve: each pair of PEs on different hosts holds a "liveness line", a TCP
+//   connection that carries no data (set up and authenticated in Python at
+//   init, then watched here). The peer's kernel keeps it up while the peer's
+//   process lives, however busy or stopped the process is; the process's
+//   death closes it at once (EOF or reset), and a lost host or link fails its
+//   TCP keepalive probes within the peer timeout (TCP_KEEPIDLE/INTVL and
+//   TCP_USER_TIMEOUT). A PE that closes writes a goodbye byte (with the last
+//   barrier round it completed) on the line and says so over UCX too (CLOSE).
+//   UCX reporting an endpoint error also marks the PE dead. Load can delay a
+//   verdict (the thread that reads the line may run late) but never fake one.
+//   Every wait that depends on a dead PE raises PeerFailure.
 //
 // UCX is loaded at run time (dlopen of the libraries the libucx wheel ships),
 // so this module builds against UCX's headers but imports and runs without
@@ -49,13 +57,18 @@
 #ifdef ASAP_HAVE_UCX
 
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/epoll.h>
+#include <sys/socket.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -161,6 +174,7 @@ enum Kind : uint32_t {
   kHelloAck = 12,  // set-up: the answer (a 32-byte HMAC computed in Python with the group secret)
 };
 constexpr size_t kHandshakeBytes = 32;
+constexpr size_t kByeBytes = 9;  // on a liveness line: 'B', then the last barrier round completed (uint64)
 enum ReplyStatus : int32_t { kReplyOk = 0, kReplyFull = 1, kReplyBad = 2 };
 
 struct Hdr {
@@ -216,7 +230,7 @@ class NetEngine final : public NetIface {
   NetEngine(Group* group, uintptr_t own_ctrl, double peer_timeout_s, const std::string& tls)
       : group_(group), rank_(group->rank()), world_(group->world_size()), own_(reinterpret_cast<Ctrl*>(own_ctrl)),
         peer_timeout_ns_(static_cast<int64_t>(peer_timeout_s * 1e9)),
-        eps_(world_, nullptr), tx_seq_(world_, 0), rx_seq_(world_, 0), last_rx_(world_), last_tx_(world_),
+        eps_(world_, nullptr), tx_seq_(world_, 0), rx_seq_(world_, 0), lines_(world_, -1), line_buf_(world_),
         pending_(256) {
     if (!ucx.loaded) throw std::runtime_error("net: UCX is not loaded");
     ucp_config_t* cfg = nullptr;
@@ -258,8 +272,6 @@ class NetEngine final : public NetIface {
       ucx.ucp_cleanup(ctx_);
       throw std::runtime_error(ucs_err("worker set-up", st));
     }
-    const auto now = Clock::now();
-    for (int i = 0; i < world_; ++i) last_rx_[i] = last_tx_[i] = now;
     // region 0: this PE's control block
     regions_.push_back({reinterpret_cast<char*>(own_ctrl), 4096});
   }
@@ -292,7 +304,34 @@ class NetEngine final : public NetIface {
     ucs_status_t st = ucx.ucp_ep_create(worker_, &ep, &eps_[pe]);
     if (st != UCS_OK) throw std::runtime_error(ucs_err(("ucp_ep_create to PE " + std::to_string(pe)).c_str(), st));
     group_->set_remote(pe);
-    last_rx_[pe] = Clock::now();
+  }
+
+  // The liveness line to PE `pe` (a connected TCP socket, already authenticated): the engine keeps a
+  // duplicate of `fd`, sets its keepalive so that a lost host or link fails it within the peer timeout,
+  // and watches it from then on (before start()).
+  void watch(int pe, int fd) {
+    check_pe("watch", pe);
+    std::lock_guard<std::mutex> g(mu_);
+    if (eps_[pe] == nullptr) throw std::invalid_argument("net: watch: PE " + std::to_string(pe) + " is not connected");
+    if (lines_[pe] >= 0) throw std::invalid_argument("net: watch: PE " + std::to_string(pe) + " has a line already");
+    const int d = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (d < 0) throw std::runtime_error(std::string("net: watch: dup: ") + std::strerror(errno));
+    const int one = 1;
+    const int idle = 1, intvl = 1;
+    const int secs = std::max(1, static_cast<int>(std::ceil(static_cast<double>(peer_timeout_ns_) / 1e9)));
+    const int cnt = std::max(1, secs);
+    const unsigned user_ms = static_cast<unsigned>(secs) * 1000u;
+    if (setsockopt(d, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one) != 0 ||
+        setsockopt(d, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle) != 0 ||
+        setsockopt(d, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl) != 0 ||
+        setsockopt(d, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt) != 0 ||
+        setsockopt(d, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_ms, sizeof user_ms) != 0 ||
+        fcntl(d, F_SETFL, fcntl(d, F_GETFL) | O_NONBLOCK) != 0) {
+      const std::string err = std::strerror(errno);
+      ::close(d);
+      throw std::runtime_error("net: watch: setting up the liveness line failed: " + err);
+    }
+    lines_[pe] = d;
   }
 
   // Starts the progress thread (after every connect).
@@ -331,7 +370,6 @@ class NetEngine final : public NetIface {
     check_pe("authenticate", pe);
     std::lock_guard<std::mutex> g(mu_);
     if (eps_[pe] == nullptr) throw std::invalid_argument("net: authenticate: PE " + std::to_string(pe) + " is not connected");
-    last_rx_[pe] = Clock::now();  // its silence is counted from here
     authed_[pe] = 1;
   }
 
@@ -501,7 +539,9 @@ class NetEngine final : public NetIface {
     d["unauthenticated"] = unauth_;
     d["received"] = received_;
     d["sent"] = sent_;
-    d["heartbeats_sent"] = hb_sent_;
+    int lines = 0;
+    for (int fd : lines_) lines += fd >= 0;
+    d["liveness_lines"] = lines;
     d["progress_wakeups"] = wakeups_;
     d["progress_parks"] = parks_;
     d["last_error"] = last_error_;
@@ -544,6 +584,20 @@ class NetEngine final : public NetIface {
         fprintf(stderr, "[asap net] PE %d: goodbye to PE %d %s\n", rank_, p->pe,
                 p->done.load() ? "acknowledged" : "not acknowledged");
     for (Pending* p : byes) free_pending(p);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      char bye[kByeBytes];
+      bye[0] = 'B';
+      const uint64_t done = std::atomic_ref<uint64_t>(own_->barrier_done).load(std::memory_order_acquire);
+      std::memcpy(bye + 1, &done, sizeof done);
+      for (int pe = 0; pe < world_; ++pe) {
+        if (lines_[pe] < 0) continue;
+        if (::write(lines_[pe], bye, sizeof bye) < 0) {
+          // the peer's end is gone already: nothing to tell
+        }
+        drop_line(pe);
+      }
+    }
     {
       std::lock_guard<std::mutex> g(mu_);
       stop_ = true;
@@ -624,7 +678,6 @@ class NetEngine final : public NetIface {
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY;  // the receiver checks the endpoint
     void* req = ucx.ucp_am_send_nbx(eps_[pe], kAmId, &h, sizeof h, data, n, &rp);
-    last_tx_[pe] = Clock::now();
     ++sent_;
     if (UCS_PTR_IS_ERR(req)) {
       last_error_ = ucs_err("ucp_am_send_nbx", UCS_PTR_STATUS(req));
@@ -922,7 +975,6 @@ class NetEngine final : public NetIface {
       last_error_ = "dropped a message from PE " + std::to_string(src) + " before it authenticated";
       return UCS_OK;
     }
-    last_rx_[src] = Clock::now();
     switch (h.kind) {
       case kHeartbeat: return UCS_OK;
       case kClose:
@@ -1087,22 +1139,51 @@ class NetEngine final : public NetIface {
     }
   }
 
-  void tick() {
-    const auto now = Clock::now();
-    for (int pe = 0; pe < world_; ++pe) {
-      if (eps_[pe] == nullptr || !authed_[pe] || group_->remote_state(pe) != kStateAlive) continue;
-      if (now - last_rx_[pe] > std::chrono::nanoseconds(peer_timeout_ns_)) {
-        last_error_ = "PE " + std::to_string(pe) + " silent for longer than the peer timeout";
-        mark(pe, kStateDead);
+  // Reads PE `pe`'s liveness line (mu_ held; non-blocking): its goodbye marks the PE closed (with the
+  // barrier round it completed), an end without one or an error marks it dead. Then the line is closed.
+  void check_line(int pe) {
+    const int fd = lines_[pe];
+    if (fd < 0) return;
+    std::string& buf = line_buf_[pe];
+    const char* verdict = nullptr;
+    for (;;) {
+      char tmp[16];
+      const ssize_t n = ::read(fd, tmp, sizeof tmp);
+      if (n > 0) {
+        buf.append(tmp, static_cast<size_t>(n));
+        if (buf.size() > 64) buf.erase(0, buf.size() - 64);
         continue;
       }
-      if (now - last_tx_[pe] > std::chrono::milliseconds(200)) {
-        Hdr h = header(kHeartbeat);
-        void* req = send_nb(pe, h, nullptr, 0);
-        ++hb_sent_;
-        if (req != nullptr && req != reinterpret_cast<void*>(-1)) ucx.ucp_request_free(req);
-      }
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) verdict = errno == ETIMEDOUT ? "its host stopped answering (host or link lost)" : std::strerror(errno);
+      else verdict = "its liveness line closed";
+      break;
     }
+    if (buf.size() >= kByeBytes && buf[0] == 'B') {
+      uint64_t done = 0;
+      std::memcpy(&done, buf.data() + 1, sizeof done);
+      group_->set_remote_done(pe, done);
+      mark(pe, kStateClosed);
+      verdict = verdict != nullptr ? verdict : "said goodbye";
+    } else if (verdict != nullptr && group_->remote_state(pe) == kStateAlive) {
+      last_error_ = "PE " + std::to_string(pe) + ": " + verdict;
+      mark(pe, kStateDead);
+    }
+    if (verdict != nullptr) drop_line(pe);
+  }
+
+  void drop_line(int pe) {
+    if (lines_[pe] < 0) return;
+    if (line_epoll_ >= 0) epoll_ctl(line_epoll_, EPOLL_CTL_DEL, lines_[pe], nullptr);
+    ::close(lines_[pe]);
+    lines_[pe] = -1;
+  }
+
+  // The lines, every 100 ms from whichever thread progresses (mu_ held): a backstop for the progress
+  // thread's epoll, which wakes on them at once.
+  void tick() {
+    for (int pe = 0; pe < world_; ++pe) check_line(pe);
   }
 
   static int64_t now_ns() {
@@ -1143,7 +1224,19 @@ class NetEngine final : public NetIface {
     int ep = epoll_create1(EPOLL_CLOEXEC);
     struct epoll_event ev {};
     ev.events = EPOLLIN;
+    ev.data.u32 = 0;  // the worker
     epoll_ctl(ep, EPOLL_CTL_ADD, efd_, &ev);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      for (int pe = 0; pe < world_; ++pe) {
+        if (lines_[pe] < 0) continue;
+        struct epoll_event le {};
+        le.events = EPOLLIN | EPOLLRDHUP;
+        le.data.u32 = static_cast<uint32_t>(pe) + 1;  // PE pe's liveness line
+        epoll_ctl(ep, EPOLL_CTL_ADD, lines_[pe], &le);
+      }
+      line_epoll_ = ep;
+    }
     for (;;) {
       const int64_t idle = now_ns() - last_poll_ns_.load(std::memory_order_relaxed);
       if (pollers_.load(std::memory_order_acquire) > 0 || idle < kParkGraceNs) {
@@ -1169,9 +1262,18 @@ class NetEngine final : public NetIface {
         armed = ucx.ucp_worker_arm(worker_);
       }
       if (armed == UCS_ERR_BUSY) continue;
-      struct epoll_event out {};
-      epoll_wait(ep, &out, 1, 100);
+      struct epoll_event out[8];
+      const int n = epoll_wait(ep, out, 8, 100);
       ++wakeups_;
+      for (int i = 0; i < n; ++i) {
+        if (out[i].data.u32 == 0) continue;
+        std::lock_guard<std::mutex> g(mu_);
+        check_line(static_cast<int>(out[i].data.u32) - 1);
+      }
+    }
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      line_epoll_ = -1;
     }
     close(ep);
   }
@@ -1186,7 +1288,9 @@ class NetEngine final : public NetIface {
   int efd_ = -1;
   std::vector<ucp_ep_h> eps_;
   std::vector<uint64_t> tx_seq_, rx_seq_;
-  std::vector<Clock::time_point> last_rx_, last_tx_;
+  std::vector<int> lines_;  // per PE: its liveness line (a TCP socket), -1 if none
+  std::vector<std::string> line_buf_;  // bytes read from each line
+  int line_epoll_ = -1;  // the progress thread's epoll, while it runs
   std::vector<uint8_t> dirty_ = std::vector<uint8_t>(world_, 0);
   std::vector<Region> regions_;
   std::deque<Pending> pending_;
@@ -1202,7 +1306,7 @@ class NetEngine final : public NetIface {
   Clock::time_point last_tick_ = Clock::now();
   uint64_t parks_ = 0;
   bool debug_ = std::getenv("ASAP_NET_DEBUG") != nullptr;
-  uint64_t disorder_ = 0, bad_ = 0, received_ = 0, sent_ = 0, hb_sent_ = 0, wakeups_ = 0, unauth_ = 0;
+  uint64_t disorder_ = 0, bad_ = 0, received_ = 0, sent_ = 0, wakeups_ = 0, unauth_ = 0;
   std::vector<uint8_t> authed_ = std::vector<uint8_t>(world_, 0);  // the peer answered this PE's challenge
   struct Handshake {
     int pe;
@@ -1233,6 +1337,7 @@ void bind_net(py::module& m) {
       .def("handshake_send", &NetEngine::handshake_send, py::arg("pe"), py::arg("answer"), py::arg("payload"))
       .def("take_handshakes", &NetEngine::take_handshakes)
       .def("authenticate", &NetEngine::authenticate, py::arg("pe"))
+      .def("watch", &NetEngine::watch, py::arg("pe"), py::arg("fd"))
       .def("add_region",
            [](NetEngine& e, uint32_t index, const Mapping& mp) { e.add_region(index, mp.addr(), mp.size()); },
            py::arg("index"), py::arg("mapping"), "Region `index` (1 + heap chunk) is this mapping.")

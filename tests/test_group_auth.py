@@ -114,10 +114,12 @@ def test_a_value_that_fails_the_check_is_refused_naming_the_key(forged):
             key = "host/1"
         elif forged == "ctrl/1":
             member.set("host/1", socket.gethostname())
+            store.add(member.prefix + "hosts", 1)  # PE 1 read every host (the rendezvous after that exchange)
             raw.set(member.prefix + "ctrl/1", b"\1" * 32 + planted.encode())
             key = "ctrl/1"
         else:
             member.set("host/1", socket.gethostname())
+            store.add(member.prefix + "hosts", 1)
             raw.set(member.prefix + "ctrl/1", b"x" * (200 * 1024))
             key = "ctrl/1"
         with pytest.raises(asap_comm.CommError, match=key.replace("/", "/")) as err:

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -496,3 +497,76 @@ def test_a_rogue_network_peer_is_ignored_and_counted(hosts, tmp_path):
     assert results[0]["stats"]["unauthenticated"] >= 3, results[0]["stats"]
     assert results[1]["stats"]["unauthenticated"] == 0, results[1]["stats"]
     assert results[0]["stats"]["disorder"] == 0 and results[0]["stats"]["bad_messages"] == 0, results[0]["stats"]
+
+
+# --------------------------------------------------------------------------- liveness that load cannot fool
+def _through_stops_and_load(comm, marker_dir, rounds):
+    sig = comm.signals(1)
+    comm.barrier()
+    with open(os.path.join(marker_dir, f"ready-{comm.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    if comm.rank == 0:
+        seen = 0
+        while seen < rounds:  # PE 1's count, which stops while PE 1 is stopped
+            seen = comm.signal_wait_until(sig, 0, ">=", seen + 1, timeout=120)
+    else:
+        for _ in range(rounds):
+            comm.signal_op(sig, 0, 1, "add", 0)
+            time.sleep(0.2)
+    states = [comm.peer_state(pe) for pe in range(comm.world_size)]  # (after the barrier a peer may close)
+    comm.barrier(timeout=120)
+    return {"states": states, "stats": comm.net_stats()}
+
+
+def test_a_busy_or_stopped_peer_is_never_declared_dead(tmp_path):
+    """With a 2 s peer timeout: CPU hogs at nice 0 on every core for 12 s, and PE 1's process stopped (SIGSTOP)
+    for 6 s within them: no PeerFailure anywhere, every signal arrives. (Before, a peer silent for longer than the
+    peer timeout was declared dead.) A real loss is still reported: see the link-cut and killed-host tests."""
+    out = str(tmp_path)
+
+    def load_and_stop(hs, procs):
+        deadline = time.monotonic() + 90
+        while not all(os.path.exists(os.path.join(out, f"ready-{r}")) for r in (0, 1)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the PEs never started"
+            time.sleep(0.05)
+        pid1 = int(open(os.path.join(out, "ready-1")).read())
+        hogs = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.monotonic() + 12\n"
+                                  "while time.monotonic() < t: pass"]) for _ in range(os.cpu_count() or 2)]
+        try:
+            time.sleep(2)
+            os.kill(pid1, signal.SIGSTOP)
+            time.sleep(6)
+            os.kill(pid1, signal.SIGCONT)
+        finally:
+            os.kill(pid1, signal.SIGCONT)
+            for h in hogs:
+                h.wait(timeout=60)
+
+    with Hosts(2) as hs:
+        results = run_across_hosts(hs, [1, 1], _through_stops_and_load, out, 60, timeout=240, during=load_and_stop,
+                                   env={"ASAP_NET_PEER_TIMEOUT_S": "2"})
+    for r, res in enumerate(results):
+        assert res["states"] == ["alive", "alive"], (r, res)
+        assert res["stats"]["liveness_lines"] == 1, res["stats"]
+
+
+def _barriers_then_close(comm, rounds):
+    for _ in range(rounds):
+        comm.barrier(timeout=120)
+    return comm.rank  # the harness closes the communicator right after
+
+
+def test_closing_after_a_completed_barrier_never_fails_a_peer_still_in_it(hosts):
+    """Two hosts x 2 PEs under torchrun on a host kept busy (CPU hogs at nice 0 on every core): each PE ends
+    with barrier(); close(). A PE released early closes while its peers may still wait for their release; its
+    goodbye carries the rounds it completed, so none of them fails. Three groups in a row."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.monotonic() + 120\n"
+                              "while time.monotonic() < t: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        for _ in range(3):
+            results = run_across_hosts(hosts, [2, 2], _barriers_then_close, 20, launcher="torchrun", timeout=150)
+            assert results == [0, 1, 2, 3], results
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait(timeout=30)
