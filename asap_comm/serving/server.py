@@ -842,14 +842,10 @@ def main(argv=None) -> int:
         if args.mode == "async":
             fnargs = ("async", cfg, info, factory, front)
         else:
-            from datetime import timedelta
-
-            import torch.distributed as dist
-
+            from ..rendezvous import loopback_store
             from .sync import check_config
             check_config(factory, cfg)
-            store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=cfg.timeout_s),
-                                  wait_for_workers=False)
+            store = loopback_store(cfg.timeout_s)  # the workers' gloo group: on 127.0.0.1 only
             fnargs = ("sync", cfg, info, factory, store.port, front)
         print(f"asap serve: starting {world - 1} {args.mode} workers for {opts.model_name} ...", file=sys.stderr,
               flush=True)
