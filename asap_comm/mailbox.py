@@ -73,6 +73,11 @@ class Mailbox(_C.Inbox):
         self._buf = buf  # uint8 view of this PE's inbox; keeps the mapping alive
         self._stride = _C.slot_stride(slot_bytes)
 
+    @property
+    def comm(self):
+        """The communicator this mailbox belongs to."""
+        return self._comm
+
     def _check_message(self, fn: str, pe, tensor, tag) -> tuple:
         """Validates send arguments; returns (pe, code)."""
         comm = self._comm

@@ -352,7 +352,7 @@ def _tokenizer(path) -> "object":
 def test_sync_service_text_prompts_deadline_and_worker_death(reference, tmp_path):
     tok = _tokenizer(tmp_path / "tokenizer")
     s = Server("--mode", "sync", "--request-timeout-s", "1.0", "--max-prompt-len", "16384",
-               "--failure-exit-s", "3", "--tokenizer", str(tmp_path / "tokenizer"))
+               "--failure-exit-s", "3", "--tokenizer", str(tmp_path / "tokenizer"), "--comm-timeout-s", "2")
     try:
         for i, n in enumerate([3, 50, 600]):
             ids = _prompt(n, 900 + i)
@@ -373,8 +373,26 @@ def test_sync_service_text_prompts_deadline_and_worker_death(reference, tmp_path
         assert r.status_code == 504 and "deadline of 1 s" in r.json()["error"]["message"]
         assert s.metric("asap_admitted_prompt_tokens") == 0
         assert s.metric("asap_requests_total", outcome="timeout") == 1
-        # a worker dies while a request is in flight: 503 naming it, /health 503, then the service exits 3
+        # a worker stopped for longer than the group's wait bound (2 s): the others wait for it in their
+        # collectives (a request meanwhile passes its deadline), nothing fails, and once it runs again the
+        # service serves on (before: the collective's wait timed out and the service exited)
         workers = s.client.get("/health").json()["workers"]
+        os.kill(workers[2]["pid"], signal.SIGSTOP)
+        try:
+            r = s.client.post("/v1/completions", json={"prompt": _prompt(50, 7)})
+            assert r.status_code == 504, r.text
+            time.sleep(4.0)
+        finally:
+            os.kill(workers[2]["pid"], signal.SIGCONT)
+        ids = _prompt(40, 8)
+        for _ in range(10):  # (a loaded host may need more than the 1 s deadline once: 504, then 200)
+            r = s.client.post("/v1/completions", json={"prompt": ids})
+            assert r.status_code in (200, 504), r.text
+            if r.status_code == 200:
+                break
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [reference(ids)[0]], r.text
+        assert s.proc.poll() is None and all(w["state"] == "alive" for w in s.client.get("/health").json()["workers"])
+        # a worker dies while a request is in flight: 503 naming it, /health 503, then the service exits 3
         box: dict = {}
         t = threading.Thread(target=lambda: box.update(r=httpx.post(s.url + "/v1/completions",
                                                                      json={"prompt": _prompt(12000, 2)}, timeout=60)))

@@ -24,6 +24,7 @@ KEY = "k3y-for-tests"
 BOUND = 2048
 TIMEOUT_S = 6.0
 STALL_S = 1.5
+COMM_S = 2.0  # the group's wait bound: the stall tests stop processes for longer
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -33,7 +34,7 @@ def svc():
     os.environ["ASAP_API_KEY"] = KEY  # the environment's key (the flag's path is checked in process)
     try:
         s = Server("--max-queued-tokens", str(BOUND), "--request-timeout-s", str(TIMEOUT_S), "--worker-stall-s",
-                   str(STALL_S), "--chunk-len", "256", "--token-budget", "256")
+                   str(STALL_S), "--chunk-len", "256", "--token-budget", "256", "--comm-timeout-s", str(COMM_S))
     finally:
         if old is None:
             del os.environ["ASAP_API_KEY"]
@@ -359,3 +360,52 @@ def test_an_answer_after_its_deadline_is_504_even_when_the_front_end_stalled(svc
     r = svc.api.post("/v1/completions", json={"prompt": ids})  # and it serves on, correctly
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [reference(ids)[0]]
     _no_traceback(svc)
+
+
+def test_a_front_end_stopped_with_its_inbox_full_does_not_end_the_service(svc, reference):
+    """The attention ranks are stopped while 120 requests are admitted (their inboxes fill with chunks); the
+    front end is stopped; the ranks resume and their results fill the front end's inbox, so they must wait to
+    send, for longer than the group's wait bound. Before, that send timed out and the service exited 3; now
+    the ranks wait as long as the front end lives. Every answer is the right token or a 504, and the service
+    serves on."""
+    health = svc.client.get("/health").json()
+    front = health["front_end_pid"]
+    attention = [w["pid"] for w in health["workers"] if "attention" in w["role"]]
+    prompts = [_prompt(8, 300 + i) for i in range(120)]
+    answers: dict = {}
+
+    def one(i):
+        answers[i] = httpx.post(svc.url + "/v1/completions", json={"prompt": prompts[i]}, headers=AUTH, timeout=120)
+
+    stopped = []
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    try:
+        for pid in attention:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        for t in threads:
+            t.start()
+        assert svc.wait_metric("asap_num_requests_running", lambda v: v >= len(prompts)) >= len(prompts)
+        time.sleep(0.5)  # the front end moves what fits into the ranks' inboxes
+        os.kill(front, signal.SIGSTOP)
+        stopped.append(front)
+        for pid in attention:
+            os.kill(pid, signal.SIGCONT)
+            stopped.remove(pid)
+        time.sleep(2 * COMM_S + 1.0)  # the ranks' sends into the full inbox wait past the group's wait bound
+        os.kill(front, signal.SIGCONT)
+        stopped.remove(front)
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    statuses = sorted({r.status_code for r in answers.values()})
+    assert len(answers) == len(prompts) and set(statuses) <= {200, 504}, statuses
+    for i, r in answers.items():
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["token_ids"] == [reference(prompts[i])[0]], i
+    assert svc.proc.poll() is None and "worker failure" not in svc.log()
+    ids = _prompt(32, 12)
+    r = svc.api.post("/v1/completions", json={"prompt": ids})
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [reference(ids)[0]]

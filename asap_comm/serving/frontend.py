@@ -21,6 +21,7 @@ from ..errors import CommError, LaunchError, PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
 from ..launch import launch
 from .metrics import RequestRecord
+from .patience import send_patiently
 from .policies import Placer, split_prompt
 from .protocol import (CANCEL, HDR, STOP, PromptRequest, decode_cancel, decode_chunk, decode_result, encode_cancel,
                        encode_chunk, encode_result, request_mailbox)
@@ -81,7 +82,8 @@ def finish_chunks(model, box, front: int, chunks, hs, caches: dict, batcher, can
         elif c.last:
             normed = model.final_norm(h[-1:])
             token = int(model.lm_head_logits(normed).argmax(-1)[0])
-            box.send(front, encode_result(normed[0], token), c.request_id)
+            # a stopped front end is waited out (its inbox fills); only its death ends the wait
+            send_patiently(box, front, encode_result(normed[0], token), c.request_id)
             del caches[c.request_id]
         batcher.done(c)
 
@@ -306,14 +308,11 @@ class FrontEnd:
         """Move queued messages into the ranks' inboxes; a full inbox is left for the next pump."""
         for rank, q in enumerate(self.pending):
             while q:
-                rid, payload, tag, queued_at = q[0]
+                rid, payload, tag, _ = q[0]
                 try:
                     self.box.send(rank, payload, tag, timeout=1e-4)
                 except CommTimeoutError:
-                    if time.monotonic() - queued_at > self.cfg.timeout_s:
-                        raise CommTimeoutError(f"front end: rank {rank}'s inbox stayed full for "
-                                               f"{self.cfg.timeout_s} s") from None
-                    break
+                    break  # a live rank's full inbox is waited out (a dead rank: DeathWatch, in pump)
                 q.popleft()
                 entry = self.inflight.get(rid) if rid is not None else None
                 if entry is not None:

@@ -772,6 +772,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM/Ctrl-C: in-flight grace")
     ap.add_argument("--failure-exit-s", type=float, default=10.0,
                     help="after a worker dies: answer 503 this long, then exit with status 3")
+    ap.add_argument("--comm-timeout-s", type=float, default=30.0,
+                    help="the communicator's default wait bound; the serving loops retry waits on a live peer "
+                         "that is slow or stopped, so it does not limit how long a peer may stall")
     ap.add_argument("--seed", type=int, default=0, help="random weights of a preset model")
     return ap
 
@@ -849,7 +852,8 @@ def main(argv=None) -> int:
             fnargs = ("sync", cfg, info, factory, store.port, front)
         print(f"asap serve: starting {world - 1} {args.mode} workers for {opts.model_name} ...", file=sys.stderr,
               flush=True)
-        results = launch(service_main, world, *fnargs, timeout=1e9, leader=world - 1, leader_grace=5.0)
+        results = launch(service_main, world, *fnargs, timeout=1e9, comm_timeout=args.comm_timeout_s,
+                         leader=world - 1, leader_grace=5.0)
     except LaunchError as e:
         print(f"asap serve: stopped: {str(e).splitlines()[0]}", file=sys.stderr)
         return 3

@@ -64,6 +64,7 @@ from ..errors import TimeoutError as CommTimeoutError
 from ..moe import ExpertBatch, apply_experts, expert_placement
 from ..rendezvous import gloo_group, loopback_store
 from .frontend import ChunkTaker, DeathWatch, Replay, finish_chunks, layer_loop, run_group, run_to_end
+from .patience import wait_patiently
 from .policies import MicroBatcher
 from .protocol import Channels, ModelInfo, PromptRequest, RunResult, RuntimeConfig, open_channels
 
@@ -122,7 +123,7 @@ class ShmCollectives:
                 comm.put(self.buf[par, me, : n * self.row_bytes], part.reshape(-1), d)
             comm.put(self.counts[par, me: me + 1], torch.tensor([n], dtype=torch.int64), d)
             comm.signal_op(self.arrived, par, 1, "add", d)
-        comm.signal_wait_until(self.arrived, par, ">=", (k + 1) * W)
+        wait_patiently(comm, self.arrived, par, ">=", (k + 1) * W, range(W))  # a stopped worker is waited out
         counts = self.counts[par].tolist()
         return [self.buf[par, s, : counts[s] * self.row_bytes].view(-1, self.row_bytes).clone() for s in range(W)]
 
