@@ -14,7 +14,7 @@ README for the memory-ordering contract of every call.
 """
 from ._native import _C  # noqa: F401  (fails with a build hint if the extension is missing)
 from .comm import Communicator, init
-from .errors import CommError, LaunchError, PeerFailure, TimeoutError
+from .errors import CommError, LaunchError, OutOfSharedMemory, PeerFailure, TimeoutError
 from .launch import launch
 from .mailbox import Mailbox, Message
 from . import ops  # noqa: F401  registers torch.ops.asap_comm.*
@@ -22,4 +22,4 @@ from . import ops  # noqa: F401  registers torch.ops.asap_comm.*
 __version__ = "0.1.0"
 
 __all__ = ["init", "launch", "Communicator", "Mailbox", "Message", "CommError", "TimeoutError", "PeerFailure",
-           "LaunchError", "__version__"]
+           "LaunchError", "OutOfSharedMemory", "__version__"]

@@ -44,7 +44,7 @@ from datetime import timedelta
 import torch
 
 from ._native import _C
-from .errors import CommError, PeerFailure, TimeoutError
+from .errors import CommError, OutOfSharedMemory, PeerFailure, TimeoutError
 from .mailbox import Mailbox
 from .rendezvous import GroupStore, bound_store, resolve_secret, spans_hosts_without_secret
 from .rendezvous import secret_token as _secret_token
@@ -157,6 +157,7 @@ class Communicator:
         name = self._new_name()
         self._ctrl_map = _C.create_segment(name, _C.CTRL_BYTES)
         self._linked.append(name)
+        _reserve("init", self._ctrl_map, 0, _C.CTRL_BYTES, "this PE's control block")
         self._ctrl_local = self._ctrl_map.addr
         _C.ctrl_init(self._ctrl_local, self.rank, self._pid)
         gs.set(f"host/{self.rank}", self.host_id)
@@ -512,6 +513,7 @@ class Communicator:
                 break
         else:
             chunk = self._grow(need)
+        _reserve(fn, chunk.local, chunk.used, need, "this PE's symmetric heap")
         a = _Alloc(chunk, chunk.used, need)
         chunk.used += need
         return a
@@ -1120,6 +1122,23 @@ class Communicator:
         return "alive" if bad is None else ("closed" if bad[1].startswith("closed") else "died")
 
 
+def _reserve(fn: str, mapping, offset: int, nbytes: int, what: str) -> None:
+    """Allocate ``nbytes`` at ``offset`` of this PE's own segment for real (segments are created sparse, and a
+    page that a full /dev/shm cannot back would raise SIGBUS when first touched, in this PE or in a peer)."""
+    err = mapping.reserve(offset, nbytes)
+    if err == 0:
+        return
+    try:
+        st = os.statvfs("/dev/shm")
+        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    except OSError:
+        free = total = 0
+    raise OutOfSharedMemory(f"{fn}: cannot allocate {what} in shared memory: /dev/shm has {free} bytes free "
+                            f"(of {total}), {nbytes} wanted ({os.strerror(err)}); free space there or enlarge it "
+                            "(e.g. mount -o remount,size=4g /dev/shm, or docker run --shm-size=4g)",
+                            path="/dev/shm", wanted=nbytes, free=free)
+
+
 def _recv_exact(s: socket.socket, n: int, what: str) -> bytes:
     out = b""
     while len(out) < n:
@@ -1230,8 +1249,9 @@ def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_a
     ``"auto"``.
     ``timeout`` is the default bound of every wait, in seconds.
     ``heap_chunk_bytes``: symmetric heap growth step (default 64 MiB, env
-    ``ASAP_HEAP_CHUNK_BYTES``); segments are sparse, so untouched bytes cost
-    nothing. Returns a :class:`Communicator` (also a context manager).
+    ``ASAP_HEAP_CHUNK_BYTES``); a chunk costs only the bytes handed out of it,
+    which are allocated for real when they are (``OutOfSharedMemory`` naming
+    /dev/shm if it is full, never SIGBUS later). Returns a :class:`Communicator` (also a context manager).
     ``group_secret``: the secret that admits a PE to the group (default ``$ASAP_GROUP_SECRET``; every PE of a
     group that spans hosts needs the same one; on one host without it, rank 0 generates one and hands it to
     the others through a file only this user can read). Everything a PE reads from the store is authenticated

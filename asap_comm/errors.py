@@ -6,7 +6,7 @@ the call that failed and carry the offending values.
 """
 import builtins
 
-__all__ = ["CommError", "TimeoutError", "PeerFailure", "LaunchError"]
+__all__ = ["CommError", "TimeoutError", "PeerFailure", "LaunchError", "OutOfSharedMemory"]
 
 
 class CommError(RuntimeError):
@@ -33,19 +33,34 @@ class PeerFailure(CommError):
         return (type(self), (str(self), self.pe, self.reason))
 
 
+class OutOfSharedMemory(CommError):
+    """Shared memory ran out: a segment could not be allocated for real (the library never leaves bytes that
+    would raise SIGBUS when first touched). Attributes: ``path`` (the shared-memory file system, ``/dev/shm``),
+    ``wanted`` (bytes this allocation needed) and ``free`` (bytes free there when it failed)."""
+
+    def __init__(self, message: str, path: str = "/dev/shm", wanted: int = 0, free: int = 0) -> None:
+        super().__init__(message)
+        self.path, self.wanted, self.free = path, wanted, free
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.path, self.wanted, self.free))
+
+
 class LaunchError(CommError):
     """A rank started by :func:`asap_comm.launch` raised or died.
 
     Attributes: ``rank`` (the failing rank), ``exitcode`` (None if it raised),
-    ``remote_traceback`` (the rank's formatted traceback, if it raised).
+    ``remote_traceback`` (the rank's formatted traceback, if it raised),
+    ``remote_type`` (the name of the exception class it raised, if it raised).
     """
 
     def __init__(self, message: str, rank: int, exitcode: "int | None" = None,
-                 remote_traceback: "str | None" = None) -> None:
+                 remote_traceback: "str | None" = None, remote_type: "str | None" = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
         self.remote_traceback = remote_traceback
+        self.remote_type = remote_type
 
     def __reduce__(self):
-        return (type(self), (str(self), self.rank, self.exitcode, self.remote_traceback))
+        return (type(self), (str(self), self.rank, self.exitcode, self.remote_traceback, self.remote_type))

@@ -213,7 +213,7 @@ def _collect(procs, conns, timeout: float, leader: "int | None" = None, leader_g
                 prio = 2 if is_peer else 1
                 failures.append((prio, len(failures), LaunchError(
                     f"launch: rank {r} raised {name}: {text}\n--- traceback of rank {r} ---\n{tb}",
-                    rank=r, remote_traceback=tb)))
+                    rank=r, remote_traceback=tb, remote_type=name)))
                 done[r] = True
             if leader is not None:
                 if done[leader] and grace_end is None:

@@ -24,17 +24,23 @@ namespace asap {
 // created over its buffer) that owns it.
 class Mapping {
  public:
-  Mapping(void* addr, size_t size) : addr_(addr), size_(size) {}
+  Mapping(void* addr, size_t size, int fd = -1) : addr_(addr), size_(size), fd_(fd) {}
   ~Mapping();
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
   uintptr_t addr() const { return reinterpret_cast<uintptr_t>(addr_); }
   size_t size() const { return size_; }
   void* ptr() const { return addr_; }
+  // Allocates bytes [offset, offset + n) of a segment this PE created for
+  // real (posix_fallocate), so that touching them can never raise SIGBUS on
+  // a full /dev/shm. Returns 0 or the errno (ENOSPC: no room); EBADF for a
+  // mapping of a peer's segment (its owner allocates it).
+  int reserve(size_t offset, size_t n) const;
 
  private:
   void* addr_;
   size_t size_;
+  int fd_;  // the segment's descriptor when this PE created it (kept for reserve), else -1
 };
 
 // Every live Mapping registers its address range (created or mapped here,

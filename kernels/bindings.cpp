@@ -168,6 +168,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Mapping>(m, "Mapping", py::buffer_protocol())
       .def_property_readonly("addr", &Mapping::addr)
       .def_property_readonly("size", &Mapping::size)
+      .def("reserve", &Mapping::reserve, py::arg("offset"), py::arg("nbytes"),
+           "Allocate bytes [offset, offset + nbytes) of this PE's own segment for real; 0 or an errno.")
       .def_buffer([](Mapping& mp) -> py::buffer_info {
         return py::buffer_info(mp.ptr(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(mp.size())}, {1});

@@ -65,6 +65,19 @@ Mapping::~Mapping() {
     unregister_range(addr_);
     munmap(addr_, size_);
   }
+  if (fd_ >= 0) close(fd_);
+}
+
+int Mapping::reserve(size_t offset, size_t n) const {
+  if (fd_ < 0) return EBADF;
+  if (offset > size_ || n > size_ - offset) return EINVAL;
+  if (n == 0) return 0;
+  // posix_fallocate returns the error number (it does not set errno); tmpfs implements it natively.
+  int r;
+  do {
+    r = posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(n));
+  } while (r == EINTR);
+  return r;
 }
 
 Mapping* create_segment(const std::string& name, size_t size) {
@@ -80,15 +93,15 @@ Mapping* create_segment(const std::string& name, size_t size) {
   }
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   int saved = errno;
-  close(fd);
   if (p == MAP_FAILED) {
+    close(fd);
     errno = saved;
     std::string msg = errno_text("mmap", name);
     shm_unlink(name.c_str());
     throw std::runtime_error(msg);
   }
   register_range(p, size);
-  return new Mapping(p, size);
+  return new Mapping(p, size, fd);  // keeps fd: the owner allocates ranges for real (reserve)
 }
 
 Mapping* map_segment(const std::string& name, size_t size) {

@@ -855,7 +855,11 @@ def main(argv=None) -> int:
         results = launch(service_main, world, *fnargs, timeout=1e9, comm_timeout=args.comm_timeout_s,
                          leader=world - 1, leader_grace=5.0)
     except LaunchError as e:
-        print(f"asap serve: stopped: {str(e).splitlines()[0]}", file=sys.stderr)
+        first = str(e).splitlines()[0]
+        if e.remote_type == "OutOfSharedMemory":  # a setting of this machine, not a failure of the service
+            print(f"asap serve: {first.split('raised OutOfSharedMemory: ', 1)[-1]}", file=sys.stderr)
+            return 2
+        print(f"asap serve: stopped: {first}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("asap serve: stopped at once (second signal)", file=sys.stderr)
