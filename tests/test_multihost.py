@@ -570,3 +570,104 @@ def test_closing_after_a_completed_barrier_never_fails_a_peer_still_in_it(hosts)
         for h in hogs:
             h.kill()
             h.wait(timeout=30)
+
+
+# --------------------------------------------------------------------------- the HTTP service across hosts
+_HTTP = r"""
+import json, sys, time, urllib.request, urllib.error
+url, method, body, repeat, pause = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+for i in range(repeat):
+    data = None if method == "GET" else json.dumps(body if not isinstance(body, list) else body[i % len(body)]).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = (r.status, json.loads(r.read() or b"null"))
+    except urllib.error.HTTPError as e:
+        out = (e.code, json.loads(e.read() or b"null"))
+    except Exception as e:
+        out = (0, str(e))
+    print(json.dumps(out), flush=True)
+    time.sleep(pause)
+"""
+
+
+def _http(host, path: str, port: int, body=None, repeat: int = 1, pause: float = 0.0, wait: bool = True):
+    """Requests from inside ``host`` (its loopback): [(status, json body)], or the running process."""
+    p = host.popen([sys.executable, "-c", _HTTP, f"http://127.0.0.1:{port}{path}", "GET" if body is None else "POST",
+                    json.dumps(body), str(repeat), str(pause)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                   text=True)
+    if not wait:
+        return p
+    out = p.communicate(timeout=120)[0]
+    return [tuple(json.loads(line)) for line in out.splitlines() if line.startswith("[")]
+
+
+def test_the_http_service_across_hosts_serves_then_reports_a_lost_host():
+    """``python -m asap_comm.serving.server`` under torchrun on two hosts: the front end and HTTP on node 0 with
+    one attention rank, the other attention rank and both expert ranks on node 1. Same endpoints, answers equal
+    the reference forward. Then node 1's link goes down under load: its workers are reported dead in /health,
+    requests get 503 with the reason, the front end exits 3 and nothing is left on node 0."""
+    from models import preset, random_init
+
+    model = random_init(preset("tiny"), seed=0)
+    prompts = [[(7 * i + 3 * j) % 120 + 1 for j in range(5 + 11 * i)] for i in range(6)]
+    want = [int(model.prefill(torch.tensor(p)).logits[-1].argmax()) for p in prompts]
+    port = 18080
+    with Hosts(2) as hs:
+        procs = torchrun(hs, [2, 3], ["-m", "asap_comm.serving.server", "--model", "tiny", "--port", str(port),
+                                      "--attention-ranks", "2", "--expert-ranks", "2", "--failure-exit-s", "2",
+                                      "--comm-timeout-s", "10"], env={**os.environ, "ASAP_NET_PEER_TIMEOUT_S": "3"})
+        try:
+            deadline = time.monotonic() + 300
+            while True:  # a hang guard for the start-up, not a speed check
+                got = _http(hs[0], "/health", port)
+                if got and got[0][0] == 200:
+                    break
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                    "\n".join((p.communicate(timeout=10)[0] or "")[-3000:] for p in procs if p.poll() is not None)
+                time.sleep(1.0)
+            health = got[0][1]
+            assert [w["state"] for w in health["workers"]] == ["alive"] * 4, health
+            answers = _http(hs[0], "/v1/completions", port, [{"prompt": p} for p in prompts], repeat=len(prompts))
+            assert [a[0] for a in answers] == [200] * len(prompts), answers
+            assert [a[1]["choices"][0]["token_ids"][0] for a in answers] == want
+            load = _http(hs[0], "/v1/completions", port, [{"prompt": p} for p in prompts], repeat=400, pause=0.02,
+                         wait=False)
+            time.sleep(1.0)
+            hs[1].link_down()
+            deadline = time.monotonic() + 60
+            dead = None
+            while dead is None:
+                got = _http(hs[0], "/health", port)
+                if got and got[0][0] == 503 and isinstance(got[0][1], dict) and \
+                        [w["state"] for w in got[0][1]["workers"]][1:] == ["died"] * 3:
+                    dead = got[0][1]
+                elif procs[0].poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            statuses = [tuple(json.loads(line)) for line in load.communicate(timeout=120)[0].splitlines()
+                        if line.startswith("[")]
+            log0 = procs[0].communicate(timeout=120)[0]
+            deadline = time.monotonic() + 30  # node 0 after its torchrun ended: no process, no segment left
+            while True:
+                pids = subprocess.run(["ip", "netns", "pids", hs[0].ns], capture_output=True, text=True).stdout.split()
+                left = [pid for pid in pids if int(pid) != hs[0].holder.pid]
+                if not left or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            shm = hs[0].popen(["sh", "-c", "ls -a /dev/shm"], stdout=subprocess.PIPE, text=True).communicate(
+                timeout=30)[0].split()
+        finally:
+            for h in hs.hosts:
+                h.kill_all()
+        assert left == [], left
+        assert [f for f in shm if f.startswith("asap-")] == [], shm
+        assert dead is not None, (got, log0[-3000:])
+        # node 0's attention rank lives on, or has already left: its experts are gone (never "died")
+        assert dead["workers"][0]["state"] in ("alive", "closed") and "died" in dead["error"], dead
+        codes = {s for s, _ in statuses}
+        assert codes <= {0, 200, 503}, codes  # 0: the connection closed as the front end exited
+        ok = [b for s, b in statuses if s == 200]
+        assert all(b["choices"][0]["token_ids"][0] in want for b in ok)
+        assert any(s == 503 and "died" in b["error"]["message"] for s, b in statuses if s == 503), statuses[-5:]
+        assert "asap serve: exited after worker failure" in log0 and "exitcode" in log0 and ": 3" in log0, log0[-3000:]
