@@ -1,6 +1,8 @@
 """MoE prefill across hosts: one PE per process, launched by torchrun on every host.
 
-    # on host 0 (attention ranks) and host 1 (expert ranks and the front end), the same command but --node-rank:
+    # on host 0 (attention ranks) and host 1 (expert ranks and the front end), the same command but --node-rank,
+    # with the same group secret on every host (python -c "import secrets; print(secrets.token_hex(32))"):
+    export ASAP_GROUP_SECRET=...
     torchrun --nnodes 2 --nproc-per-node 3 --node-rank 0 --master-addr HOST0 --master-port 29500 \\
         examples/prefill_multihost.py --mode async --out runs/multihost
 
