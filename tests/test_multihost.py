@@ -16,7 +16,6 @@ import random
 import resource
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -24,6 +23,7 @@ import torch
 
 import asap_comm
 from asap_comm.moe import MoEPlan
+from faults_lib import cpu_hogs, http_in_host, rogue_peer, victim
 from netns import Hosts, run_across_hosts, torchrun, unavailable
 
 _why = unavailable()
@@ -432,67 +432,12 @@ def test_a_group_across_hosts_without_a_secret_refuses_to_start(hosts):
     assert results[0][0] == "init_error", results[0]
 
 
-_ROGUE = r"""
-import os, sys, time, torch
-import asap_comm
-from asap_comm._native import _C
-from asap_comm.comm import load_net
-addr = bytes.fromhex(open(sys.argv[1]).read())
-tls, _ = load_net("a rogue peer")
-g = _C.Group(1, 2)  # claims to be PE 1 of the victim's group
-ctrl = _C.create_segment("/asap-rogue-" + os.urandom(8).hex(), _C.CTRL_BYTES)
-_C.ctrl_init(ctrl.addr, 1, os.getpid())
-g.set_peer(1, ctrl.addr, os.getpid())
-eng = _C.NetEngine(g, ctrl.addr, 5.0, tls)
-eng.connect(0, addr)
-eng.authenticate(0)  # (its own side: it trusts the victim; the victim does not trust it)
-junk = torch.full((16,), 666.0)
-eng.put(0, 1, 0, junk, 0, 64)                 # into the victim's first heap chunk
-eng.signal(0, 1, 64, 7, 0, False, 5.0)        # and a signal word after it
-eng.handshake_send(0, True, b"\0" * 32)       # a forged answer to a challenge nobody sent it
-for _ in range(50):
-    eng.poll()
-    time.sleep(0.01)
-eng.shutdown()
-print("rogue done", flush=True)
-"""
-
-
-def _victim(comm, out_dir):
-    x = comm.zeros(32, torch.float32)  # heap chunk 0 = region 1: bytes 0..127
-    comm.barrier()
-    if comm.rank == 0:
-        with open(os.path.join(out_dir, "addr"), "w") as f:
-            f.write(comm._net.address().hex())
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(out_dir, "rogue-done")) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    comm.barrier(timeout=90)
-    untouched = bool(torch.equal(x, torch.zeros(32)))
-    comm.barrier()
-    return {"untouched": untouched, "stats": comm.net_stats()}
-
-
 def test_a_rogue_network_peer_is_ignored_and_counted(hosts, tmp_path):
     """A process outside the group that knows PE 0's network address (as a sniffer of the store would) connects
     claiming to be PE 1 and sends a put, a signal and a forged handshake answer: nothing is applied, the group
     goes on, and PE 0 counts each message as unauthenticated."""
     out = str(tmp_path)
-
-    def rogue(hs, procs):
-        deadline = time.monotonic() + 90
-        while not os.path.exists(os.path.join(out, "addr")):
-            assert time.monotonic() < deadline, "PE 0 never published its address"
-            assert all(p.poll() is None for p in procs), "a PE ended early"
-            time.sleep(0.05)
-        p = hs[1].popen([sys.executable, "-c", _ROGUE, os.path.join(out, "addr")], stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True)
-        text = p.communicate(timeout=60)[0]
-        with open(os.path.join(out, "rogue-done"), "w") as f:
-            f.write(text)
-        assert p.returncode == 0 and "rogue done" in text, text
-
-    results = run_across_hosts(hosts, [1, 1], _victim, out, timeout=150, during=rogue)
+    results = run_across_hosts(hosts, [1, 1], victim, out, timeout=150, during=rogue_peer(out))
     assert results[0]["untouched"] and results[1]["untouched"], results
     assert results[0]["stats"]["unauthenticated"] >= 3, results[0]["stats"]
     assert results[1]["stats"]["unauthenticated"] == 0, results[1]["stats"]
@@ -530,8 +475,7 @@ def test_a_busy_or_stopped_peer_is_never_declared_dead(tmp_path):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the PEs never started"
             time.sleep(0.05)
         pid1 = int(open(os.path.join(out, "ready-1")).read())
-        hogs = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.monotonic() + 12\n"
-                                  "while time.monotonic() < t: pass"]) for _ in range(os.cpu_count() or 2)]
+        hogs = cpu_hogs(12)
         try:
             time.sleep(2)
             os.kill(pid1, signal.SIGSTOP)
@@ -560,8 +504,7 @@ def test_closing_after_a_completed_barrier_never_fails_a_peer_still_in_it(hosts)
     """Two hosts x 2 PEs under torchrun on a host kept busy (CPU hogs at nice 0 on every core): each PE ends
     with barrier(); close(). A PE released early closes while its peers may still wait for their release; its
     goodbye carries the rounds it completed, so none of them fails. Three groups in a row."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.monotonic() + 120\n"
-                              "while time.monotonic() < t: pass"]) for _ in range(os.cpu_count() or 2)]
+    hogs = cpu_hogs(120)
     try:
         for _ in range(3):
             results = run_across_hosts(hosts, [2, 2], _barriers_then_close, 20, launcher="torchrun", timeout=150)
@@ -573,35 +516,6 @@ def test_closing_after_a_completed_barrier_never_fails_a_peer_still_in_it(hosts)
 
 
 # --------------------------------------------------------------------------- the HTTP service across hosts
-_HTTP = r"""
-import json, sys, time, urllib.request, urllib.error
-url, method, body, repeat, pause = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-for i in range(repeat):
-    data = None if method == "GET" else json.dumps(body if not isinstance(body, list) else body[i % len(body)]).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            out = (r.status, json.loads(r.read() or b"null"))
-    except urllib.error.HTTPError as e:
-        out = (e.code, json.loads(e.read() or b"null"))
-    except Exception as e:
-        out = (0, str(e))
-    print(json.dumps(out), flush=True)
-    time.sleep(pause)
-"""
-
-
-def _http(host, path: str, port: int, body=None, repeat: int = 1, pause: float = 0.0, wait: bool = True):
-    """Requests from inside ``host`` (its loopback): [(status, json body)], or the running process."""
-    p = host.popen([sys.executable, "-c", _HTTP, f"http://127.0.0.1:{port}{path}", "GET" if body is None else "POST",
-                    json.dumps(body), str(repeat), str(pause)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                   text=True)
-    if not wait:
-        return p
-    out = p.communicate(timeout=120)[0]
-    return [tuple(json.loads(line)) for line in out.splitlines() if line.startswith("[")]
-
-
 def test_the_http_service_across_hosts_serves_then_reports_a_lost_host():
     """``python -m asap_comm.serving.server`` under torchrun on two hosts: the front end and HTTP on node 0 with
     one attention rank, the other attention rank and both expert ranks on node 1. Same endpoints, answers equal
@@ -620,7 +534,7 @@ def test_the_http_service_across_hosts_serves_then_reports_a_lost_host():
         try:
             deadline = time.monotonic() + 300
             while True:  # a hang guard for the start-up, not a speed check
-                got = _http(hs[0], "/health", port)
+                got = http_in_host(hs[0], "/health", port)
                 if got and got[0][0] == 200:
                     break
                 assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
@@ -628,17 +542,18 @@ def test_the_http_service_across_hosts_serves_then_reports_a_lost_host():
                 time.sleep(1.0)
             health = got[0][1]
             assert [w["state"] for w in health["workers"]] == ["alive"] * 4, health
-            answers = _http(hs[0], "/v1/completions", port, [{"prompt": p} for p in prompts], repeat=len(prompts))
+            answers = http_in_host(hs[0], "/v1/completions", port, [{"prompt": p} for p in prompts],
+                                   repeat=len(prompts))
             assert [a[0] for a in answers] == [200] * len(prompts), answers
             assert [a[1]["choices"][0]["token_ids"][0] for a in answers] == want
-            load = _http(hs[0], "/v1/completions", port, [{"prompt": p} for p in prompts], repeat=400, pause=0.02,
-                         wait=False)
+            load = http_in_host(hs[0], "/v1/completions", port, [{"prompt": p} for p in prompts], repeat=400,
+                                pause=0.02, wait=False)
             time.sleep(1.0)
             hs[1].link_down()
             deadline = time.monotonic() + 60
             dead = None
             while dead is None:
-                got = _http(hs[0], "/health", port)
+                got = http_in_host(hs[0], "/health", port)
                 if got and got[0][0] == 503 and isinstance(got[0][1], dict) and \
                         [w["state"] for w in got[0][1]["workers"]][1:] == ["died"] * 3:
                     dead = got[0][1]

@@ -4,11 +4,11 @@
 private mount namespace whose /dev/shm is a small tmpfs (needs root, as the multi-host tests do)."""
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 
 import pytest
+from faults_lib import in_small_shm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,13 +27,6 @@ if _why is not None:
         pytest.fail(f"shared-memory exhaustion tests cannot run ({_why}) and $ASAP_REQUIRE_NETNS is set",
                     pytrace=False)
     pytest.skip(_why, allow_module_level=True)
-
-
-def _in_small_shm(size: str, argv: "list[str]", timeout: float) -> subprocess.CompletedProcess:
-    """Run ``argv`` with a private /dev/shm of ``size`` (a tmpfs in a mount namespace of its own)."""
-    script = f'mount -t tmpfs -o size={size},mode=1777 tmpfs /dev/shm && exec "$@"'
-    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 _GROUP = textwrap.dedent("""
@@ -57,7 +50,7 @@ _GROUP = textwrap.dedent("""
 def test_a_full_dev_shm_is_a_clear_error_not_sigbus(tmp_path):
     script = tmp_path / "group.py"
     script.write_text(_GROUP)
-    r = _in_small_shm("2m", [sys.executable, str(script)], timeout=180)
+    r = in_small_shm("2m", [sys.executable, str(script)], timeout=180, cwd=REPO)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "LAUNCH_ERROR OutOfSharedMemory" in out, out
@@ -66,8 +59,8 @@ def test_a_full_dev_shm_is_a_clear_error_not_sigbus(tmp_path):
 
 
 def test_the_server_exits_2_naming_dev_shm():
-    r = _in_small_shm("700k", [sys.executable, "-m", "asap_comm.serving.server", "--model", "tiny", "--port", "0"],
-                      timeout=300)
+    r = in_small_shm("700k", [sys.executable, "-m", "asap_comm.serving.server", "--model", "tiny", "--port", "0"],
+                     timeout=300, cwd=REPO)
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "/dev/shm has" in ln]
     assert lines and "wanted" in lines[0] and lines[0].startswith("asap serve: "), r.stderr
