@@ -260,7 +260,8 @@ class _Service:
                     for c in fe.pump(_BLOCK_S if busy else 0.0):
                         self._complete(c)
                 except PeerFailure as e:
-                    self._fail(f"{self.role_of(e.pe)} PE {e.pe} {e.reason}")
+                    pe, reason = self._root_cause(e.pe, e.reason)
+                    self._fail(f"{self.role_of(pe)} PE {pe} {reason}")
                 except CommTimeoutError as e:
                     self._fail(str(e))
                 except CommError as e:
@@ -313,6 +314,15 @@ class _Service:
         self.deadline_of.pop(rid, None)
         if fut is not None and not fut.done():
             fut.set_exception(err)
+
+    def _root_cause(self, pe, reason) -> tuple:
+        """The PE to name for a failure first seen as ``pe`` ``reason``: a worker that closed usually did so
+        because another one died (it left when its wait failed), so a worker that died is named first."""
+        if reason != "died":
+            for other in range(self.comm.world_size - 1):
+                if self.comm.peer_state(other) == "died":
+                    return other, "died"
+        return pe, reason
 
     def _fail(self, what: str) -> None:
         self.failure = f"worker failure: {what}"
@@ -944,7 +954,9 @@ def _serve_one_pe(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions)
                 print(f"asap serve: PE {pe}: {e}", file=sys.stderr)
                 return 2
             except CommError as e:  # PeerFailure, TimeoutError: the group failed under this worker
-                print(f"asap serve: PE {pe}: stopped: {e}", file=sys.stderr)
+                print(f"asap serve: PE {pe}: stopped: {e}", file=sys.stderr, flush=True)
+                if not is_front:  # leave after the front end: torchrun stops a node's processes once one fails,
+                    _outlive_front_end(comm, opts)  # which would cut short the front end's 503 answers
                 return 3
     except KeyboardInterrupt:
         print("asap serve: stopped at once (second signal)", file=sys.stderr)
@@ -953,6 +965,15 @@ def _serve_one_pe(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions)
         for s, h in old.items():
             signal.signal(s, h)
     return _exit_status(payload) if role == "front" else 0
+
+
+def _outlive_front_end(comm, opts: ServiceOptions) -> None:
+    """A worker whose group failed waits (bounded) until the front end has answered 503 for its
+    ``--failure-exit-s`` and left."""
+    front = comm.world_size - 1
+    deadline = time.monotonic() + opts.failure_exit_s + 15.0
+    while time.monotonic() < deadline and comm.peer_state(front) == "alive":
+        time.sleep(0.1)
 
 
 def _missing(module: str) -> bool:
