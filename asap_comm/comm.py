@@ -1150,19 +1150,31 @@ def _recv_exact(s: socket.socket, n: int, what: str) -> bytes:
 
 
 def _address_towards(target: "str | None") -> str:
-    """This host's address on the route toward ``target`` (the store's host): the address peers on other hosts
-    reach it at. Without a target, the address the hostname resolves to."""
+    """The address peers on other hosts reach this host at: ``$ASAP_NET_ADDR`` if set, else this host's address
+    on the route toward ``target`` (the store's host), else a non-loopback address its hostname resolves to."""
+    override = os.environ.get("ASAP_NET_ADDR")
+    if override:
+        return override
+    candidates = []
     if target:
         try:
             family = socket.AF_INET6 if ":" in target else socket.AF_INET
             with socket.socket(family, socket.SOCK_DGRAM) as s:
                 s.connect((target, 9))  # a datagram socket's connect sends nothing: it picks the route
-                addr = s.getsockname()[0]
-            if not addr.startswith("127.") and addr != "::1":
-                return addr
+                candidates.append(s.getsockname()[0])
         except OSError:
             pass
-    return socket.gethostbyname(socket.gethostname())
+    for name in (socket.gethostname(), socket.getfqdn()):
+        try:
+            candidates += [info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)]
+        except OSError:
+            pass
+    for addr in candidates:
+        if not addr.startswith("127.") and addr != "::1":
+            return addr
+    raise CommError(f"init: this group spans hosts, but no address of this host ({socket.gethostname()}) other "
+                    f"than loopback was found toward {target or 'the store'} (seen: {sorted(set(candidates))}); "
+                    "set ASAP_NET_ADDR to the address its peers reach it at")
 
 
 def _unlink_quietly(path: str) -> None:
