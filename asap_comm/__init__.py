@@ -13,7 +13,8 @@ or, on one host, ``asap_comm.launch(fn, world_size)``. See DESIGN.md and the
 README for the memory-ordering contract of every call.
 """
 from ._native import _C  # noqa: F401  (fails with a build hint if the extension is missing)
-from .comm import Communicator, init
+from .comm import Communicator
+from .group import init
 from .errors import CommError, LaunchError, OutOfSharedMemory, PeerFailure, TimeoutError
 from .launch import launch
 from .mailbox import Mailbox, Message

@@ -281,3 +281,11 @@ def gloo_group(store, prefix: str, rank: int, world_size: int, timeout_s: float,
         opts._timeout = timedelta(seconds=timeout_s)
     dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s), pg_options=opts)
+
+
+def host_summary(hosts: "list[str]") -> str:
+    """``'h0': PEs [0, 1], 'h1': PEs [2, 3]``: which PEs run on which host, for error messages."""
+    by: "dict[str, list[int]]" = {}
+    for pe, h in enumerate(hosts):
+        by.setdefault(h, []).append(pe)
+    return ", ".join(f"{h!r}: PEs {pes}" for h, pes in by.items())
