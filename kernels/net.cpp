@@ -52,6 +52,7 @@
 #include <pybind11/stl.h>
 
 #include "asap_shm.hpp"
+#include "ctrl.hpp"
 #include "handles.hpp"
 
 #ifdef ASAP_HAVE_UCX
@@ -273,7 +274,7 @@ class NetEngine final : public NetIface {
       throw std::runtime_error(ucs_err("worker set-up", st));
     }
     // region 0: this PE's control block
-    regions_.push_back({reinterpret_cast<char*>(own_ctrl), 4096});
+    regions_.push_back({reinterpret_cast<char*>(own_ctrl), kCtrlBytes});
   }
 
   ~NetEngine() override { shutdown(); }
@@ -1318,6 +1319,12 @@ class NetEngine final : public NetIface {
   std::string last_error_;
 };
 
+CtrlSpan ctrl_word_span(const char* fn, int64_t word) {
+  CtrlSpan s;
+  if (!ctrl_span(word, &s)) throw py::value_error(std::string("_C.NetEngine.") + fn + ": unknown control word " + std::to_string(word));
+  return s;
+}
+
 }  // namespace
 
 void bind_net(py::module& m) {
@@ -1360,6 +1367,20 @@ void bind_net(py::module& m) {
            },
            py::arg("pe"), py::arg("region"), py::arg("off"), py::arg("dst"), py::arg("dst_off"), py::arg("nbytes"),
            py::arg("timeout_s"))
+      // The control block by word id (kernels/ctrl.hpp): Python never adds its offsets.
+      .def("signal_ctrl",
+           [](NetEngine& e, int pe, int64_t word, uint64_t value, int op, bool fetch, double timeout_s) {
+             return e.signal(pe, 0, ctrl_word_span("signal_ctrl", word).off, value, op, fetch, timeout_s);
+           },
+           py::arg("pe"), py::arg("word"), py::arg("value"), py::arg("op"), py::arg("fetch"), py::arg("timeout_s"))
+      .def("get_ctrl",
+           [](NetEngine& e, int pe, int64_t word, py::handle dst, double timeout_s) {
+             const CtrlSpan s = ctrl_word_span("get_ctrl", word);
+             uintptr_t p;
+             if (!tensor_span(dst.ptr(), "get", "dst", 0, s.nbytes, &p)) throw py::error_already_set();
+             e.get(pe, 0, s.off, p, s.nbytes, timeout_s);
+           },
+           py::arg("pe"), py::arg("word"), py::arg("dst"), py::arg("timeout_s"))
       .def("quiet", &NetEngine::quiet, py::arg("timeout_s"))
       .def("poll", &NetEngine::poll)
       .def("stats", &NetEngine::stats)
