@@ -25,7 +25,7 @@ namespace py = pybind11;
 using namespace asap;
 
 namespace asap {
-void bind_net(py::module& m);  // kernels/net.cpp
+void bind_net(py::module& m);  // kernels/net_py.cpp
 }
 
 namespace {
