@@ -18,13 +18,14 @@
 #include <string>
 
 #include "asap_shm.hpp"
+#include "ctrl.hpp"
 #include "handles.hpp"
 
 namespace py = pybind11;
 using namespace asap;
 
 namespace asap {
-void bind_net(py::module& m);  // kernels/net.cpp
+void bind_net(py::module& m);  // kernels/net_py.cpp
 }
 
 namespace {
@@ -109,7 +110,40 @@ PyObject* fc_copy_from(PyObject*, PyObject* const* a, Py_ssize_t n) {
   Py_RETURN_NONE;
 }
 
+// The span of control word `word`, or a ValueError naming `fn` and the value.
+bool ctrl_word(const char* fn, PyObject* w, CtrlSpan* span) {
+  const int64_t word = I(w);
+  if (failed()) return false;
+  if (!ctrl_span(word, span)) {
+    PyErr_Format(PyExc_ValueError, "_C.%s: unknown control word %lld", fn, static_cast<long long>(word));
+    return false;
+  }
+  return true;
+}
+
+// ctrl_addr(ctrl_base, word) -> int: the address of `word` in the control block mapped at ctrl_base.
+PyObject* fc_ctrl_addr(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (!nargs_ok("ctrl_addr", n, 2)) return nullptr;
+  const uint64_t base = U(a[0]);
+  CtrlSpan s;
+  if (failed() || !ctrl_word("ctrl_addr", a[1], &s) || !check_mapped("ctrl_addr", "control block", base, kCtrlBytes))
+    return nullptr;
+  return PyLong_FromUnsignedLongLong(base + s.off);
+}
+
+// ctrl_span(word) -> (offset within the control block, nbytes)
+PyObject* fc_ctrl_span(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (!nargs_ok("ctrl_span", n, 1)) return nullptr;
+  CtrlSpan s;
+  if (!ctrl_word("ctrl_span", a[0], &s)) return nullptr;
+  return Py_BuildValue("(KK)", static_cast<unsigned long long>(s.off), static_cast<unsigned long long>(s.nbytes));
+}
+
 PyMethodDef g_fast_methods[] = {
+    {"ctrl_addr", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_ctrl_addr)), METH_FASTCALL,
+     "ctrl_addr(ctrl_base, word) -> int: the address of a control word (_C.CTRL_*)"},
+    {"ctrl_span", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_ctrl_span)), METH_FASTCALL,
+     "ctrl_span(word) -> (offset, nbytes) of a control word (_C.CTRL_*) within the control block"},
     {"signal_update", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_signal_update)), METH_FASTCALL,
      "signal_update(sig, value, op, owner_ctrl) -> old"},
     {"load", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fc_load)), METH_FASTCALL, "load(addr) -> int"},
@@ -228,12 +262,15 @@ PYBIND11_MODULE(_C, m) {
     need_mapped("ctrl_pid", addr, sizeof(Ctrl));
     return reinterpret_cast<Ctrl*>(addr)->pid;
   });
-  m.attr("CTRL_BYTES") = py::int_(4096);
-  // Collective-call records (written by Python, asap_comm/comm.py): two slots
-  // of [int64 call number][int64 length][description] after the Ctrl block.
-  static_assert(sizeof(Ctrl) <= 2048, "the control block overlaps the collective-call records");
-  m.attr("CTRL_COLL_OFFSET") = py::int_(2048);
-  m.attr("CTRL_COLL_SLOT_BYTES") = py::int_(512);
+  m.attr("CTRL_BYTES") = py::int_(kCtrlBytes);
+  // Control words by id (kernels/ctrl.hpp): Python asks ctrl_addr / ctrl_span for them.
+  m.attr("CTRL_ARRIVE") = py::int_(static_cast<int>(kCtrlArrive));
+  m.attr("CTRL_GEN") = py::int_(static_cast<int>(kCtrlGen));
+  m.attr("CTRL_DONE") = py::int_(static_cast<int>(kCtrlDone));
+  m.attr("CTRL_RECORDS") = py::int_(static_cast<int>(kCtrlRecords));
+  m.attr("CTRL_COLL_SLOT_BYTES") = py::int_(kCtrlCollSlotBytes);
+  // The offsets themselves (older callers; ctrl_addr / ctrl_span replace them).
+  m.attr("CTRL_COLL_OFFSET") = py::int_(kCtrlCollOffset);
   m.attr("BARRIER_ARRIVE_OFFSET") = py::int_(offsetof(Ctrl, barrier_arrive));
   m.attr("BARRIER_GEN_OFFSET") = py::int_(offsetof(Ctrl, barrier_gen));
   m.attr("BARRIER_DONE_OFFSET") = py::int_(offsetof(Ctrl, barrier_done));
