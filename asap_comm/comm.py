@@ -183,7 +183,7 @@ class Communicator:
     @property
     def backend(self) -> str:
         """``'shm'`` when every PE shares this host, ``'auto'`` (shm within a host + net across) otherwise."""
-        return "shm" if self._link is None else "auto"
+        return "shm" if len(set(self.hosts)) == 1 else "auto"
 
     def is_remote(self, pe: int) -> bool:
         """True when PE ``pe`` is on another host (reached through the network engine)."""
@@ -571,7 +571,6 @@ class Communicator:
         pe = self._check_pe("peer_state", pe)
         bad = self._group.check(pe)
         return "alive" if bad is None else ("closed" if bad[1].startswith("closed") else "died")
-
 
 
 def _by_id(comm_id: int) -> Communicator:

@@ -24,21 +24,9 @@ __all__ = ["Transport", "CTRL_ARRIVE", "CTRL_GEN", "CTRL_DONE", "CTRL_RECORDS", 
 OPS = {"set": 0, "add": 1}
 COPY_WITH_TORCH = 1 << 20  # contiguous copies this large use torch's multithreaded copy_ on one host
 
-if hasattr(_C, "ctrl_span"):
-    CTRL_ARRIVE, CTRL_GEN, CTRL_DONE, CTRL_RECORDS = _C.CTRL_ARRIVE, _C.CTRL_GEN, _C.CTRL_DONE, _C.CTRL_RECORDS
-    ctrl_addr, ctrl_span = _C.ctrl_addr, _C.ctrl_span
-else:  # an extension from before the control-word API: the same layout, looked up here
-    CTRL_ARRIVE, CTRL_GEN, CTRL_DONE, CTRL_RECORDS = 0, 1, 2, 3
-    _SPANS = {CTRL_ARRIVE: (_C.BARRIER_ARRIVE_OFFSET, 8), CTRL_GEN: (_C.BARRIER_GEN_OFFSET, 8),
-              CTRL_DONE: (_C.BARRIER_DONE_OFFSET, 8),
-              CTRL_RECORDS: (_C.CTRL_COLL_OFFSET, 2 * _C.CTRL_COLL_SLOT_BYTES)}
-
-    def ctrl_span(word: int) -> "tuple[int, int]":
-        return _SPANS[word]
-
-    def ctrl_addr(ctrl_base: int, word: int) -> int:
-        return ctrl_base + _SPANS[word][0]
-
+# Control words by id; their offsets stay in native code (kernels/ctrl.hpp).
+CTRL_ARRIVE, CTRL_GEN, CTRL_DONE, CTRL_RECORDS = _C.CTRL_ARRIVE, _C.CTRL_GEN, _C.CTRL_DONE, _C.CTRL_RECORDS
+ctrl_addr, ctrl_span = _C.ctrl_addr, _C.ctrl_span  # (ctrl_base, word) -> address; word -> (offset, nbytes)
 
 class Transport(ABC):
     """How this PE reaches PE ``pe``: one instance per PE of the group (this PE's own included).

@@ -1,9 +1,9 @@
 """The network transport: a peer on another host, reached through the UCX engine (``_C.NetEngine``).
 
 :class:`NetLink` is the group's one engine and how it is set up: loading UCX, the authenticated handshake
-with every remote peer, and the liveness lines; :class:`NetTransport` is one remote peer on it. Symmetric
-memory is named on the wire as (region, offset): region 0 is the control block (named by control-word id),
-region ``i + 1`` heap chunk ``i`` (docs/design.md, "Transports").
+with every remote peer, and the liveness lines; :class:`NetTransport` is one remote peer on it. On the
+wire, heap chunk ``i`` is region ``i + 1`` (an offset within it from the allocation record) and the control
+block is named by control-word id (docs/design.md, "Transports").
 """
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ from ..rendezvous import host_summary
 from .base import CTRL_RECORDS, Transport, ctrl_span
 
 __all__ = ["NetLink", "NetTransport", "load_net"]
-
-_CTRL_API = hasattr(_C, "ctrl_span")  # the engine names control words by id (else by offset in region 0)
 
 
 def load_net(why: str) -> "tuple[str, float]":
@@ -232,18 +230,12 @@ class NetTransport(Transport):
         return self._net.signal(self.pe, region, off, value, op, fetch, self._link.timeout)
 
     def ctrl_op(self, word, value, op, fetch, timeout):
-        if _CTRL_API:
-            return self._net.signal_ctrl(self.pe, word, value, op, fetch, timeout)
-        return self._net.signal(self.pe, 0, ctrl_span(word)[0], value, op, fetch, timeout)
+        return self._net.signal_ctrl(self.pe, word, value, op, fetch, timeout)
 
     def read_records(self) -> torch.Tensor:
-        off, n = ctrl_span(CTRL_RECORDS)
-        v = torch.zeros(n, dtype=torch.uint8)  # a copy: collective calls are set-up time
+        v = torch.zeros(ctrl_span(CTRL_RECORDS)[1], dtype=torch.uint8)  # a copy: collective calls are set-up time
         try:
-            if _CTRL_API:
-                self._net.get_ctrl(self.pe, CTRL_RECORDS, v, min(self._link.timeout, 5.0))
-            else:
-                self._net.get(self.pe, 0, off, v, 0, n, min(self._link.timeout, 5.0))
+            self._net.get_ctrl(self.pe, CTRL_RECORDS, v, min(self._link.timeout, 5.0))
         except Exception:  # a dead or closed peer: reported by the caller's own error
             pass
         return v
