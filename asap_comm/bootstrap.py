@@ -89,7 +89,11 @@ def bootstrap(comm) -> None:
     transports = comm._transports = open_transports(rank, hosts, comm._group, comm._ghandle, comm._heap, gs,
                                                     comm._ctrl_map, link)
     comm._ctrl = [t.ctrl_base for t in transports]  # the native inbox's routing table (0: another host)
-    comm._completers = list({id(t.engine): t for t in transports}.values())  # one per engine, this host's first
+    completers = comm._completers = list({id(t.engine): t for t in transports}.values())  # one per engine
+    if len(completers) == 1:  # one host: the transport's own methods, no loop on the per-call path
+        comm._fence, comm._quiet = completers[0].fence, completers[0].quiet
+    else:
+        comm._fence, comm._quiet = _each(completers, "fence"), _each(completers, "quiet")
     comm._records = Records(rank, world, transports)
     comm._barrier = Barrier(rank, world, transports, comm._completers, central=not spans)
     if link is not None:
@@ -100,6 +104,14 @@ def bootstrap(comm) -> None:
         unlink_quietly(comm._secret_file)
         comm._secret_file = None
     comm.barrier()
+
+
+def _each(transports: list, verb: str):
+    """``verb`` (fence or quiet) on every transport of ``transports``, in order."""
+    def call(*args) -> None:
+        for t in transports:
+            getattr(t, verb)(*args)
+    return call
 
 
 def unlink_quietly(path: str) -> None:

@@ -531,8 +531,7 @@ class Communicator:
         Across hosts every message from one PE to another is applied in the
         order it was sent, so the fence costs nothing there."""
         self._check_open("fence")
-        for t in self._completers:
-            t.fence()
+        self._fence()
 
     def quiet(self) -> None:
         """Complete: every put this PE issued is in its target's memory on return.
@@ -540,8 +539,7 @@ class Communicator:
         Across hosts this is one round trip to each remote PE written to since
         the last ``quiet``."""
         self._check_open("quiet")
-        for t in self._completers:
-            t.quiet(self.timeout)
+        self._quiet(self.timeout)
 
     def barrier(self, timeout=None) -> None:
         """Collective rendezvous and full fence: writes of every PE before it are visible to all after it.
