@@ -87,7 +87,7 @@ from .engine import Engine, Host, Rank, ps_makespan
 
 __all__ = ["SimResult", "Parallelism", "simulate", "rows_per_rank_fraction", "SYNC_IDLE_POLL_S"]
 
-SYNC_IDLE_POLL_S = 0.001  # asap_comm.serving.sync._IDLE_S: the idle baseline's heartbeat
+SYNC_IDLE_POLL_S = 0.001  # asap_comm.serving.sync_worker.IDLE_S: the idle baseline's heartbeat
 _RESULT_BYTES_PER_HIDDEN = 4  # the result message carries the float32 final hidden state
 
 
