@@ -75,7 +75,7 @@ from .shapes import ModelShapes
 from .simulate import Parallelism, simulate
 from .study import (Deployment, capacity_rate, mean_len, p90_prompt, parse_slo, percentile_target, run_point,
                     search_best, spread_buckets, sweep_deployment)
-from .validate import _mooncake_path
+from .validate_common import mooncake_path as _mooncake_path
 
 MOONCAKE_MEDIAN, MOONCAKE_P90 = 6909, 27367  # summarize_trace of shared/traces/mooncake_conversation.jsonl
 PER_DIE_EXPERTS = 16  # the per-die reference split: devices - 16 attention + 16 expert devices
