@@ -38,8 +38,7 @@ import asap_comm
 from asap_comm.serving import ChromeTrace, summarize_run
 from asap_comm.serving.frontend import Replay
 from asap_comm.serving.runtime import PromptRequest, RunResult, RuntimeConfig
-from asap_comm.serving.runtime import group_main as async_group_main
-from asap_comm.serving.sync import group_main as sync_group_main
+from asap_comm.serving.group import GroupSpec, group_main
 from asap_comm.serving.traces import LogNormalLengths, synthetic_trace
 from asap_models import StageFactory
 
@@ -115,11 +114,8 @@ def run(comm, args) -> int:
     comm.barrier()
     t_sync = time.monotonic()  # every PE passes this point together: the timeline's common origin
     try:
-        if args.mode == "async":
-            role, payload = async_group_main(comm, cfg, info, factory, Replay(requests, report))
-        else:
-            gloo = torch.distributed.PrefixStore(f"asap-multihost-{args.mode}", store)
-            role, payload = sync_group_main(comm, cfg, info, factory, gloo, Replay(requests, report))
+        gloo = torch.distributed.PrefixStore(f"asap-multihost-{args.mode}", store) if args.mode == "sync" else None
+        role, payload = group_main(comm, GroupSpec(args.mode, cfg, info, factory, Replay(requests, report), gloo))
     finally:
         os.unlink(report)
     key = f"asap-multihost/{args.mode}/spans/"

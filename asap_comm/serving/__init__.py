@@ -2,13 +2,30 @@
 
 ``run_async`` (the asynchronous disaggregated runtime, ``runtime.py``) and
 ``run_sync`` (the synchronous DP+EP baseline, ``sync.py``) share one front
-end (``frontend.py``) and one protocol (``protocol.py``: the shared types and
-the chunk message, also used by the simulator). ``policies``: the scheduling decisions the runtime and the simulator share
-(placement, long-prompt chunking, micro-batching, expert-side batching).
+end, one worker side and one group entry point; they differ in their workers
+and their MoE exchange. The modules, bottom up:
+
+* ``protocol``: the shared types and the chunk, result, cancel and stop
+  messages (also used by the simulator); ``policies``: the scheduling
+  decisions the runtime and the simulator share (placement, long-prompt
+  chunking, micro-batching, expert-side batching); ``patience``: waits that
+  outlast a slow peer, and ``DeathWatch``; ``hooks``: what an emulated device
+  adds to a model (``ModelHooks``, ``FactoryHooks``);
+* ``exchange``: the MoE exchange interface (``send`` -> handle, ``ready``,
+  ``receive``) with ``AsyncExchange`` (``asap_comm.moe``) and
+  ``CollectiveExchange`` (the baseline's all-to-alls, gloo or shared memory);
+* ``worker``: the worker side of the chunk protocol and the per-layer loop;
+  ``async_ranks``: ASAP's attention and expert ranks; ``sync_worker``: the
+  baseline's worker; ``frontend``: admission, placement and the trace replay;
+* ``group``: ``GroupSpec``, the group's allocation order
+  (``open_channels``) and ``group_main(comm, spec)`` for every PE of either
+  mode; ``runtime`` / ``sync``: ``run_async`` / ``run_sync`` on this host.
+
 ``traces``: requests (synthetic Poisson/Gamma arrivals and length
 distributions; the Mooncake JSONL and Azure CSV public traces). ``metrics``:
 per-request records, run summaries (TTFT percentiles, throughput, SLO
 attainment), SLO-compliant throughput of a sweep, Chrome trace timelines.
+The HTTP service is ``server`` (with ``client`` for load).
 
 Layering: this package never imports ``models``; ``asap_comm`` itself does not
 import this package (``import asap_comm.serving`` explicitly).

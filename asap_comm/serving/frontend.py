@@ -4,7 +4,8 @@ It owns the request queue: replays arrivals in real time, rejects bad
 requests, places requests on the ranks that run attention (``Placer``, with
 ``split_prompt`` for long prompts), sends their chunks through mailboxes and
 collects each request's result (first token, final hidden state). Both
-runtimes use it unchanged, so they differ only in how the workers run.
+runtimes use it unchanged, so they differ only in how the workers run
+(the workers' side of the chunk protocol: ``worker.py``).
 """
 from __future__ import annotations
 
@@ -17,19 +18,16 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..errors import CommError, LaunchError, PeerFailure
+from ..errors import PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
-from ..launch import launch
 from .metrics import RequestRecord
-from .patience import send_patiently
+from .patience import DeathWatch
 from .policies import Placer, split_prompt
-from .protocol import (CANCEL, HDR, STOP, PromptRequest, decode_cancel, decode_chunk, decode_result, encode_cancel,
-                       encode_chunk, encode_result, request_mailbox)
+from .protocol import CANCEL, HDR, STOP, PromptRequest, decode_result, encode_cancel, encode_chunk, request_mailbox
+from .worker import ChunkTaker, layer_loop  # noqa: F401  (moved to worker.py; the README names them here)
 
 __all__ = ["STOP", "HDR", "request_mailbox", "FrontEnd", "Rejected", "Completion", "run_front_end", "replay_report",
-           "run_group", "validate", "Replay", "worker_cancel", "ChunkTaker", "layer_loop",
-           "run_to_end"]
-
+           "validate", "Replay"]
 
 
 def validate(req, info, cfg) -> "str | None":
@@ -45,120 +43,6 @@ def validate(req, info, cfg) -> "str | None":
     if lo < 0 or hi >= info.vocab_size:
         return f"token id out of the vocabulary [0, {info.vocab_size}): min {lo}, max {hi}"
     return None
-
-
-class DeathWatch:
-    """Turns the death of a PE this one depends on into ``PeerFailure``, checked at most every ``every_s``.
-
-    Mailbox receives and scoped waits fail only when *every* peer that could
-    satisfy them is gone (``asap_comm``'s failure scope), so a serving loop
-    that idles on its inbox checks the PEs it needs itself. PEs that closed
-    finished their work and are not failures.
-    """
-
-    def __init__(self, comm, peers: Sequence[int], every_s: float = 0.01) -> None:
-        self.comm, self.peers, self.every_s = comm, [p for p in peers if p != comm.rank], every_s
-        self._next = 0.0
-
-    def check(self) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            return
-        self._next = now + self.every_s
-        for pe in self.peers:
-            if self.comm.peer_state(pe) == "died":
-                raise PeerFailure(f"PE {pe} died while PE {self.comm.rank} depended on it", pe=pe, reason="died")
-
-
-def finish_chunks(model, box, front: int, chunks, hs, caches: dict, batcher, cancelled: "set | None" = None) -> None:
-    """After a micro-batch's last layer: send each finished request's result (final-normed hidden of its
-    last prompt token + its greedy first token) to the front end, drop its cache, free its chunks. A
-    request in ``cancelled`` (the front end dropped it while this chunk ran) sends nothing and loses its
-    cache whatever chunk this was."""
-    for c, h in zip(chunks, hs):
-        if cancelled and c.request_id in cancelled:
-            cancelled.discard(c.request_id)
-            caches.pop(c.request_id, None)
-        elif c.last:
-            normed = model.final_norm(h[-1:])
-            token = int(model.lm_head_logits(normed).argmax(-1)[0])
-            # a stopped front end is waited out (its inbox fills); only its death ends the wait
-            send_patiently(box, front, encode_result(normed[0], token), c.request_id)
-            del caches[c.request_id]
-        batcher.done(c)
-
-
-def layer_loop(info, hs: list, attend, moe, dense):
-    """The per-layer loop of one micro-batch, shared by both runtimes (a generator: it yields what ``moe``
-    yields, and returns the sequences' final hidden states).
-
-    ``hs``: the micro-batch's embedded sequences ``[len_i, H]`` (empty: the baseline's dummy batch, which
-    still joins every MoE layer). Per layer: ``attend(layer, hs)`` -> one attention-stage output per sequence
-    (``.hidden``, ``.mlp_input``; ``[]`` for a dummy batch); the MLP input of all sequences goes, concatenated,
-    to ``moe(layer, mlp)`` (a generator returning routed + shared experts' output, or None for a dummy batch)
-    on MoE layers and to ``dense(layer, mlp)`` on the others; its output is split back and added to each
-    sequence's residual.
-    """
-    lens = [int(h.shape[0]) for h in hs]
-    empty = torch.empty(0, info.hidden, dtype=info.dtype)
-    for layer in range(info.num_layers):
-        outs = attend(layer, hs)
-        mlp = (torch.cat([o.mlp_input for o in outs]) if len(outs) > 1 else outs[0].mlp_input) if outs else empty
-        if info.moe_layers[layer]:
-            y = yield from moe(layer, mlp)
-        elif outs:
-            y = dense(layer, mlp)
-        else:
-            y = None
-        if not outs:
-            continue
-        ys = y.split(lens) if len(lens) > 1 else (y,)
-        hs = [o.hidden + yi for o, yi in zip(outs, ys)]
-    return hs
-
-
-def run_to_end(gen):
-    """Drive a generator that never yields (the baseline's ``layer_loop``: its MoE exchange is synchronous) to
-    its return value."""
-    try:
-        value = next(gen)
-    except StopIteration as stop:
-        return stop.value
-    raise RuntimeError(f"run_to_end: the generator yielded {value!r}")
-
-
-def worker_cancel(rid: int, batcher, tokens: dict, caches: dict, cancelled: set) -> None:
-    """A worker's side of a :data:`CANCEL` message: drop the request's queued chunks and, unless one of its
-    chunks is running (then ``finish_chunks`` drops it after), its KV cache."""
-    for c in batcher.cancel(rid):
-        tokens.pop((rid, c.index), None)
-    if batcher.running(rid):
-        cancelled.add(rid)
-    else:
-        caches.pop(rid, None)
-
-
-class ChunkTaker:
-    """The worker side of the chunk protocol, shared by the async attention ranks and the baseline's workers:
-    :meth:`_take` handles one request-mailbox message (a chunk, :data:`CANCEL` or :data:`STOP`). Needs
-    ``batcher`` (a ``MicroBatcher``), ``tokens``, ``caches`` and ``cancelled``; :meth:`_queue_chunk` decides
-    where a chunk goes (by default the micro-batcher)."""
-
-    def _take(self, m) -> bool:
-        """Handle one mailbox message; False on the stop message."""
-        with m:
-            if m.tag == STOP:
-                return False
-            if m.tag == CANCEL:
-                worker_cancel(decode_cancel(m.tensor), self.batcher, self.tokens, self.caches, self.cancelled)
-                return True
-            chunk, groups, toks = decode_chunk(m.tensor)
-        self.tokens[(chunk.request_id, chunk.index)] = toks
-        self._queue_chunk(chunk, groups)
-        return True
-
-    def _queue_chunk(self, chunk, groups: int) -> None:
-        self.batcher.add(chunk)
 
 
 class Rejected(Exception):
@@ -472,26 +356,3 @@ def replay_report(path: str, requests: Sequence) -> tuple:
                 rec.done_s = payload[1]
                 outputs[payload[0]] = (payload[2], payload[3])
     return [records[r.request_id] for r in requests], outputs
-
-
-def run_group(pe_main, world: int, args: tuple, requests: Sequence, report_path: str, timeout_s: float,
-              result_type, mode: str):
-    """Launch ``pe_main(comm, *args)`` on ``world`` PEs (the front end last) and build the run's result.
-
-    Spans of the workers are re-based on the first one (CLOCK_MONOTONIC is
-    shared by the host's processes). If a PE dies, the front end's event log
-    gives the records anyway and requests left unfinished get the error.
-    """
-    try:
-        results = launch(pe_main, world, *args, timeout=timeout_s)
-    except (LaunchError, CommError) as e:
-        records, outputs = replay_report(report_path, requests)
-        for rec in records:
-            if rec.error is None and rec.done_s is None:
-                rec.error = f"run aborted: {str(e).splitlines()[0]}"
-        return result_type(records, outputs, [], mode)
-    spans = [s for role, payload in results if role != "front" for s in payload]
-    origin = min((s[3] for s in spans), default=0.0)
-    spans = [(pe, track, name, start - origin, dur) for pe, track, name, start, dur in spans]
-    records, outputs = results[-1][1]
-    return result_type(records, outputs, spans, mode)

@@ -6,16 +6,18 @@ wait on the data path is bounded per attempt, and an attempt that times out
 is retried for as long as the PEs that can end it are alive. A dead or
 closed PE still ends the wait at once (``PeerFailure``); what a client sees
 is bounded by its request deadline (the HTTP service answers 504), not by
-these waits.
+these waits. A loop that idles on its inbox checks the PEs it depends on
+itself (:class:`DeathWatch`).
 """
 from __future__ import annotations
 
-from typing import Iterable
+import time
+from typing import Iterable, Sequence
 
 from ..errors import PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
 
-__all__ = ["ATTEMPT_S", "send_patiently", "wait_patiently"]
+__all__ = ["ATTEMPT_S", "send_patiently", "wait_patiently", "DeathWatch"]
 
 ATTEMPT_S = 5.0  # one attempt's bound: how often a patient wait re-checks that its peers live
 
@@ -57,3 +59,26 @@ def wait_patiently(comm, sig, idx: int, cmp: str, value: int, peers: Iterable[in
             if gone is not None:
                 raise PeerFailure(f"signal_wait_until: waiting for sig[{idx}] {cmp} {value}: PE {gone[0]} "
                                   f"{gone[1]} while waited on", pe=gone[0], reason=gone[1]) from None
+
+
+class DeathWatch:
+    """Turns the death of a PE this one depends on into ``PeerFailure``, checked at most every ``every_s``.
+
+    Mailbox receives and scoped waits fail only when *every* peer that could
+    satisfy them is gone (``asap_comm``'s failure scope), so a serving loop
+    that idles on its inbox checks the PEs it needs itself. PEs that closed
+    finished their work and are not failures.
+    """
+
+    def __init__(self, comm, peers: Sequence[int], every_s: float = 0.01) -> None:
+        self.comm, self.peers, self.every_s = comm, [p for p in peers if p != comm.rank], every_s
+        self._next = 0.0
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.every_s
+        for pe in self.peers:
+            if self.comm.peer_state(pe) == "died":
+                raise PeerFailure(f"PE {pe} died while PE {self.comm.rank} depended on it", pe=pe, reason="died")

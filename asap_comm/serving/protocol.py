@@ -15,9 +15,9 @@ simulator (``asap_comm.sim``) must agree on lives here:
   chunk message and :func:`decode_chunk` reads it; a rank answers with a
   result message (:func:`encode_result` / :func:`decode_result`: the final
   hidden state and the first token, tagged with the request id);
-* the collective allocation order of a serving group, in one function
-  (:func:`open_channels`): every PE of a group, whatever its role, allocates
-  the same symmetric objects in the same order;
+* what one PE of a serving group allocated (:class:`Channels`; the
+  allocation order itself is ``group.open_channels``) and the request
+  mailbox's sizing (:func:`request_mailbox`);
 * the workers' live statistics (:class:`WorkerStats`): each worker publishes
   its busy time, expert-batch sizes and process id into the front end's copy
   of a symmetric table with one-sided puts, which the front end reads for
@@ -35,8 +35,8 @@ import torch
 from .policies import Chunk
 
 __all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "HDR", "STOP", "CANCEL", "encode_chunk",
-           "decode_chunk", "encode_cancel", "decode_cancel", "encode_result", "decode_result", "Channels", "open_channels", "WorkerStats",
-           "BATCH_BUCKETS"]
+           "decode_chunk", "encode_cancel", "decode_cancel", "encode_result", "decode_result", "Channels", "WorkerStats",
+           "BATCH_BUCKETS", "request_mailbox"]
 
 STOP = -1  # tag of the front end's "no more requests" message
 CANCEL = -2  # tag of the front end's "drop this request" message (payload: [request id])
@@ -219,7 +219,7 @@ class WorkerStats:
 
 @dataclass
 class Channels:
-    """What one PE of a serving group allocated (its role's view): see :func:`open_channels`."""
+    """What one PE of a serving group allocated (its role's view): see ``group.open_channels``."""
 
     role: str  # "attention" | "expert" | "worker" | "front"
     box: object  # the request mailbox (requests front end -> ranks, results back)
@@ -227,49 +227,6 @@ class Channels:
     moe: object = None  # async: this PE's AttentionEnd / ExpertEnd (None on the front end)
     lockstep: object = None  # async, barrier_free=False: the lock-step ablation's step counters
     shm: object = None  # sync, sync_collectives="shm": this worker's ShmCollectives (None on the front end)
-
-
-def open_channels(comm, cfg: RuntimeConfig, info: ModelInfo, mode: str, plan=None) -> Channels:
-    """Collective: every symmetric object of a serving group, in THE order every PE allocates them.
-
-    ``mode`` ``"async"`` (``plan``: the group's ``moe.MoEPlan``; PEs ``0..A-1``
-    attention, ``A..A+E-1`` experts, the last the front end) or ``"sync"``
-    (PEs ``0..W-1`` workers, the last the front end). Every PE of the group
-    calls this once, before anything else collective, whatever its role: the
-    allocation order lives here and nowhere else.
-    """
-    from ..moe import AttentionEnd, ExpertEnd, join_as_bystander
-
-    front = comm.world_size - 1
-    me = comm.rank
-    moe = lockstep = shm = None
-    if mode == "async":
-        A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
-        if comm.world_size != A + E + 1:
-            raise ValueError(f"open_channels: an async group of A={A} + E={E} ranks + 1 front end has "
-                             f"{A + E + 1} PEs, not {comm.world_size}")
-        role = "attention" if me < A else "expert" if me < A + E else "front"
-        if role == "attention":
-            moe = AttentionEnd(comm, plan)
-        elif role == "expert":
-            moe = ExpertEnd(comm, plan)
-        else:
-            join_as_bystander(comm, plan)
-        box = request_mailbox(comm, cfg, info, A)
-        if not cfg.barrier_free:
-            lockstep = comm.signals(A)
-    elif mode == "sync":
-        W = front
-        role = "worker" if me < W else "front"
-        if cfg.sync_collectives == "shm":
-            from .sync import shm_collectives
-            shm = shm_collectives(comm, cfg, info, W)
-        box = request_mailbox(comm, cfg, info, W)
-    else:
-        raise ValueError(f"open_channels: mode={mode!r} must be 'async' or 'sync'")
-    table = comm.zeros((comm.world_size, STATS_COLUMNS), torch.float64)
-    stats = WorkerStats(comm, table, front)
-    return Channels(role, box, stats, moe, lockstep, shm if role != "front" else None)
 
 
 def request_mailbox(comm, cfg: RuntimeConfig, info: ModelInfo, num_targets: int):

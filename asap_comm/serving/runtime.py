@@ -14,7 +14,9 @@ Processes (one ``asap_comm`` group, ``A + E + 1`` PEs):
   each request (``Placer``, after splitting long prompts with
   ``split_prompt``) and collects results through mailboxes.
 
-No collective call and no barrier is on the data path. The runtime is
+No collective call and no barrier is on the data path. The ranks are
+``async_ranks.py``, their MoE exchange ``exchange.AsyncExchange``, the group's
+allocation and entry point ``group.py``, the front end ``frontend.py``. The runtime is
 model-agnostic: ``model_factory(role, experts)`` returns an object with the
 stage methods of ``models.DeepseekV3`` (``embed``, ``attention_stage``,
 ``route``, ``dense_mlp``, ``shared_experts``, ``expert``, ``final_norm``,
@@ -28,234 +30,20 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from typing import Any, Callable, Sequence
 
-import torch
-
-from ..errors import TimeoutError as CommTimeoutError
-from ..moe import ExpertBatch, MoEPlan, apply_experts
-from .frontend import ChunkTaker, DeathWatch, Replay, finish_chunks, layer_loop, run_group
-from .policies import ExpertBatcher, MicroBatcher
-from .protocol import Channels, ModelInfo, PromptRequest, RunResult, RuntimeConfig, open_channels
+from .frontend import Replay
+from .group import GroupSpec, role_of, run_group  # noqa: F401  (role_of: its old home)
+from .group import group_main as _group_main
+from .protocol import ModelInfo, PromptRequest, RunResult, RuntimeConfig
 
 __all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "run_async"]
 
 
-
-def _plan(cfg: RuntimeConfig, info: ModelInfo) -> MoEPlan:
-    return MoEPlan(num_attention_ranks=cfg.num_attention_ranks, num_expert_ranks=cfg.num_expert_ranks,
-                   num_experts=info.num_experts, hidden=info.hidden, dtype=info.dtype,
-                   max_tokens=max(cfg.token_budget, cfg.max_chunk_tokens), top_k=info.top_k,
-                   max_inflight=2 if cfg.ping_pong else 1)
-
-
-# ----------------------------------------------------------------------------- lock-step ablation
-_DONE = 1 << 62  # a rank that has left the run: never waited for again
-
-
-class _Lockstep:
-    """Optimization (1) switched off: the attention ranks step through MoE layers together.
-
-    Every dispatch is a barrier among the ``A`` attention ranks, as in the
-    synchronous baseline (whose per-layer ``all_to_all`` every rank must
-    join), but on the same disaggregated processes and transport, so the
-    ablation isolates the barrier. ``steps[q]`` on a rank counts the steps
-    attention rank ``q`` announced to it. A rank with no micro-batch ready to
-    dispatch joins for free when someone waits for it (the dummy batch of the
-    baseline, without its cost); a rank that has finished announces
-    ``_DONE``.
-    """
-
-    def __init__(self, comm, steps, num_ranks: int, timeout_s: float) -> None:
-        self.comm, self.steps, self.ranks, self.timeout_s = comm, steps, range(num_ranks), timeout_s
-        self.me, self.step = comm.rank, 0
-
-    def _announce(self, delta: int) -> None:
-        for q in self.ranks:
-            self.comm.signal_op(self.steps, self.me, delta, "add", q)
-
-    def arrive_and_wait(self) -> None:
-        self.step += 1
-        self._announce(1)
-        for q in self.ranks:
-            if q != self.me:
-                self.comm.signal_wait_until(self.steps, q, ">=", self.step, timeout=self.timeout_s)
-
-    def catch_up(self) -> None:
-        """Join (without work) every step another rank is waiting at."""
-        ahead = [v for q in self.ranks if q != self.me and (v := self.comm.signal_fetch(self.steps, q)) < _DONE]
-        target = max(ahead, default=0)
-        if target > self.step:
-            self._announce(target - self.step)
-            self.step = target
-
-    def leave(self) -> None:
-        for q in self.ranks:
-            self.comm.signal_op(self.steps, self.me, _DONE, "set", q)
-
-
-# ----------------------------------------------------------------------------- attention rank
-class _AttentionRank(ChunkTaker):
-    def __init__(self, comm, cfg: RuntimeConfig, info: ModelInfo, model, ch: Channels) -> None:
-        self.comm, self.cfg, self.info, self.model = comm, cfg, info, model
-        self.att, self.box, self.stats = ch.moe, ch.box, ch.stats
-        steps = ch.lockstep
-        self.lockstep = None if steps is None else _Lockstep(comm, steps, cfg.num_attention_ranks, cfg.timeout_s)
-        self.front = cfg.num_attention_ranks + cfg.num_expert_ranks
-        self.batcher = MicroBatcher(cfg.token_budget)
-        self.tokens: dict = {}  # (request, chunk index) -> token ids
-        self.caches: dict = {}  # request -> KV cache
-        self.cancelled: set = set()  # requests cancelled while a chunk of theirs runs
-        self.spans: list = []  # (pe, track, name, start on the host's monotonic clock, duration)
-
-    def _busy(self, name: str, start: float) -> None:
-        dur = time.monotonic() - start
-        self.spans.append((self.comm.rank, 0, name, start, dur))
-        self.stats.busy(dur)
-
-    def _microbatch(self, chunks: list):
-        """One micro-batch through every layer; yields its DispatchHandle at each MoE layer."""
-        model, att = self.model, self.att
-        caches = [self.caches.setdefault(c.request_id, model.new_cache()) for c in chunks]
-        hs = [model.embed(self.tokens.pop((c.request_id, c.index))) for c in chunks]
-        t = [time.monotonic()]  # start of the current stretch of attention-side work
-
-        def attend(layer, hs):
-            return [model.attention_stage(layer, h, cache) for h, cache in zip(hs, caches)]
-
-        def moe(layer, mlp):
-            routing = model.route(layer, mlp)
-            if self.lockstep is not None:
-                t_wait = time.monotonic()
-                self.lockstep.arrive_and_wait()
-                self.spans.append((self.comm.rank, 0, f"barrier L{layer}", t_wait, time.monotonic() - t_wait))
-            handle = att.dispatch_send(mlp, routing.topk_ids, routing.topk_weights, layer)
-            shared = model.shared_experts(layer, mlp)
-            self._busy(f"attn L{layer}", t[0])
-            yield handle
-            t[0] = time.monotonic()
-            return att.combine_recv(handle) + shared
-
-        hs = yield from layer_loop(self.info, hs, attend, moe, model.dense_mlp)
-        finish_chunks(model, self.box, self.front, chunks, hs, self.caches, self.batcher, self.cancelled)
-        self._busy("attn tail", t[0])
-
-    def run(self) -> list:
-        self.watch = DeathWatch(self.comm, range(self.comm.world_size))
-        running: list = []  # [generator, handle or None, dispatch sequence number]
-        seq = 0
-        stopped = False
-        max_running = 2 if self.cfg.ping_pong else 1
-        while True:
-            self.stats.publish()
-            while (m := self.box.poll()) is not None:
-                stopped |= not self._take(m)
-            while len(running) < max_running:
-                batch = self.batcher.next_batch()
-                if not batch:
-                    break
-                running.append([self._microbatch(batch), None, -1])
-            if stopped and not running and len(self.batcher) == 0:
-                break
-            progressed = False
-            for entry in list(running):
-                gen, handle, _ = entry
-                if handle is None or self.att.is_ready(handle):
-                    try:
-                        entry[1], entry[2], seq = next(gen), seq, seq + 1
-                    except StopIteration:
-                        running.remove(entry)
-                    progressed = True
-            if progressed:
-                continue
-            if self.lockstep is not None:
-                self.lockstep.catch_up()
-            if running:  # every micro-batch waits for its experts: wait on the earliest dispatch, briefly
-                # (it answers first as experts serve in arrival order; with room for another micro-batch,
-                # come back sooner to pick up new chunks from the mailbox)
-                h = min(running, key=lambda e: e[2])[1]
-                self.att.wait_ready(h, 0.002 if len(running) >= max_running else 0.0005)
-            else:
-                try:  # with the lock-step ablation on, come back soon to join the others' steps
-                    stopped |= not self._take(self.box.recv(timeout=0.05 if self.lockstep is None else 0.0005))
-                except CommTimeoutError:
-                    self.watch.check()
-        if self.lockstep is not None:
-            self.lockstep.leave()
-        self.att.finish()
-        self.stats.publish(force=True)
-        return self.spans
-
-
-def _attention_main(comm, cfg, info, model_factory, ch: Channels):
-    rank = _AttentionRank(comm, cfg, info, model_factory("attention", []), ch)
-    return rank.run()
-
-
-# ----------------------------------------------------------------------------- expert rank
-def _expert_main(comm, cfg, info, model_factory, plan: MoEPlan, ch: Channels):
-    experts = plan.local_experts(comm.rank)
-    model = model_factory("expert", experts)
-    hold_transfer = getattr(model, "hold_transfer", None)  # optional hook of an emulated model
-    ex, stats = ch.moe, ch.stats
-    batcher = ExpertBatcher(cfg.expert_token_budget, cfg.expert_deadline_s, enabled=cfg.expert_batching)
-    spans = []
-    watch = DeathWatch(comm, range(comm.world_size))
-    while True:
-        stats.publish()
-        now = time.monotonic()
-        layer = batcher.ready(now)
-        if layer is not None:
-            batch = ExpertBatch.merge(batcher.take(layer))
-            out = apply_experts(batch, lambda e, x: model.expert(layer, e, x), out=ex.output_buffer(batch))
-            if hold_transfer is not None:  # an emulated device: the batch's modelled dispatch + combine transfers
-                hold_transfer(batch.num_rows, time.monotonic(), layer)
-            ex.combine_send(batch, out)
-            spans.append((comm.rank, 0, f"experts L{layer} ({batch.num_rows} rows)", now, time.monotonic() - now))
-            stats.busy(time.monotonic() - now)
-            stats.batch(batch.num_rows)
-            continue
-        if ex.finished and batcher.held_rows == 0:
-            break
-        wait = batcher.wait_s(now)
-        try:
-            batches = ex.dispatch_recv_many(timeout=0.05 if wait is None else max(wait, 1e-4))
-        except CommTimeoutError:
-            watch.check()
-            batches = []
-        now = time.monotonic()
-        for b in batches:
-            batcher.add(b.layer, b.num_rows, b, now)
-    stats.publish(force=True)
-    return spans
-
-
-def role_of(cfg: RuntimeConfig, pe) -> str:
-    """What PE ``pe`` of an async group is, for error messages."""
-    return "attention worker" if pe is not None and pe < cfg.num_attention_ranks else "expert worker"
-
-
 def group_main(comm, cfg, info, model_factory, front):
-    """One PE of an async group: allocate the group's channels (``open_channels``), then run this PE's role;
-    the front end's role is ``front(comm, cfg, info, channels, num_targets, label, role_of)`` (the trace
-    replay, ``frontend.Replay``, or the HTTP service)."""
-    torch.set_num_threads(1)
-    plan = _plan(cfg, info)
-    ch = open_channels(comm, cfg, info, "async", plan)
-    if ch.role == "attention":
-        return ("attention", _attention_main(comm, cfg, info, model_factory, ch))
-    if ch.role == "expert":
-        return ("expert", _expert_main(comm, cfg, info, model_factory, plan, ch))
-    return ("front", front(comm, cfg, info, ch, cfg.num_attention_ranks, "async", _RoleOf(cfg)))
-
-
-class _RoleOf:
-    def __init__(self, cfg: RuntimeConfig) -> None:
-        self.cfg = cfg
-
-    def __call__(self, pe) -> str:
-        return role_of(self.cfg, pe)
+    """One PE of an async group: ``group.group_main(comm, GroupSpec("async", cfg, info, model_factory, front))``
+    (the old positional form, kept for callers that use it)."""
+    return _group_main(comm, GroupSpec("async", cfg, info, model_factory, front))
 
 
 def run_async(model_factory: Callable[[str, list], Any], info: ModelInfo, requests: Sequence[PromptRequest],
@@ -270,11 +58,10 @@ def run_async(model_factory: Callable[[str, list], Any], info: ModelInfo, reques
     if cfg.cp_threshold is not None:
         raise ValueError(f"run_async: cp_threshold={cfg.cp_threshold} is the baseline's context parallelism "
                          "(run_sync); ASAP's attention ranks chunk long prompts (chunk_len)")
-    world = cfg.num_attention_ranks + cfg.num_expert_ranks + 1
     fd, report = tempfile.mkstemp(prefix="asap-run-", suffix=".pkl")
     os.close(fd)
     try:
-        return run_group(group_main, world, (cfg, info, model_factory, Replay(list(requests), report)), requests,
-                         report, cfg.timeout_s, RunResult, "async")
+        return run_group(GroupSpec("async", cfg, info, model_factory, Replay(list(requests), report)), requests,
+                         report)
     finally:
         os.unlink(report)

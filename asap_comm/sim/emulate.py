@@ -62,8 +62,10 @@ emulated run gives every rank what a deployment has, a dedicated device:
   ``os._exit``); :func:`read_stats` sums them per process.
 
 The serving runtime never imports this module: it calls ``model_factory(role,
-experts)`` and, if the returned object has them, ``hold_collective`` and
-``hold_transfer``. Wrap any model factory from the outside::
+experts)`` and the hooks of ``asap_comm.serving.hooks``, which
+:class:`EmulatedModel` (``ModelHooks``: ``hold_collective``, ``hold_transfer``,
+``cp_step``, ``hold_cp_share``) and :class:`EmulatedFactory` (``FactoryHooks``:
+``emulates_context_parallelism``) implement. Wrap any model factory from the outside::
 
     from asap_comm.sim.emulate import EmulatedFactory
     emu = EmulatedFactory(factory, "ascend-910c-cm384", "deepseek-v3", time_scale=4.0, token_scale=128,
@@ -80,6 +82,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..serving.hooks import FactoryHooks, ModelHooks
 from .costs import CostModel, Profile
 from .shapes import ModelShapes
 from .simulate import rows_per_rank_fraction
@@ -287,7 +290,7 @@ def _real_shapes(inner) -> ModelShapes:
     return ModelShapes.from_hf_config(d["hf_config"], name="served")
 
 
-class EmulatedFactory:
+class EmulatedFactory(FactoryHooks):
     """A model factory whose models hold every stage for a modelled device's time (see the module docstring).
 
     ``inner``: the real factory (``inner(role, experts)`` -> stage model);
@@ -371,7 +374,7 @@ class EmulatedFactory:
                 f"time_scale={self.time_scale:g}, token_scale={self.token_scale:g})")
 
 
-class EmulatedModel:
+class EmulatedModel(ModelHooks):
     """A stage model whose calls are held for the modelled time (see the module docstring)."""
 
     def __init__(self, inner, cost: CostModel, real: ModelShapes, role: str, num_local_experts: int,
@@ -520,7 +523,7 @@ class EmulatedModel:
         self._hold(t0, self.cost.head_s(int(normed.shape[0])))
         return out
 
-    # ------------------------------------------------------------------ communication (serving's optional hooks)
+    # ------------------------------------------------------------------ communication (serving.hooks.ModelHooks)
     def emulated_rows(self, rows: int) -> int:
         """Emulated dispatched rows for ``rows`` real rows."""
         return int(round(rows * self._rows_per_real_row))

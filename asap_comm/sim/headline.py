@@ -1,6 +1,6 @@
 """``python -m asap_comm.sim headline``: the best ASAP deployment against the best synchronous one, same hardware.
 
-The documented comparison (DESIGN.md, "asap_comm.sim"; issue 6, best-vs-best part):
+The documented comparison (docs/design.md, "asap_comm.sim"; issue 6, best-vs-best part):
 
 * **Hardware**: ``--devices`` (64) devices either way, on the ``ascend-910c-cm384``
   profile (one device = one 910C die on the UB network) and on ``h800-node``
@@ -75,7 +75,7 @@ from .shapes import ModelShapes
 from .simulate import Parallelism, simulate
 from .study import (Deployment, capacity_rate, mean_len, p90_prompt, parse_slo, percentile_target, run_point,
                     search_best, spread_buckets, sweep_deployment)
-from .validate import _mooncake_path
+from .validate_common import mooncake_path as _mooncake_path
 
 MOONCAKE_MEDIAN, MOONCAKE_P90 = 6909, 27367  # summarize_trace of shared/traces/mooncake_conversation.jsonl
 PER_DIE_EXPERTS = 16  # the per-die reference split: devices - 16 attention + 16 expert devices

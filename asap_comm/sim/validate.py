@@ -22,15 +22,18 @@ from pathlib import Path
 
 from ..serving.metrics import summarize_run
 from ..serving.runtime import PromptRequest, RuntimeConfig, run_async
-from ..serving.traces import LogNormalLengths, load_trace, scale_trace, synthetic_trace
+from ..serving.traces import scale_trace
 from .costs import CostModel
 from .shapes import ModelShapes
 from .simulate import simulate
+from .validate_common import TARGET
+from .validate_common import mooncake_path as _mooncake_path  # noqa: F401  (its old name, used by examples)
+from .validate_common import validation_trace as _trace
+from .validate_emulated import CONFIGS as ECONFIGS
+from .validate_emulated import table, validate_emulated
 
 METRICS = ("ttft_p50_s", "ttft_p90_s", "throughput_tokens_per_s")
 _LABEL = {"ttft_p50_s": "TTFT p50", "ttft_p90_s": "TTFT p90", "throughput_tokens_per_s": "tok/s"}
-TARGET = 0.15
-
 # (name, attention ranks, expert ranks, trace, request rates)
 CONFIGS = {
     "default": [
@@ -40,29 +43,6 @@ CONFIGS = {
     ],
     "quick": [("A2E1 synthetic", 2, 1, "synthetic", (6.0,))],
 }
-
-
-def _mooncake_path() -> Path | None:
-    here = Path(__file__).resolve()
-    for base in (Path.cwd(), *here.parents):
-        for cand in (base / "shared" / "traces", base.parent / "shared" / "traces"):
-            f = cand / "mooncake_conversation.jsonl"
-            if f.is_file():
-                return f
-    return None
-
-
-def _trace(kind: str, n: int, max_len: int, seed: int, length_scale: float = 0.01) -> list:
-    """``synthetic`` (Gamma-bursty, log-normal lengths) or the shared Mooncake trace, its lengths times
-    ``length_scale`` (default: its 12k-token mean prompts scaled to CPU-sized ones), capped at ``max_len``."""
-    if kind == "synthetic":
-        return synthetic_trace(1.0, num_requests=n, arrival="gamma", cv=2.0,
-                               lengths=LogNormalLengths(48, 1.0, 4, max_len), seed=seed)
-    path = _mooncake_path()
-    if path is None:
-        raise FileNotFoundError("validate: shared/traces/mooncake_conversation.jsonl not found beside the "
-                                "repository or the working directory")
-    return load_trace(path, limit=n, length_scale=length_scale, max_prompt_len=max_len)
 
 
 def _real(mode: str, factory, info, trace, cfg, seed: int):
@@ -190,8 +170,6 @@ def main(argv=None) -> int:
                    "TTFT of the baseline on the p90 prompt)")
     args = p.parse_args(argv)
     if args.regime == "emulated":
-        from .validate_emulated import CONFIGS as ECONFIGS, table, validate_emulated
-
         configs = args.configs
         if configs not in ECONFIGS:
             p.error(f"--configs {configs}: --regime emulated has {sorted(ECONFIGS)}")

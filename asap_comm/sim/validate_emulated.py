@@ -43,8 +43,8 @@ from pathlib import Path
 
 from ..serving.metrics import summarize_run
 from ..serving.traces import Request, scale_trace
-from .validate import TARGET
-from .validate import _trace as validate_trace
+from .validate_common import TARGET
+from .validate_common import validation_trace as validate_trace
 
 METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s")
 _LABEL = {"ttft_p50_s": "p50", "ttft_p90_s": "p90", "ttft_p99_s": "p99", "throughput_tokens_per_s": "tok/s"}

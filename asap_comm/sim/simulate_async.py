@@ -1,0 +1,184 @@
+"""ASAP (``"async"``) simulated: attention ranks with ping-pong micro-batches and one representative expert rank
+that batches rows per layer (``simulate.py`` has the modelling choices)."""
+from __future__ import annotations
+
+import math
+
+from ..serving.policies import ExpertBatcher, MicroBatcher, Placer
+from .engine import Engine, Rank
+from .simulate_common import Parallelism, _Common, _pairs, rows_per_rank_fraction
+
+
+# ----------------------------------------------------------------------------- ASAP
+class _MicroBatch:
+    __slots__ = ("rank", "chunks", "tokens", "attn_s", "seg", "waiting")
+
+    def __init__(self, rank: int, chunks: list, attn_s: float) -> None:
+        self.rank, self.chunks, self.attn_s = rank, chunks, attn_s
+        self.tokens = sum(c.length for c in chunks)
+        self.seg = 0
+        self.waiting = 0  # parts still to come back: shared-expert job + combine
+
+
+class _AsyncSim(_Common):
+    def __init__(self, cost, shapes, cfg, requests, record_spans, par: Parallelism = Parallelism(),
+                 layers=None) -> None:
+        super().__init__(cost, shapes, cfg, requests, record_spans, par, layers)
+        A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
+        self.A, self.E = A, E
+        self.tp = par.attention_tp  # devices per attention rank
+        self.placer = Placer(A, load_aware=cfg.load_aware)
+        self.batchers = [MicroBatcher(cfg.token_budget) for _ in range(A)]
+        self.running = [0] * A
+        self.max_running = 2 if cfg.ping_pong else 1
+        name = "attention" if self.tp == 1 else f"attention group (TP {self.tp})"
+        self.att = [Rank(self.engine, self.host, f"{name} {r}", spans=self.spans) for r in range(A)]
+        # one representative expert rank for all E (see the module docstring); the most-loaded share of experts
+        self.local = -(-shapes.num_experts // E)
+        self.frac = rows_per_rank_fraction(shapes.num_experts, shapes.top_k, self.local)
+        self.ex = Rank(self.engine, self.host, f"experts x{E}", weight=E, spans=self.spans)
+        self.ex_batcher = ExpertBatcher(cfg.expert_token_budget, cfg.expert_deadline_s,
+                                        enabled=cfg.expert_batching)
+        self.ex_wake = None  # (time, handle) of the pending deadline wake-up
+        self.ex_in_free = self.ex_out_free = 0.0  # when the expert rank's link is free to receive / to send
+        self.segs = self._segments()
+        rt = self.cost.runtime
+        self.k_att, self.k_exp, self.layer_overhead = (rt["async_attention"], rt["async_expert"],
+                                                       rt["async_layer_overhead_s"])
+
+    def _rows(self, tokens: int) -> int:
+        return max(1, round(tokens * self.frac)) if tokens else 0
+
+    def _per_device(self, tokens: int) -> int:
+        """Tokens of one device of the attention group after the reduce-scatter (all of them when tp=1)."""
+        return -(-tokens // self.tp)
+
+    def _queued(self, rank: int) -> None:
+        self._fill(rank)
+
+    def _fill(self, rank: int) -> None:
+        while self.running[rank] < self.max_running:
+            batch = self.batchers[rank].next_batch()
+            if not batch:
+                return
+            self.running[rank] += 1
+            attn = self.cost.attention_s([(c.length, c.start) for c in batch], self.tp)
+            # a TP group's layer also pays its reduce-scatter + all-gather (0 when tp=1)
+            attn += self.cost.tp_all_reduce_s(sum(c.length for c in batch), self.tp)
+            mb = _MicroBatch(rank, batch, attn)
+            self._segment(mb, first=True)
+
+    def _segment(self, mb: _MicroBatch, first: bool = False) -> None:
+        """Queue the attention-side work up to the next dispatch (or the end) of ``mb``."""
+        cost, T = self.cost, mb.tokens
+        Td = self._per_device(T)
+        dense, moe = self.segs[mb.seg]
+        work = (cost.embed_s(T) if first else 0.0) + dense * (mb.attn_s + cost.dense_mlp_s(Td))
+        if moe:
+            rows = self._rows(Td)  # rows one device of the group sends to one expert rank
+            work += moe * (mb.attn_s + cost.router_s(Td))
+            if self.cpu:  # the attention rank's CPU copies the rows into each expert rank's memory
+                work += moe * self.E * cost.dispatch_s(rows)
+            self.att[mb.rank].submit(work * self.k_att, lambda: self._dispatched(mb, rows), f"attn seg {mb.seg}")
+        else:
+            last = [c for c in mb.chunks if c.last]
+            work += cost.head_s(len(last)) if last else 0.0
+            self.att[mb.rank].submit(work * self.k_att, lambda: self._tail_done(mb), "attn tail")
+
+    def _dispatched(self, mb: _MicroBatch, rows: int) -> None:
+        mb.waiting = 2
+        # shared experts run right after the dispatch on the same rank (same generator step)
+        w = self.segs[mb.seg][1]
+        self.att[mb.rank].submit(w * self.cost.shared_experts_s(self._per_device(mb.tokens)) * self.k_att,
+                                 lambda: self._part_back(mb), "shared", front=True)
+        self.engine.after(0.0 if self.cpu else self._dispatch_delay(mb, rows), self._expert_arrive, mb, rows)
+
+    def _link(self, fn, rows: int, weight: float = 1.0) -> tuple:
+        """(latency, bandwidth time of ``rows`` rows) of a p2p transfer ``fn`` (``dispatch_s`` / ``combine_s``),
+        for a layer that stands for ``weight`` layers."""
+        if not rows:
+            return 0.0, 0.0
+        one, two = fn(rows), fn(2 * rows)
+        return weight * (2 * one - two), weight * (two - one)
+
+    def _dispatch_delay(self, mb: _MicroBatch, rows: int) -> float:
+        """When the rows reach the (representative) expert rank, on a cluster profile: the sending device's link
+        carries its ``rows`` for each of the E expert ranks; the expert rank's link receives every micro-batch's
+        rows, one after another (``ex_in_free``: when it is free)."""
+        now, w = self.engine.now, self.segs[mb.seg][1]
+        lat, _ = self._link(self.cost.dispatch_s, rows, w)
+        _, send = self._link(self.cost.dispatch_s, self.E * rows, w)
+        _, recv = self._link(self.cost.dispatch_s, self._rows(mb.tokens) if self.tp > 1 else rows, w)
+        self.ex_in_free = max(now, self.ex_in_free) + recv
+        return max(send, self.ex_in_free - now) + lat
+
+    def _expert_arrive(self, mb: _MicroBatch, rows: int) -> None:
+        # an expert rank holds rows from every device of the group: the micro-batch's rows for it
+        self.ex_batcher.add(mb.seg, rows if self.tp == 1 else self._rows(mb.tokens), (mb, rows), self.engine.now)
+        self._poke()
+
+    def _poke(self) -> None:
+        if self.ex.busy:
+            return  # looked at again when the running batch ends
+        now = self.engine.now
+        layer = self.ex_batcher.ready(now)
+        if layer is None:
+            wait = self.ex_batcher.wait_s(now)
+            if wait is not None:
+                # never "now" again: the deadline test must see time move (also where 1e-9 s is below the
+                # clock's resolution, late in a long simulated run)
+                t = max(now + max(wait, 1e-9), math.nextafter(now, math.inf))
+                if self.ex_wake is None or self.ex_wake[0] > t:
+                    if self.ex_wake is not None:
+                        Engine.cancel(self.ex_wake[1])
+                    self.ex_wake = (t, self.engine.at(t, self._wake))
+            return
+        items = self.ex_batcher.take(layer)
+        tokens = sum(mb.tokens for mb, _ in items)
+        w = self.segs[layer][1]
+        work = w * self.cost.experts_s(_pairs(tokens, self.shapes, self.local))
+        if self.cpu:  # the expert rank's CPU copies each micro-batch's output rows back
+            work += w * sum(self.cost.combine_s(rows) for _, rows in items)
+        self.ex.submit(work * self.k_exp, lambda: self._experts_done(items), f"experts seg {layer} ({len(items)} mb)")
+
+    def _wake(self) -> None:
+        self.ex_wake = None
+        self._poke()
+
+    def _experts_done(self, items: list) -> None:
+        for mb, rows in items:
+            delay = (0.0 if self.cpu else self._combine_delay(mb, rows)) + self.layer_overhead
+            self.engine.after(delay, self._part_back, mb)
+        self._poke()
+
+    def _combine_delay(self, mb: _MicroBatch, rows: int) -> float:
+        """When a micro-batch's combined rows are back, on a cluster profile: the expert rank's link sends the
+        micro-batches of a batch one after another (``ex_out_free``); the receiving device's link takes ``rows``
+        from each of the E expert ranks."""
+        now, w = self.engine.now, self.segs[mb.seg][1]
+        lat, _ = self._link(self.cost.combine_s, rows, w)
+        _, recv = self._link(self.cost.combine_s, self.E * rows, w)
+        _, send = self._link(self.cost.combine_s, self._rows(mb.tokens) if self.tp > 1 else rows, w)
+        self.ex_out_free = max(now, self.ex_out_free) + send
+        return max(recv, self.ex_out_free - now) + lat
+
+    def _part_back(self, mb: _MicroBatch) -> None:
+        mb.waiting -= 1
+        if mb.waiting == 0:
+            mb.seg += 1
+            self._segment(mb)
+
+    def _tail_done(self, mb: _MicroBatch) -> None:
+        for c in mb.chunks:
+            self.batchers[mb.rank].done(c)
+            if c.last:
+                self.engine.after(self.msg_result, self._result, c.request_id)
+        self.running[mb.rank] -= 1
+        self._fill(mb.rank)
+
+    def run(self) -> tuple:
+        self._arrivals(self.arrive)
+        end = self.engine.run()
+        ranks = [(rk.name, "attention", rk, self.tp) for rk in self.att]
+        ranks += [(f"expert 0..{self.E - 1}", "expert", self.ex, self.E)]
+        return end, ranks

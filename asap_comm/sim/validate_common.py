@@ -1,0 +1,36 @@
+"""What the two validation regimes (``validate.py``, ``validate_emulated.py``) share: the error target and the
+traces."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..serving.traces import LogNormalLengths, load_trace, synthetic_trace
+
+__all__ = ["TARGET", "mooncake_path", "validation_trace"]
+
+TARGET = 0.15  # the simulator's target: |relative error| of each compared metric
+
+
+def mooncake_path() -> Path | None:
+    """The shared Mooncake trace (``shared/traces/mooncake_conversation.jsonl`` beside the repository or the
+    working directory), or None."""
+    here = Path(__file__).resolve()
+    for base in (Path.cwd(), *here.parents):
+        for cand in (base / "shared" / "traces", base.parent / "shared" / "traces"):
+            f = cand / "mooncake_conversation.jsonl"
+            if f.is_file():
+                return f
+    return None
+
+
+def validation_trace(kind: str, n: int, max_len: int, seed: int, length_scale: float = 0.01) -> list:
+    """``synthetic`` (Gamma-bursty, log-normal lengths) or the shared Mooncake trace, its lengths times
+    ``length_scale`` (default: its 12k-token mean prompts scaled to CPU-sized ones), capped at ``max_len``."""
+    if kind == "synthetic":
+        return synthetic_trace(1.0, num_requests=n, arrival="gamma", cv=2.0,
+                               lengths=LogNormalLengths(48, 1.0, 4, max_len), seed=seed)
+    path = mooncake_path()
+    if path is None:
+        raise FileNotFoundError("validate: shared/traces/mooncake_conversation.jsonl not found beside the "
+                                "repository or the working directory")
+    return load_trace(path, limit=n, length_scale=length_scale, max_prompt_len=max_len)
