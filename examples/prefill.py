@@ -56,7 +56,8 @@ import torch
 
 from asap_comm.serving import ChromeTrace, load_trace, slo_compliant_throughput, summarize_run
 from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig, run_async
-from asap_comm.serving.traces import LogNormalLengths, TraceError, scale_trace, synthetic_trace
+from asap_comm.serving.traces import LogNormalLengths, TraceError, synthetic_trace
+from asap_comm.sim import plots, study
 from asap_comm.sim.costs import known_profiles
 
 try:
@@ -86,8 +87,8 @@ def make_requests(args, vocab: int) -> list:
 
 
 def at_rate(requests: list, rate: float) -> list:
-    """The same prompts with arrivals rescaled to ``rate`` requests/s."""
-    scaled = scale_trace([_as_trace(r) for r in requests], target_rate=rate)
+    """The same prompts with arrivals rescaled to ``rate`` requests/s (``asap_comm.sim.study.at_rate``)."""
+    scaled = study.at_rate([_as_trace(r) for r in requests], rate)
     return [PromptRequest(r.request_id, s.arrival_s, r.token_ids) for r, s in zip(requests, scaled)]
 
 
@@ -294,37 +295,10 @@ def emulation_stats(stats_dir) -> dict:
 
 
 def sweep_auto(run_at, start_rate: float, bisections: int = SWEEP_AUTO_BISECTIONS, target: float = 0.9) -> None:
-    """Search the SLO-compliant rate without a hand-picked list: from ``start_rate``, double (or halve) until
-    the SLO attainment crosses ``target``, then bisect (geometrically) ``bisections`` times.
-    ``run_at(rate) -> slo_attainment`` runs (and records) one load."""
-    seen: dict = {}
-
-    def ok(rate: float) -> bool:
-        if rate not in seen:
-            seen[rate] = run_at(rate)
-        return seen[rate] >= target
-
-    r = start_rate
-    if ok(r):
-        for _ in range(8):
-            if not ok(r * 2):
-                break
-            r *= 2
-        lo, hi = r, r * 2
-    else:
-        for _ in range(8):
-            r /= 2
-            if ok(r):
-                break
-        lo, hi = r, r * 2
-    if not ok(lo):  # nothing met the target, even 256x below the start
-        return
-    for _ in range(bisections):
-        mid = (lo * hi) ** 0.5
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
+    """Search the SLO-compliant rate without a hand-picked list (``asap_comm.sim.study.search_rate``): from
+    ``start_rate``, double (or halve) until the SLO attainment crosses ``target``, then bisect (geometrically)
+    ``bisections`` times. ``run_at(rate) -> slo_attainment`` runs (and records) one load."""
+    study.search_rate(run_at, start_rate, bisections=bisections, target=target)
 
 
 def probe_requests(requests: list, rate: float) -> list:
@@ -371,96 +345,6 @@ def table(rows: list, emulated: bool = False) -> str:
     lines = [head] + rows
     widths = [max(len(str(r[i])) for r in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in lines)
-
-
-WAIT_SPANS = ("a2a", "barrier", "idle")  # span names that are waits (collectives, barriers), not compute
-
-
-def rank_usage(result) -> list:
-    """``[(pe, compute fraction, waiting fraction)]`` of a run's workers over the run (from its spans)."""
-    if not result.spans:
-        return []
-    end = max(start + dur for _pe, _t, _n, start, dur in result.spans)
-    per: dict = {}
-    for pe, _track, name, _start, dur in result.spans:
-        c, w = per.get(pe, (0.0, 0.0))
-        per[pe] = (c, w + dur) if any(k in name for k in WAIT_SPANS) else (c + dur, w)
-    return [(pe, min(1.0, c / end), min(1.0, w / end)) for pe, (c, w) in sorted(per.items())] if end > 0 else []
-
-
-def plot_run(path: Path, results: dict, slo: float, cfgs: dict) -> None:
-    """The default picture (one load point per mode): TTFT CDF of both modes, and per-rank compute / waiting /
-    idle bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    colors = {"async": "tab:blue", "sync": "tab:red"}
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
-    for mode, result in results.items():
-        ttfts = sorted(r.ttft_s for r in result.records if r.ok)
-        n = len(result.records)
-        if ttfts:
-            ax.step(ttfts, [(i + 1) / n for i in range(len(ttfts))], where="post", color=colors.get(mode),
-                    label=f"{mode} ({'ASAP' if mode == 'async' else 'DP+EP baseline'})")
-    ax.axvline(slo, color="gray", lw=0.8, ls=":", label=f"SLO {slo:.2f} s")
-    ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("TTFT (s)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    ax.set_title("TTFT CDF (same trace, same load)")
-    labels, compute, waiting = [], [], []
-    for mode, result in results.items():
-        A = cfgs[mode].num_attention_ranks
-        for pe, c, w in rank_usage(result):
-            role = "W" if mode == "sync" else ("A" if pe < A else "E")
-            labels.append(f"{mode}\n{role}{pe}")
-            compute.append(c)
-            waiting.append(w)
-    x = range(len(labels))
-    bx.bar(x, compute, color="tab:green", label="compute")
-    bx.bar(x, waiting, bottom=compute, color="tab:orange", label="waiting (all-to-all, barrier)")
-    bx.bar(x, [1 - c - w for c, w in zip(compute, waiting)], bottom=[c + w for c, w in zip(compute, waiting)],
-           color="lightgray", label="idle")
-    bx.set_xticks(list(x), labels, fontsize=7)
-    bx.set_ylabel("fraction of the run")
-    bx.set_ylim(0, 1)
-    bx.legend(fontsize=8, loc="upper right")
-    bx.set_title("per-rank time (A: attention, E: expert, W: DP+EP worker)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot(path: Path, points: dict, slo: float) -> None:
-    """The sweep's picture: TTFT p50/p90 against offered load, per mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    colors = {"async": "tab:blue", "sync": "tab:red"}
-    for mode, pts in points.items():
-        pts = sorted(pts)
-        c = colors.get(mode)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=c, label=f"{mode} TTFT p90")
-        ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=c, label=f"{mode} TTFT p50")
-    ax.axhline(slo, color="gray", lw=0.8, ls=":", label=f"SLO {slo:.2f} s")
-    ax.set_xlabel("offered load (prompt tokens/s)")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    ax.set_title("ASAP (async) vs synchronous DP+EP")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -610,7 +494,7 @@ def main(argv=None) -> int:
     summary = {"config": vars(args), "slo": slo_info, "runs": []}
     if args.emulate:
         summary["emulation"] = emulated(args, factory, "async").describe_emulation()
-    rows, points, checked, mismatches, details = [], {m: [] for m in modes}, 0, 0, []
+    rows, checked, mismatches, details = [], 0, 0, []
     emu_runs: dict = {m: [] for m in modes}
     last_results: dict = {}  # mode -> its last RunResult (the default picture)
 
@@ -655,8 +539,6 @@ def main(argv=None) -> int:
         rows.append([mode, f"{rate:g}", f"{rate * mean_len:.0f}", fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]),
                      fmt(s["ttft_p99_s"]), f"{s['throughput_tokens_per_s']:.0f}", f"{s['slo_attainment']:.2f}",
                      s["num_failed"]] + ([f"{emu['overrun_fraction']:.3f}"] if emu is not None else []))
-        if s["ttft_p90_s"] is not None:
-            points[mode].append((rate * mean_len, s["ttft_p90_s"], s["ttft_p50_s"]))
         print(f"  [{mode}] {rate:g} req/s: SLO attainment {s['slo_attainment']:.2f}, TTFT p90 {fmt(s['ttft_p90_s'])} s"
               + (f", overruns {emu['overrun_fraction']:.1%}" if emu is not None else ""), file=sys.stderr,
               flush=True)
@@ -684,10 +566,11 @@ def main(argv=None) -> int:
             over = sum(e["overruns"] for e in emu_runs[mode])
             summary[mode]["overrun_fraction"] = over / calls if calls else 0.0
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    if auto_sweep or len(rates) > 1:
-        plot(out / "ttft.png", points, slo)
-    else:
-        plot_run(out / "ttft.png", last_results, slo, cfgs)
+    if auto_sweep or len(rates) > 1:  # TTFT p50/p90 against offered load, per mode
+        plots.ttft_vs_load(out / "ttft.png", summary["runs"], slo, heading="ASAP (async) vs synchronous DP+EP",
+                           title=f"model {args.model}, trace {Path(args.trace).name}")
+    else:  # one load point per mode: the TTFT CDFs and per-rank compute / waiting / idle
+        plots.ttft_cdf_and_ranks(out / "ttft.png", last_results, slo, cfgs)
     print()
     print(table(rows, emulated=bool(args.emulate)))
     print(f"\n{describe_slo(slo_info)}")

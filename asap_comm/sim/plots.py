@@ -1,4 +1,4 @@
-"""Plots of simulated runs (PNG, matplotlib; skipped with a note on stderr when it is not installed).
+"""Plots of simulated and measured runs (PNG, matplotlib; skipped with a note on stderr when it is not installed).
 
 Each function returns the list of file names it wrote (empty if none).
 """
@@ -28,8 +28,10 @@ def _natural(name: str) -> tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
 
 
-def ttft_vs_load(path: Path, runs: list, slo: float, title: str = "") -> list:
-    """TTFT p50/p90 against offered load (prompt tokens/s), one colour per mode."""
+def ttft_vs_load(path: Path, runs: list, slo: float, title: str = "",
+                 heading: str = "simulated: ASAP (async) vs synchronous DP+EP") -> list:
+    """TTFT p50/p90 against offered load (prompt tokens/s), one colour per mode (``runs``: dicts with ``mode``,
+    ``offered_tokens_per_s``, ``ttft_p50_s`` and ``ttft_p90_s``, as a sweep's points or ``summary.json``'s runs)."""
     plt = _plt()
     if plt is None or not runs:
         return []
@@ -45,7 +47,7 @@ def ttft_vs_load(path: Path, runs: list, slo: float, title: str = "") -> list:
     ax.set_yscale("log")
     ax.set_xlabel("offered load (prompt tokens/s)")
     ax.set_ylabel("TTFT (s)")
-    ax.set_title(f"simulated: ASAP (async) vs synchronous DP+EP\n{title}", fontsize=9)
+    ax.set_title(f"{heading}\n{title}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -103,5 +105,71 @@ def ratio_plot(path: Path, series: dict, xlabel: str, title: str = "", target: f
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [Path(path).name]
+
+
+# ----------------------------------------------------------------------------- measured runs
+WAIT_SPANS = ("a2a", "barrier", "idle")  # span names that are waits (collectives, barriers), not compute
+
+
+def rank_usage(result) -> list:
+    """``[(pe, compute fraction, waiting fraction)]`` of a run's workers over the run (from its spans: a
+    ``RunResult`` of ``run_async`` / ``run_sync``)."""
+    if not result.spans:
+        return []
+    end = max(start + dur for _pe, _t, _n, start, dur in result.spans)
+    per: dict = {}
+    for pe, _track, name, _start, dur in result.spans:
+        c, w = per.get(pe, (0.0, 0.0))
+        per[pe] = (c, w + dur) if any(k in name for k in WAIT_SPANS) else (c + dur, w)
+    return [(pe, min(1.0, c / end), min(1.0, w / end)) for pe, (c, w) in sorted(per.items())] if end > 0 else []
+
+
+def ttft_cdf_and_ranks(path: Path, results: dict, slo: float, cfgs: dict) -> list:
+    """One load point per mode (``results``: mode -> ``RunResult``; ``cfgs``: mode -> its ``RuntimeConfig``):
+    the TTFT CDF of each mode, and per-rank compute / waiting / idle bars."""
+    plt = _plt()
+    if plt is None:
+        return []
+    import matplotlib.ticker
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
+    for mode, result in results.items():
+        ttfts = sorted(r.ttft_s for r in result.records if r.ok)
+        n = len(result.records)
+        if ttfts:
+            ax.step(ttfts, [(i + 1) / n for i in range(len(ttfts))], where="post", color=_COLORS.get(mode),
+                    label=f"{mode} ({'ASAP' if mode == 'async' else 'DP+EP baseline'})")
+    ax.axvline(slo, color="gray", lw=0.8, ls=":", label=f"SLO {slo:.2f} s")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("TTFT CDF (same trace, same load)")
+    labels, compute, waiting = [], [], []
+    for mode, result in results.items():
+        A = cfgs[mode].num_attention_ranks
+        for pe, c, w in rank_usage(result):
+            role = "W" if mode == "sync" else ("A" if pe < A else "E")
+            labels.append(f"{mode}\n{role}{pe}")
+            compute.append(c)
+            waiting.append(w)
+    x = range(len(labels))
+    bx.bar(x, compute, color="tab:green", label="compute")
+    bx.bar(x, waiting, bottom=compute, color="tab:orange", label="waiting (all-to-all, barrier)")
+    bx.bar(x, [1 - c - w for c, w in zip(compute, waiting)], bottom=[c + w for c, w in zip(compute, waiting)],
+           color="lightgray", label="idle")
+    bx.set_xticks(list(x), labels, fontsize=7)
+    bx.set_ylabel("fraction of the run")
+    bx.set_ylim(0, 1)
+    bx.legend(fontsize=8, loc="upper right")
+    bx.set_title("per-rank time (A: attention, E: expert, W: DP+EP worker)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)
     return [Path(path).name]

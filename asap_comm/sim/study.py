@@ -35,7 +35,8 @@ from ..serving.traces import Request, scale_trace
 from .simulate import Parallelism, simulate
 
 __all__ = ["percentile_target", "parse_slo", "spread_buckets", "at_rate", "mean_len", "p90_prompt", "unloaded_slo", "run_point",
-           "capacity_rate", "find_slo_throughput", "compare", "Deployment", "sweep_deployment", "search_best"]
+           "capacity_rate", "find_slo_throughput", "compare", "Deployment", "sweep_deployment", "search_best",
+           "search_rate"]
 
 
 def percentile_target(p: float) -> float:
@@ -328,3 +329,42 @@ def search_best(candidates, trace, cost, shapes, slo: float, *, start_rate: floa
     win = min(top, key=ckey)
     return {"candidates": rows, "best": rows[win]["deployment"], "best_sweep": rows[win]["confirmed"],
             "ranking": ranking}
+
+
+# ----------------------------------------------------------------------------- a load search over any runner
+def search_rate(attainment_at, start_rate: float, *, bisections: int = 3, target: float = 0.9,
+                steps: int = 8) -> dict:
+    """Search the SLO-compliant rate of any runner (measured runs: ``examples/prefill.py --sweep auto``): from
+    ``start_rate``, double (or halve) until the SLO attainment crosses ``target`` (at most ``steps`` times), then
+    bisect (geometrically) ``bisections`` times. ``attainment_at(rate) -> slo_attainment`` runs (and records)
+    one load; each rate runs once. Returns ``{rate: attainment}`` of every rate run; when nothing met the
+    target, even ``2**steps`` below the start, no bisection runs."""
+    seen: dict = {}
+
+    def ok(rate: float) -> bool:
+        if rate not in seen:
+            seen[rate] = attainment_at(rate)
+        return seen[rate] >= target
+
+    r = start_rate
+    if ok(r):
+        for _ in range(steps):
+            if not ok(r * 2):
+                break
+            r *= 2
+        lo, hi = r, r * 2
+    else:
+        for _ in range(steps):
+            r /= 2
+            if ok(r):
+                break
+        lo, hi = r, r * 2
+    if not ok(lo):  # nothing met the target
+        return seen
+    for _ in range(bisections):
+        mid = (lo * hi) ** 0.5
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return seen

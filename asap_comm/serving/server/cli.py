@@ -1,0 +1,103 @@
+"""The service's command line: ``python -m asap_comm.serving.server`` (the flags, and :func:`main`, which
+checks them and the optional dependencies, builds the model factory, and hands over to ``.workers``)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..protocol import RuntimeConfig
+from .options import ServiceOptions
+from .workers import serve_on_this_host, serve_one_pe
+
+__all__ = ["build_parser", "service_options", "main"]
+
+DESCRIPTION = "The online prefill service: ASAP (or the DP+EP baseline) behind an OpenAI-compatible HTTP API."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m asap_comm.serving.server", description=DESCRIPTION,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="small", help="a model preset (tiny, small, ...) or a checkpoint directory")
+    ap.add_argument("--plugin", default="deepseek", help="the model plugin (entry-point group asap_comm.models)")
+    ap.add_argument("--mode", choices=["async", "sync"], default="async",
+                    help="async: ASAP; sync: the DP+EP baseline on the same processes")
+    ap.add_argument("--attention-ranks", type=int, default=2)
+    ap.add_argument("--expert-ranks", type=int, default=2)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
+    ap.add_argument("--served-model-name", default=None, help="the model id of the API (default: --model's name)")
+    ap.add_argument("--tokenizer", default=None, help="a local tokenizer directory; enables text prompts")
+    ap.add_argument("--max-prompt-len", type=int, default=8192)
+    ap.add_argument("--token-budget", type=int, default=512)
+    ap.add_argument("--chunk-len", type=int, default=512)
+    ap.add_argument("--sync-collectives", choices=["gloo", "shm"], default="shm")
+    ap.add_argument("--max-queued-tokens", type=int, default=65536,
+                    help="admission bound: prompt tokens admitted and not finished; a call over it on its own gets "
+                         "413, others wait their turn (first come, first served)")
+    ap.add_argument("--max-waiting-tokens", type=int, default=None,
+                    help="prompt tokens of the calls waiting for admission (429 past it); unset: twice "
+                         "--max-queued-tokens")
+    ap.add_argument("--max-body-bytes", type=int, default=None,
+                    help="the largest request body read (413 past it); unset: 1 MiB + 16 bytes per token of "
+                         "--max-queued-tokens")
+    ap.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' on every path but /health and /metrics; unset: "
+                         "the environment variable ASAP_API_KEY (preferred: a command line is visible to ps)")
+    ap.add_argument("--request-timeout-s", type=float, default=60.0, help="per-request deadline (504 past it)")
+    ap.add_argument("--worker-stall-s", type=float, default=10.0,
+                    help="/health answers 503 naming a worker whose heartbeat is older than this (not a failure)")
+    ap.add_argument("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM/Ctrl-C: in-flight grace")
+    ap.add_argument("--failure-exit-s", type=float, default=10.0,
+                    help="after a worker dies: answer 503 this long, then exit with status 3")
+    ap.add_argument("--comm-timeout-s", type=float, default=30.0,
+                    help="the communicator's default wait bound; the serving loops retry waits on a live peer "
+                         "that is slow or stopped, so it does not limit how long a peer may stall")
+    ap.add_argument("--seed", type=int, default=0, help="random weights of a preset model")
+    return ap
+
+
+def service_options(args, environ) -> ServiceOptions:
+    """The HTTP side's settings from parsed arguments; the API key from ``--api-key`` or else
+    ``environ["ASAP_API_KEY"]``. ``ValueError`` for an empty key (a typo must not switch authentication off)."""
+    api_key = args.api_key if args.api_key is not None else environ.get("ASAP_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key / ASAP_API_KEY is empty: give a key, or unset it for no authentication")
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    return ServiceOptions(host=args.host, port=args.port, model_name=name, mode=args.mode,
+                          max_queued_tokens=args.max_queued_tokens, request_timeout_s=args.request_timeout_s,
+                          drain_timeout_s=args.drain_timeout_s, failure_exit_s=args.failure_exit_s,
+                          tokenizer=args.tokenizer, max_body_bytes=args.max_body_bytes,
+                          max_waiting_tokens=args.max_waiting_tokens, worker_stall_s=args.worker_stall_s,
+                          api_key=api_key)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    missing = [m for m in ("aiohttp", "prometheus_client") if _missing(m)]
+    if missing:
+        print(f"asap serve: missing {', '.join(missing)}: pip install -e \".[serve]\"", file=sys.stderr)
+        return 2
+    if args.tokenizer is not None and _missing("transformers"):
+        print("asap serve: --tokenizer needs transformers: pip install transformers", file=sys.stderr)
+        return 2
+    from ..plugins import load_model_factory, model_info_of
+    try:
+        factory = load_model_factory(args.model, plugin=args.plugin, seed=args.seed)
+        info = model_info_of(factory)
+        cfg = RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
+                            token_budget=args.token_budget, max_prompt_len=args.max_prompt_len,
+                            chunk_len=args.chunk_len, sync_collectives=args.sync_collectives)
+        opts = service_options(args, os.environ)
+    except (ValueError, LookupError, OSError) as e:
+        print(f"asap serve: {e}", file=sys.stderr)
+        return 2
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:  # started by torchrun: one PE of a group across hosts
+        return serve_one_pe(args, factory, info, cfg, opts)
+    return serve_on_this_host(args, factory, info, cfg, opts)
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None

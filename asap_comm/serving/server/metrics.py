@@ -1,0 +1,92 @@
+"""The service's Prometheus metrics (``GET /metrics``): request outcomes, TTFT and queue time, admitted and
+waiting tokens, and the workers' live statistics (``protocol.WorkerStats``) and heartbeat ages. The metric
+names and help texts are the README's table ("The online service")."""
+from __future__ import annotations
+
+import math
+
+from ..protocol import BATCH_BUCKETS
+
+__all__ = ["TTFT_BUCKETS", "ServiceMetrics", "WorkerCollector"]
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
+
+
+class ServiceMetrics:
+    """The registry of one service: what :class:`~.engine.Engine` counts, gauges read from it on every scrape,
+    and a :class:`WorkerCollector`."""
+
+    def __init__(self, svc) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("asap_time_to_first_token_seconds", "Server-side TTFT: admission to the result "
+                              "reaching the front end", registry=r, buckets=TTFT_BUCKETS)
+        self.queue = Histogram("asap_request_queue_time_seconds", "Admission until the request's last chunk "
+                               "entered its rank's inbox", registry=r, buckets=TTFT_BUCKETS)
+        self.prompt = Counter("asap_prompt_tokens", "Prompt tokens of completed requests", registry=r)
+        self.requests = Counter("asap_requests", "Requests by outcome (ok, invalid, unauthorized, overloaded, "
+                                "timeout, cancelled, unavailable)", ["outcome"], registry=r)
+        self.running = Gauge("asap_num_requests_running", "Requests admitted and not finished", registry=r)
+        self.running.set_function(lambda: len(svc.fe.inflight))
+        self.tokens = Gauge("asap_admitted_prompt_tokens", "Prompt tokens admitted and not finished (bounded by "
+                            "--max-queued-tokens)", registry=r)
+        self.tokens.set_function(lambda: svc.fe.queued_tokens)
+        self.waiting = Gauge("asap_num_requests_waiting", "Calls in the waiting room (first come, first served)",
+                             registry=r)
+        self.waiting.set_function(lambda: len(svc.room))
+        self.waiting_tokens = Gauge("asap_waiting_prompt_tokens", "Prompt tokens of the calls in the waiting "
+                                    "room (bounded by --max-waiting-tokens)", registry=r)
+        self.waiting_tokens.set_function(lambda: svc.room.tokens)
+        r.register(WorkerCollector(svc))
+
+    def completed(self, c) -> None:
+        """A request's result (a ``frontend.Completion``) reached the front end."""
+        self.ttft.observe(c.done_s)
+        self.queue.observe(c.queue_s)
+        self.prompt.inc(c.tokens)
+
+    def count(self, outcome: str) -> None:
+        """One more request in ``asap_requests_total{outcome}``."""
+        self.requests.labels(outcome).inc()
+
+    def text(self) -> bytes:
+        """The Prometheus text exposition of every metric (content type ``CONTENT_TYPE``)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class WorkerCollector:
+    """Prometheus collector of the workers' live statistics (``protocol.WorkerStats``) and heartbeat ages."""
+
+    def __init__(self, svc) -> None:
+        self.svc = svc
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+        rows = self.svc.stats.rows()
+        self.svc.beats.observe()
+        ages = self.svc.beats.ages()
+        busy = GaugeMetricFamily("asap_rank_busy_fraction", "Fraction of its lifetime a worker spent computing",
+                                 labels=["pe", "role"])
+        beat = GaugeMetricFamily("asap_worker_heartbeat_age_seconds", "Seconds since the front end saw the worker's "
+                                 "statistics row change (it publishes every 0.1 s while it runs)",
+                                 labels=["pe", "role"])
+        hist = HistogramMetricFamily("asap_expert_batch_size_rows", "Rows per expert batch (async: per expert "
+                                     "rank's gathered batch; sync: per worker's all-to-all share)", labels=["pe"])
+        for pe in range(self.svc.comm.world_size - 1):
+            r = rows[pe]
+            role = self.svc.role_of(pe)
+            busy.add_metric([str(pe), role], r["busy_fraction"])
+            beat.add_metric([str(pe), role], ages[pe])
+            if r["batches"]:
+                cum, buckets = 0, []
+                for ub, n in zip(list(BATCH_BUCKETS) + [math.inf], r["buckets"]):
+                    cum += n
+                    buckets.append(("+Inf" if ub == math.inf else str(float(ub)), cum))
+                hist.add_metric([str(pe)], buckets, sum_value=r["rows"])
+        yield busy
+        yield beat
+        yield hist

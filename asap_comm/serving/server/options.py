@@ -1,0 +1,58 @@
+"""The HTTP side's settings of the online service (the runtime's are a ``RuntimeConfig``)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .request import default_max_body_bytes
+
+__all__ = ["ServiceOptions"]
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    """The HTTP side's settings (the runtime's are a ``RuntimeConfig``). ``max_body_bytes`` and
+    ``max_waiting_tokens`` of None take their defaults from ``max_queued_tokens`` (see :attr:`body_bound`,
+    :attr:`waiting_bound`); ``api_key`` None: no authentication."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "small"
+    mode: str = "async"
+    max_queued_tokens: int = 65536
+    request_timeout_s: float = 60.0
+    drain_timeout_s: float = 30.0
+    failure_exit_s: float = 10.0
+    tokenizer: "str | None" = None
+    max_body_bytes: "int | None" = None
+    max_waiting_tokens: "int | None" = None
+    worker_stall_s: float = 10.0
+    api_key: "str | None" = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.port, int) and 0 <= self.port < 65536):
+            raise ValueError(f"ServiceOptions: port={self.port!r} must be in [0, 65536)")
+        for name in ("max_queued_tokens", "max_body_bytes", "max_waiting_tokens"):
+            v = getattr(self, name)
+            if (v is not None or name == "max_queued_tokens") and not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"ServiceOptions: {name}={v!r} must be an int >= 1")
+        for name in ("request_timeout_s", "drain_timeout_s", "failure_exit_s", "worker_stall_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"ServiceOptions: {name}={v!r} must be a positive number of seconds")
+        if self.mode not in ("async", "sync"):
+            raise ValueError(f"ServiceOptions: mode={self.mode!r} must be 'async' or 'sync'")
+        if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
+            raise ValueError("ServiceOptions: api_key must be a non-empty string (or None: no authentication)")
+
+    @property
+    def body_bound(self) -> int:
+        """The largest request body read: ``max_body_bytes``, or ``default_max_body_bytes(max_queued_tokens)``."""
+        return self.max_body_bytes if self.max_body_bytes is not None else default_max_body_bytes(
+            self.max_queued_tokens)
+
+    @property
+    def waiting_bound(self) -> int:
+        """Prompt tokens the waiting room holds: ``max_waiting_tokens``, or twice ``max_queued_tokens`` (room for
+        a call at the bound and as much again of others)."""
+        return self.max_waiting_tokens if self.max_waiting_tokens is not None else 2 * self.max_queued_tokens

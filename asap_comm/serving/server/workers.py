@@ -1,0 +1,183 @@
+"""The service's processes: the serving group on this host (``launch``), or one PE of a group across hosts
+under torchrun; the signals, the listening check and the exit statuses (0: stopped cleanly, 2: bad arguments
+or settings, 3: a worker failed, 130: a second signal)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+
+from ...errors import CommError, LaunchError
+from ..protocol import RuntimeConfig
+from .app import HttpFront
+from .options import ServiceOptions
+
+__all__ = ["service_main", "serve_on_this_host", "serve_one_pe"]
+
+
+def service_main(comm, mode: str, *args):
+    """One PE of a service group: signals are the parent's business (it turns SIGINT/SIGTERM into the stop
+    event the front end watches; a terminal's Ctrl-C and a supervisor's SIGTERM to the whole process group
+    reach every PE), then the mode's ``group_main``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if mode == "async":
+        from ..runtime import group_main
+    else:
+        from ..sync import group_main
+    return group_main(comm, *args)
+
+
+def serve_on_this_host(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions) -> int:
+    """The whole service on this host: ``launch`` the workers and the front end (the group's last PE) until a
+    signal or a failure. Returns the exit status."""
+    if not _can_listen(opts):
+        return 2
+    stop = mp.get_context("spawn").Event()
+    front = HttpFront(opts, stop)
+    old = _stop_on_signals(stop)
+    from ...launch import launch
+    store = None
+    try:
+        world = cfg.num_attention_ranks + cfg.num_expert_ranks + 1
+        if args.mode == "async":
+            fnargs = ("async", cfg, info, factory, front)
+        else:
+            from ...rendezvous import loopback_store
+            from ..sync import check_config
+            check_config(factory, cfg)
+            store = loopback_store(cfg.timeout_s)  # the workers' gloo group: on 127.0.0.1 only
+            fnargs = ("sync", cfg, info, factory, store.port, front)
+        print(f"asap serve: starting {world - 1} {args.mode} workers for {opts.model_name} ...", file=sys.stderr,
+              flush=True)
+        results = launch(service_main, world, *fnargs, timeout=1e9, comm_timeout=args.comm_timeout_s,
+                         leader=world - 1, leader_grace=5.0)
+    except LaunchError as e:
+        first = str(e).splitlines()[0]
+        if e.remote_type == "OutOfSharedMemory":  # a setting of this machine, not a failure of the service
+            print(f"asap serve: {first.split('raised OutOfSharedMemory: ', 1)[-1]}", file=sys.stderr)
+            return 2
+        print(f"asap serve: stopped: {first}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("asap serve: stopped at once (second signal)", file=sys.stderr)
+        return 130
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        del store
+    return _exit_status(results[-1][1])
+
+
+def _can_listen(opts: ServiceOptions) -> bool:
+    """Whether the HTTP port can be bound (said at once, not from a group that took seconds to start)."""
+    if opts.port:
+        import socket
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((opts.host, opts.port))
+        except OSError as e:
+            print(f"asap serve: cannot listen on {opts.host}:{opts.port}: {e.strerror or e}", file=sys.stderr)
+            return False
+    if opts.api_key is None and opts.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"asap serve: warning: listening on {opts.host} without an API key (--api-key or ASAP_API_KEY)",
+              file=sys.stderr, flush=True)
+    return True
+
+
+def _stop_on_signals(stop) -> dict:
+    """SIGINT/SIGTERM set ``stop`` (the front end drains, then stops the workers); a second one stops at once.
+    Returns the previous handlers."""
+    signals = [0]
+
+    def on_signal(signum, frame):
+        signals[0] += 1
+        if signals[0] > 1:
+            raise KeyboardInterrupt
+        stop.set()
+
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _exit_status(summary: dict) -> int:
+    if summary["failure"]:
+        print(f"asap serve: exited after {summary['failure']}", file=sys.stderr)
+        return 3
+    print(f"asap serve: stopped cleanly after {summary['requests']} request(s)", file=sys.stderr)
+    return 0
+
+
+def serve_one_pe(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions) -> int:
+    """One PE of a service whose workers span hosts, started by torchrun on every host (README, "The service
+    across hosts"). torchrun's rank 0, on node 0, is the front end and the HTTP server (the group's last PE,
+    as on one host); torchrun's rank r > 0 is PE r - 1. The group needs ``$ASAP_GROUP_SECRET``, the same on
+    every host. Exit status as on one host (2: bad arguments or settings, 3: a worker failed); a worker's own
+    status is 0 once the front end stopped it, 3 if the group failed under it."""
+    from ...comm import init
+    from ...errors import OutOfSharedMemory
+
+    W, r = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
+    if A + E + 1 != W:
+        if r == 0:
+            print(f"asap serve: torchrun started {W} processes, but --attention-ranks {A} + --expert-ranks {E} + "
+                  f"the front end make {A + E + 1}", file=sys.stderr)
+        return 2
+    pe = W - 1 if r == 0 else r - 1
+    is_front = pe == W - 1
+    if is_front and not _can_listen(opts):
+        return 2
+    stop = threading.Event()
+    if is_front:
+        old = _stop_on_signals(stop)
+    else:  # the front end stops the workers (a worker that died would fail the service)
+        old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            comm = init(pe, W, timeout=args.comm_timeout_s)
+        except CommError as e:
+            print(f"asap serve: PE {pe}: {e}", file=sys.stderr)
+            return 2
+        with comm:
+            if is_front:
+                where = ", ".join(f"PE {p}@{h}" for p, h in enumerate(comm.hosts))
+                print(f"asap serve: {W - 1} {args.mode} workers for {opts.model_name} on "
+                      f"{len(set(comm.hosts))} hosts ({where})", file=sys.stderr, flush=True)
+            front = HttpFront(opts, stop)
+            try:
+                if args.mode == "async":
+                    from ..runtime import group_main
+                    role, payload = group_main(comm, cfg, info, factory, front)
+                else:
+                    from ..sync import check_config
+                    from ..sync import group_main
+                    check_config(factory, cfg)
+                    role, payload = group_main(comm, cfg, info, factory, comm._store, front)
+            except OutOfSharedMemory as e:
+                print(f"asap serve: PE {pe}: {e}", file=sys.stderr)
+                return 2
+            except CommError as e:  # PeerFailure, TimeoutError: the group failed under this worker
+                print(f"asap serve: PE {pe}: stopped: {e}", file=sys.stderr, flush=True)
+                if not is_front:  # leave after the front end: torchrun stops a node's processes once one fails,
+                    _outlive_front_end(comm, opts)  # which would cut short the front end's 503 answers
+                return 3
+    except KeyboardInterrupt:
+        print("asap serve: stopped at once (second signal)", file=sys.stderr)
+        return 130
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return _exit_status(payload) if role == "front" else 0
+
+
+def _outlive_front_end(comm, opts: ServiceOptions) -> None:
+    """A worker whose group failed waits (bounded) until the front end has answered 503 for its
+    ``--failure-exit-s`` and left."""
+    front = comm.world_size - 1
+    deadline = time.monotonic() + opts.failure_exit_s + 15.0
+    while time.monotonic() < deadline and comm.peer_state(front) == "alive":
+        time.sleep(0.1)
