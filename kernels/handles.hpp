@@ -1,5 +1,5 @@
 // The one native form of each per-message primitive, and the helpers every
-// Python-facing entry point shares (kernels/handles.cpp).
+// Python-facing entry point shares (kernels/handles_py.cpp, kernels/ops_py.cpp).
 //
 // put_signal and the signal wait each have one native object: a validated,
 // persistent handle (_C.PreparedPutSignal, _C.PreparedWait), built by one
@@ -39,6 +39,7 @@ bool tensor_span(PyObject* t, const char* fn, const char* name, uint64_t off, ui
 bool parse_value(const char* fn, PyObject* v, uint64_t* out);
 bool parse_timeout(const char* fn, PyObject* t, double fallback, double* out);
 
+bool register_ops(PyObject* module);            // ops_py.cpp: signal_update, load, store, copy_*, ctrl_*, fence
 bool register_handle_types(PyObject* module);   // PreparedPutSignal, PreparedWait, FastPath
 bool register_inbox_types(PyObject* module);    // inbox_py.cpp
 PyObject* make_put_signal(PyObject*, PyObject* const* a, Py_ssize_t n);

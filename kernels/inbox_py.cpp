@@ -263,7 +263,7 @@ int send_facts(Inbox* self, PyObject* t, SendFacts* f) {
   if (nbytes > self->slot_bytes) return 0;
   PyObject* ptr_o = PyObject_CallMethodNoArgs(t, s_data_ptr);
   if (ptr_o == nullptr) return -1;
-  f->ptr = PyLong_AsUnsignedLong(ptr_o);  // (digits read directly: see handles.cpp, exact_u64)
+  f->ptr = PyLong_AsUnsignedLong(ptr_o);  // (digits read directly: see handles_py.cpp, exact_u64)
   Py_DECREF(ptr_o);
   if (PyErr_Occurred()) return -1;
   f->nbytes = static_cast<size_t>(nbytes);

@@ -59,13 +59,13 @@ NetEngine::NetEngine(Group* group, uintptr_t own_ctrl, double peer_timeout_s, co
 }
 
 // ---------------------------------------------------------------- set-up
-py::bytes NetEngine::address() {
+std::string NetEngine::address() {
   std::lock_guard<std::mutex> g(mu_);
   ucp_worker_attr_t attr{};
   attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
   ucs_status_t st = ucx.ucp_worker_query(worker_, &attr);
   if (st != UCS_OK) throw std::runtime_error(ucs_err("ucp_worker_query", st));
-  py::bytes out(reinterpret_cast<const char*>(attr.address), attr.address_length);
+  std::string out(reinterpret_cast<const char*>(attr.address), attr.address_length);
   ucx.ucp_worker_release_address(worker_, attr.address);
   return out;
 }
@@ -97,16 +97,11 @@ void NetEngine::handshake_send(int pe, bool answer, const std::string& payload) 
 }
 
 // The handshake messages received since the last call: [(pe, "challenge"|"answer", payload)].
-py::list NetEngine::take_handshakes() {
+std::vector<NetEngine::Handshake> NetEngine::take_handshakes() {
   std::vector<Handshake> got;
-  {
-    std::lock_guard<std::mutex> g(hs_mu_);
-    got.swap(handshakes_);
-  }
-  py::list out;
-  for (const auto& x : got)
-    out.append(py::make_tuple(x.pe, x.kind == kHello ? "challenge" : "answer", py::bytes(x.payload)));
-  return out;
+  std::lock_guard<std::mutex> g(hs_mu_);
+  got.swap(handshakes_);
+  return got;
 }
 
 // PE `pe` answered this PE's challenge correctly: from now on its messages are applied.
@@ -152,8 +147,8 @@ bool NetEngine::put_signal_py(int pe, uint32_t region, uint64_t off, uintptr_t s
   try {
     put_signal(pe, region, off, src, nbytes, sig_region, sig_off, value, op);
     return true;
-  } catch (py::error_already_set& e) {
-    e.restore();
+  } catch (const PythonError&) {
+    // set already
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
   }
@@ -199,11 +194,11 @@ void NetEngine::quiet(double timeout_s) {
       free_pending(p);
     } else if (!(r.status == kWaitPeer && group_->remote_state(pe) == kStateClosed)) {
       // (a PE that closed meanwhile has nothing left to complete)
-      if (r.status == kWaitInterrupted) throw py::error_already_set();
+      if (r.status == kWaitInterrupted) throw PythonError{};
       PyObject* what = PyUnicode_FromString("quiet");
       raise_wait_error(r, timeout_s, what, false);
       Py_XDECREF(what);
-      throw py::error_already_set();
+      throw PythonError{};
     }
     dirty_[pe] = 0;
   }
@@ -258,20 +253,20 @@ WaitResult NetEngine::mbox_send(int pe, uintptr_t local_base, size_t nslots, siz
   }
 }
 
-py::dict NetEngine::stats() {
+NetStats NetEngine::stats() {
   std::lock_guard<std::mutex> g(mu_);
-  py::dict d;
-  d["disorder"] = disorder_;
-  d["bad_messages"] = bad_;
-  d["unauthenticated"] = unauth_;
-  d["received"] = received_;
-  d["sent"] = sent_;
+  NetStats d;
+  d.disorder = disorder_;
+  d.bad_messages = bad_;
+  d.unauthenticated = unauth_;
+  d.received = received_;
+  d.sent = sent_;
   int lines = 0;
   for (int fd : lines_) lines += fd >= 0;
-  d["liveness_lines"] = lines;
-  d["progress_wakeups"] = wakeups_;
-  d["progress_parks"] = parks_;
-  d["last_error"] = last_error_;
+  d.liveness_lines = lines;
+  d.progress_wakeups = wakeups_;
+  d.progress_parks = parks_;
+  d.last_error = last_error_;
   return d;
 }
 

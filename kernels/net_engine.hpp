@@ -9,7 +9,7 @@
 // namespaces, a UCX active-message round trip costs less than half a UCX put
 // round trip (bench/README.md).
 //
-// Rules (DESIGN.md, "Rules every primitive keeps"):
+// Rules (docs/design.md, "Rules every primitive keeps"):
 // * Nothing on the wire is an address: a message names a region (0 = the
 //   control block, 1 + i = heap chunk i, the same on every PE because chunks
 //   are allocated collectively) and an offset; the target bounds-checks both
@@ -57,7 +57,6 @@
 #pragma once
 #ifdef ASAP_HAVE_UCX
 #include <Python.h>
-#include <pybind11/pybind11.h>
 
 #include <atomic>
 #include <chrono>
@@ -74,7 +73,6 @@
 
 namespace asap::net {
 
-namespace py = pybind11;
 using Clock = std::chrono::steady_clock;
 
 
@@ -99,13 +97,32 @@ struct RndvCtx {
   std::vector<char> tmp;  // mailbox payloads land here first
 };
 
+// Thrown (GIL held) when a Python exception is already set, e.g. a
+// TimeoutError or PeerFailure from raise_wait_error: the binding passes it on.
+struct PythonError {};
+
+// The counters behind Communicator.net_stats() (net_py.cpp makes the dict).
+struct NetStats {
+  uint64_t disorder = 0, bad_messages = 0, unauthenticated = 0, received = 0, sent = 0;
+  int liveness_lines = 0;
+  uint64_t progress_wakeups = 0, progress_parks = 0;
+  std::string last_error;
+};
+
 class NetEngine final : public NetIface {
  public:
+  // A set-up message received: kind is kHello (a challenge) or kHelloAck (an answer).
+  struct Handshake {
+    int pe;
+    uint32_t kind;
+    std::string payload;
+  };
+
   NetEngine(Group* group, uintptr_t own_ctrl, double peer_timeout_s, const std::string& tls);
   ~NetEngine() override { shutdown(); }
 
   // ---------------------------------------------------------------- set-up (net_engine.cpp, net_liveness.cpp)
-  py::bytes address();
+  std::string address();  // this worker's UCX address (bytes)
   void connect(int pe, const std::string& addr);
   // The liveness line to PE `pe` (a connected TCP socket, already authenticated): the engine keeps a
   // duplicate of `fd`, sets its keepalive so that a lost host or link fails it within the peer timeout,
@@ -115,7 +132,8 @@ class NetEngine final : public NetIface {
   void start();
   // authentication (set-up, before start)
   void handshake_send(int pe, bool answer, const std::string& payload);
-  py::list take_handshakes();
+  // The handshake messages received since the last call.
+  std::vector<Handshake> take_handshakes();
   void authenticate(int pe);
   void add_region(uint32_t index, uintptr_t base, size_t size);
 
@@ -137,7 +155,7 @@ class NetEngine final : public NetIface {
   void poll_begin() override { pollers_.fetch_add(1, std::memory_order_relaxed); }
   void poll_end(bool sleeping) override;
 
-  py::dict stats();
+  NetStats stats();
   // Tells the remote PEs this one leaves, stops the progress thread, closes
   // the endpoints and frees the worker. Idempotent.
   void shutdown();
@@ -153,12 +171,6 @@ class NetEngine final : public NetIface {
     const char* data = nullptr;
     size_t n = 0;
   };
-  struct Handshake {
-    int pe;
-    uint32_t kind;
-    std::string payload;
-  };
-
   // helpers (net_engine.cpp)
   void check_pe(const char* fn, int pe) const;
   Hdr make(uint32_t kind, int pe);

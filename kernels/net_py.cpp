@@ -1,5 +1,8 @@
-// Python bindings of the network engine: asap_comm._C.NetEngine, net_load and
-// NET_AVAILABLE (false when the module was built without UCX's headers).
+// Python bindings of the network engine (pybind11): asap_comm._C.NetEngine,
+// net_load and NET_AVAILABLE (false when the module was built without UCX's
+// headers). The engine itself knows no binding library: its Python-facing
+// types (bytes, the handshake list, the stats dict) and its errors are made
+// here (docs/native.md, "One binding rule").
 #include <Python.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -8,6 +11,7 @@
 
 #ifdef ASAP_HAVE_UCX
 
+#include <exception>
 #include <string>
 
 #include "ctrl.hpp"
@@ -31,6 +35,14 @@ CtrlSpan ctrl_word_span(const char* fn, int64_t word) {
 
 void bind_net(py::module& m) {
   m.attr("NET_AVAILABLE") = true;
+  // net::PythonError: a Python exception (TimeoutError, PeerFailure, KeyboardInterrupt) is set already.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const net::PythonError&) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "net: an error without an exception");
+    }
+  });
   m.def("net_load", &net::load_ucx, py::arg("ucp_path"), py::arg("ucs_path"),
         "Load UCX's libraries (paths of libucp.so and libucs.so) once per process.");
   py::class_<NetEngine>(m, "NetEngine")
@@ -40,11 +52,18 @@ void bind_net(py::module& m) {
              return e;
            }),
            py::arg("group"), py::arg("own_ctrl"), py::arg("peer_timeout_s"), py::arg("tls"), py::keep_alive<1, 2>())
-      .def("address", &NetEngine::address)
+      .def("address", [](NetEngine& e) { return py::bytes(e.address()); })
       .def("connect", &NetEngine::connect, py::arg("pe"), py::arg("address"))
       .def("start", &NetEngine::start)
       .def("handshake_send", &NetEngine::handshake_send, py::arg("pe"), py::arg("answer"), py::arg("payload"))
-      .def("take_handshakes", &NetEngine::take_handshakes)
+      // [(pe, "challenge" | "answer", payload)]
+      .def("take_handshakes",
+           [](NetEngine& e) {
+             py::list out;
+             for (const auto& x : e.take_handshakes())
+               out.append(py::make_tuple(x.pe, x.kind == net::kHello ? "challenge" : "answer", py::bytes(x.payload)));
+             return out;
+           })
       .def("authenticate", &NetEngine::authenticate, py::arg("pe"))
       .def("watch", &NetEngine::watch, py::arg("pe"), py::arg("fd"))
       .def("add_region",
@@ -85,7 +104,21 @@ void bind_net(py::module& m) {
            py::arg("pe"), py::arg("word"), py::arg("dst"), py::arg("timeout_s"))
       .def("quiet", &NetEngine::quiet, py::arg("timeout_s"))
       .def("poll", &NetEngine::poll)
-      .def("stats", &NetEngine::stats)
+      .def("stats",
+           [](NetEngine& e) {
+             const net::NetStats s = e.stats();
+             py::dict d;
+             d["disorder"] = s.disorder;
+             d["bad_messages"] = s.bad_messages;
+             d["unauthenticated"] = s.unauthenticated;
+             d["received"] = s.received;
+             d["sent"] = s.sent;
+             d["liveness_lines"] = s.liveness_lines;
+             d["progress_wakeups"] = s.progress_wakeups;
+             d["progress_parks"] = s.progress_parks;
+             d["last_error"] = s.last_error;
+             return d;
+           })
       .def("shutdown", &NetEngine::shutdown, py::call_guard<py::gil_scoped_release>());
 }
 

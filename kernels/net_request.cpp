@@ -71,7 +71,7 @@ void NetEngine::send_blocking(int pe, Hdr& h, const void* data, size_t n, const 
     PyObject* what = PyUnicode_FromString(fn);
     raise_wait_error(r, send_timeout_s_, what, false);
     Py_XDECREF(what);
-    throw py::error_already_set();
+    throw PythonError{};
   }
   throw std::runtime_error(std::string(fn) + ": sending to PE " + std::to_string(pe) + " failed: " + last_error_);
 }
@@ -118,7 +118,7 @@ void NetEngine::throw_peer(const char* fn, int pe, const char* why) {
   PyObject* what = PyUnicode_FromString(fn);
   raise_wait_error(r, 0, what);
   Py_XDECREF(what);
-  throw py::error_already_set();
+  throw PythonError{};
 }
 
 Pending* NetEngine::alloc_pending(int pe, void* dst, size_t cap, uint32_t* token) {
@@ -168,11 +168,11 @@ Pending* NetEngine::request(int pe, Hdr& h, const void* data, size_t n, void* ds
     }
     return p;
   }
-  if (r.status == kWaitInterrupted) throw py::error_already_set();
+  if (r.status == kWaitInterrupted) throw PythonError{};
   PyObject* what = PyUnicode_FromString(fn);
   raise_wait_error(r, timeout_s, what, false);
   Py_XDECREF(what);
-  throw py::error_already_set();
+  throw PythonError{};
 }
 
 // Sends a request and waits for its reply. On failure returns nullptr with
