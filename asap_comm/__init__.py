@@ -13,8 +13,7 @@ or, on one host, ``asap_comm.launch(fn, world_size)``. See docs/design.md and th
 README for the memory-ordering contract of every call.
 """
 from ._native import _C  # noqa: F401  (fails with a build hint if the extension is missing)
-from .comm import Communicator
-from .group import init
+from .comm import Communicator, init
 from .errors import CommError, LaunchError, OutOfSharedMemory, PeerFailure, TimeoutError
 from .launch import launch
 from .mailbox import Mailbox, Message

@@ -6,7 +6,8 @@ import numbers
 
 import torch
 
-__all__ = ["check_pair", "check_pe", "check_shape", "check_timeout", "check_value", "peer_mask"]
+__all__ = ["check_pair", "check_pe", "check_shape", "check_timeout", "check_value", "peer_mask", "signal_word",
+           "tensor_info"]
 
 _U64_MAX = (1 << 64) - 1
 
@@ -77,3 +78,27 @@ def peer_mask(fn: str, peers, world_size: int) -> bytes:
     if not any(mask):
         raise ValueError(f"{fn}: peers is empty; name at least one PE that may satisfy the wait")
     return bytes(mask)
+
+
+def tensor_info(fn: str, name: str, t, alloc_of) -> tuple:
+    """Validated facts about symmetric tensor ``t`` (``alloc_of``: the heap's lookup, which raises for others):
+    (tensor, data_ptr, nbytes, dtype, contiguous, shape, allocation, numel, stride0)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{fn}: {name} is on {t.device}; the shm backend moves CPU tensors only")
+    a = alloc_of(fn, name, t)
+    return (t, t.data_ptr(), t.nbytes, t.dtype, t.is_contiguous(), tuple(t.shape), a, t.numel(),
+            t.stride(0) if t.dim() == 1 else 0)
+
+
+def signal_word(fn: str, g: tuple, idx) -> int:
+    """The address (on this PE) of word ``idx`` of the signal array ``g`` describes (``tensor_info``)."""
+    if g[3] is not torch.uint64 or g[8] == 0:
+        raise ValueError(f"{fn}: sig must be a 1-D torch.uint64 symmetric tensor (comm.signals(n)), "
+                         f"got dtype {g[3]} shape {g[5]}")
+    if isinstance(idx, bool) or not isinstance(idx, int):
+        raise TypeError(f"{fn}: idx must be an int, got {type(idx).__name__}")
+    if not 0 <= idx < g[7]:
+        raise ValueError(f"{fn}: idx={idx} is out of range [0, {g[7]}) of the signal array")
+    return g[1] + idx * 8 * g[8]

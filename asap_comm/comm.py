@@ -35,33 +35,30 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import threading
 import weakref
 
 import torch
 
 from ._native import _C
-from .checks import check_pair, check_pe, check_shape, check_timeout, check_value, peer_mask
-from .bootstrap import Segments, bootstrap, unlink_quietly
+from .checks import check_pair, check_pe, check_shape, check_timeout, check_value, peer_mask, signal_word, tensor_info
+from .bootstrap import Segments, bootstrap, check_init_args, open_store, unlink_quietly
 from .bootstrap import host_id as _host_id
 from .collective import collective
 from .errors import CommError
 from .heap import Alloc, SymmetricHeap
 from .mailbox import Mailbox
+from .registry import _by_id, _registry, _registry_lock, hosting  # noqa: F401  (_by_id: reachable here)
 from .rendezvous import secret_token as _secret_token
 from .transport import Transport, load_net  # noqa: F401  (load_net: reachable here, as before)
 from .transport.base import OPS as _OPS
 
-__all__ = ["Communicator"]
+__all__ = ["Communicator", "init"]
 
 _CMPS = {"==": 0, "!=": 1, ">": 2, ">=": 3, "<": 4, "<=": 5}
 _FAST_CACHE_MAX = 4096
 _COPY_WITH_TORCH = 1 << 20  # the fast path's table keeps handles of copies below this size
 
 _ids = itertools.count(1)
-_registry: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
-_registry_lock = threading.Lock()
-
 
 class Communicator:
     """A group of PEs sharing a symmetric heap. Create with :func:`asap_comm.init`.
@@ -117,10 +114,6 @@ class Communicator:
     @property
     def _chunks(self) -> list:
         return self._heap.chunks
-
-    @property
-    def _allocs(self) -> dict:
-        return self._heap.allocs
 
     def _teardown(self) -> None:
         link = getattr(self, "_link", None)
@@ -224,38 +217,20 @@ class Communicator:
     def _alloc_of(self, fn: str, name: str, t) -> Alloc:
         return self._heap.alloc_of(fn, name, t)
 
-    def _info(self, fn: str, name: str, t, symmetric: bool) -> tuple:
-        """Validated, cached facts about a tensor for the fast path.
-
-        (tensor, data_ptr, nbytes, dtype, contiguous, shape, allocation|None, numel, stride0)
-        The tensor is held so its id cannot be reused while cached; symmetric
-        storage cannot be resized, so the cached layout stays true for it.
-        """
+    def _info(self, fn: str, name: str, t) -> tuple:
+        """Validated facts about symmetric tensor ``t`` (``checks.tensor_info``), cached by id for the fast path
+        (the tensor is held so its id cannot be reused while cached; symmetric storage cannot be resized)."""
         self._check_open(fn)
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
-            raise ValueError(f"{fn}: {name} is on {t.device}; the shm backend moves CPU tensors only")
-        a = self._alloc_of(fn, name, t) if symmetric else None
-        info = (t, t.data_ptr(), t.nbytes, t.dtype, t.is_contiguous(), tuple(t.shape), a, t.numel(),
-                t.stride(0) if t.dim() == 1 else 0)
-        if symmetric:
-            if len(self._fast) >= _FAST_CACHE_MAX:
-                self._fast.clear()
-            self._fast[id(t)] = info
+        info = tensor_info(fn, name, t, self._heap.alloc_of)
+        if len(self._fast) >= _FAST_CACHE_MAX:
+            self._fast.clear()
+        self._fast[id(t)] = info
         return info
 
     def _sig_addr(self, fn: str, sig, idx) -> tuple:
         """(info, address of word idx on this PE) for a signal array."""
-        g = self._fast.get(id(sig)) or self._info(fn, "sig", sig, symmetric=True)
-        if g[3] is not torch.uint64 or g[8] == 0:
-            raise ValueError(f"{fn}: sig must be a 1-D torch.uint64 symmetric tensor (comm.signals(n)), "
-                             f"got dtype {g[3]} shape {g[5]}")
-        if isinstance(idx, bool) or not isinstance(idx, int):
-            raise TypeError(f"{fn}: idx must be an int, got {type(idx).__name__}")
-        if not 0 <= idx < g[7]:
-            raise ValueError(f"{fn}: idx={idx} is out of range [0, {g[7]}) of the signal array")
-        return g, g[1] + idx * 8 * g[8]
+        g = self._fast.get(id(sig)) or self._info(fn, "sig", sig)
+        return g, signal_word(fn, g, idx)
 
     # ------------------------------------------------------------ symmetric heap
     def _grow(self, min_bytes: int):
@@ -415,7 +390,7 @@ class Communicator:
         pe = self._check_pe(fn, pe)
         if op not in _OPS:
             raise ValueError(f"{fn}: op must be 'set' or 'add', got {op!r}")
-        d = self._info(fn, "dst", dst, symmetric=True)
+        d = self._info(fn, "dst", dst)
         check_pair(fn, dst, src)
         g, addr = self._sig_addr(fn, sig, idx)
         if not (d[4] and src.is_contiguous()):
@@ -571,15 +546,42 @@ class Communicator:
         return "alive" if bad is None else ("closed" if bad[1].startswith("closed") else "died")
 
 
-def _by_id(comm_id: int) -> Communicator:
-    """The communicator an op refers to: ``comm_id`` or, for -1, the newest open one."""
-    with _registry_lock:
-        if comm_id == -1:
-            live = [c for c in _registry.values() if not c.closed]
-            if not live:
-                raise CommError("asap_comm op: no open communicator in this process (call asap_comm.init)")
-            return max(live, key=lambda c: c.id)
-        c = _registry.get(comm_id)
-    if c is None or c.closed:
-        raise CommError(f"asap_comm op: communicator id {comm_id} is unknown or closed")
-    return c
+def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_addr: "str | None" = None,
+         master_port: "int | None" = None, backend: "str | None" = None, timeout: float = 30.0, store=None,
+         heap_chunk_bytes: "int | None" = None, shm_prefix: "str | None" = None,
+         group_secret: "str | None" = None) -> Communicator:
+    """Join (collectively) a group of ``world_size`` PEs, on one host or several.
+
+    ``rank``/``world_size``/``master_addr``/``master_port`` default to
+    ``$RANK``/``$WORLD_SIZE``/``$MASTER_ADDR``/``$MASTER_PORT`` as torchrun
+    sets them. Bootstraps through a ``torch.distributed.TCPStore`` (rank 0
+    hosts it unless torchrun's agent does, or ``store`` is given).
+    PEs are grouped by host: the hostname, or ``$ASAP_HOST_ID`` when set
+    (``comm.hosts``, ``comm.local_rank``, ``comm.local_world_size``).
+    ``backend``: ``"auto"`` (default) uses shared memory between PEs of one
+    host and the network engine (UCX, ``pip install "asap-comm[net]"``)
+    between hosts; ``"shm"`` insists on one host and fails otherwise. Default: ``$ASAP_BACKEND``, else
+    ``"auto"``.
+    ``timeout`` is the default bound of every wait, in seconds.
+    ``heap_chunk_bytes``: symmetric heap growth step (default 64 MiB, env
+    ``ASAP_HEAP_CHUNK_BYTES``); a chunk costs only the bytes handed out of it,
+    which are allocated for real when they are (``OutOfSharedMemory`` naming
+    /dev/shm if it is full, never SIGBUS later). Returns a :class:`Communicator` (also a context manager).
+    ``group_secret``: the secret that admits a PE to the group (default ``$ASAP_GROUP_SECRET``; every PE of a
+    group that spans hosts needs the same one; on one host without it, rank 0 generates one and hands it to
+    the others through a file only this user can read). Everything a PE reads from the store is authenticated
+    with it, and across hosts every peer proves it holds it before anything it sends is applied
+    (``asap_comm.rendezvous``). A store that rank 0 hosts listens on ``master_addr`` only (127.0.0.1 for a
+    group on one host), not on every interface.
+    """
+    rank, world_size, backend, t, heap_chunk_bytes, shm_prefix = check_init_args(
+        rank, world_size, backend, timeout, heap_chunk_bytes, shm_prefix)
+    if store is None:
+        store, addr, port, is_master = open_store(rank, world_size, master_addr, master_port, t, hosting)
+        comm = Communicator(rank, world_size, store, timeout=t, heap_chunk_bytes=heap_chunk_bytes,
+                            shm_prefix=shm_prefix, backend=backend, group_secret=group_secret, master_addr=addr)
+        if is_master:
+            comm._hosted = (addr, port)
+        return comm
+    return Communicator(rank, world_size, store, timeout=t, heap_chunk_bytes=heap_chunk_bytes,
+                        shm_prefix=shm_prefix, backend=backend, group_secret=group_secret)

@@ -38,7 +38,7 @@ def _child(fn, rank, world_size, port, args, conn, shm_prefix, comm_timeout, sec
     # Runs in a spawned process.
     from torch.distributed import TCPStore
 
-    from .group import init
+    from .comm import init
 
     try:
         store = TCPStore("127.0.0.1", port, None, False, __import__("datetime").timedelta(seconds=comm_timeout))

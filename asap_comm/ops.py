@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ._native import _C
-from .comm import _by_id
+from .registry import _by_id
 
 __all__ = ["LIBRARY", "SCHEMAS"]
 
