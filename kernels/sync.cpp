@@ -160,7 +160,12 @@ bool move_off(const Group* g, Ctrl* me, uint64_t stamp) {
   CPU_ZERO(&one);
   CPU_SET(target, &one);
   if (sched_setaffinity(0, sizeof one, &one) != 0) return false;  // migrates this thread now
-  sched_setaffinity(0, sizeof allowed, &allowed);                  // free to move again
+  if (sched_setaffinity(0, sizeof allowed, &allowed) != 0) {       // free to move again
+    cpu_set_t all;  // the allowed set changed meanwhile (cpuset): never stay pinned to one CPU
+    CPU_ZERO(&all);
+    for (int c = 0; c < CPU_SETSIZE; ++c) CPU_SET(c, &all);
+    sched_setaffinity(0, sizeof all, &all);
+  }
   t.shared = 0;
   publish_stamp(me, make_stamp());
   return true;
