@@ -388,37 +388,39 @@ WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner
   // another PE of its group running lately on its own CPU (two PEs on one
   // CPU, as an unpinned pair often ends up) cannot be helped by spinning:
   // that PE runs only when this one stops. It moves to a free CPU
-  // (move_off) if the sharing persists, and meanwhile yields on every poll
-  // instead of after a pure spin.
+  // (move_off) if the sharing persists, and meanwhile yields every 64
+  // polls. Otherwise it never yields: on a busy host sched_yield queues the
+  // waiter behind other processes while its peer, on another CPU, answers.
   const int64_t cap = spin_budget_ns();
-  const int64_t spin_ns = std::min(t_spin.get(cap), timeout_ns);
+  int64_t spin_ns = -1;  // this thread's budget, looked up at the first check
   Ctrl* me = group != nullptr ? group->ctrl(group->rank()) : nullptr;
-  bool shared = false;
-  if (me != nullptr) {
-    const uint64_t stamp = make_stamp(start);
-    publish_stamp(me, stamp);
-    shared = group->shares_cpu(stamp, kRecentUs);
-    t_spin.shared = shared ? t_spin.shared + 1 : 0;
-    if (shared && move_off(group, me, stamp)) shared = false;
-  }
+  bool shared = false;  // known only after the first 64 polls: a wait that ends sooner pays nothing for it
   NetIface* net = group != nullptr ? group->net() : nullptr;
   if (net != nullptr) net->poll_begin();
   for (uint32_t i = 1;; ++i) {
-    if (shared) sched_yield();
-    else ASAP_CPU_RELAX();
+    ASAP_CPU_RELAX();
     if (net != nullptr && (i & 7) == 0) net->poll();  // a remote update may be waiting in the engine
     v = A(*w).load(std::memory_order_acquire);
     if (cmp_ok(v, cmp, value)) {
       if (net != nullptr) net->poll_end(false);
       return {kWaitOk, v, -1, nullptr};
     }
-    if (shared || (i & 63) == 0) {
+    if ((i & 63) == 0) {
       const auto now = Clock::now();
+      if (spin_ns < 0) spin_ns = std::min(t_spin.get(cap), timeout_ns);
       if (std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count() >= spin_ns) break;
       if (me != nullptr) {
         const uint64_t stamp = make_stamp(now);
         publish_stamp(me, stamp);
         shared = group->shares_cpu(stamp, kRecentUs);
+        if (i == 64) {  // once per wait: count the waits in a row that share, maybe move
+          t_spin.shared = shared ? t_spin.shared + 1 : 0;
+          if (shared && move_off(group, me, stamp)) shared = false;
+        }
+        // Hand the CPU over. Only every 64 polls: each sched_yield pushes
+        // this thread's deadline back by a time slice (EEVDF), so a yield on
+        // every poll would queue it behind every other process on the CPU.
+        if (shared) sched_yield();
       }
     }
   }
