@@ -228,8 +228,10 @@ struct WaitHook {
 
 // Waits until cmp(*addr, value) holds (acquire load). `owner` is the control
 // block of the PE whose memory holds *addr (its futex is where wakers ring).
-// Spins for spin_ns, then sleeps on the futex in slices, checking liveness of
-// the peers named by `dep` and the deadline. Must be called with the GIL
+// Spins for the calling thread's adaptive budget (at most spin_budget_ns();
+// yielding, or moving to another CPU, when another PE of the group runs on
+// this CPU: see kernels/sync.cpp), then sleeps on the futex in slices,
+// checking liveness of the peers named by `dep` and the deadline. Must be called with the GIL
 // held; releases it while sleeping. Python signals (Ctrl-C) are honoured.
 WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner,
                       double timeout_s, const Group* group, int dep, const uint8_t* mask = nullptr,
@@ -247,7 +249,8 @@ uint64_t signal_update(uint64_t* addr, uint64_t value, int op, Ctrl* owner);
 // Copy helper that releases the GIL for large sizes.
 void copy_bytes(void* dst, const void* src, size_t n);
 
-// Spin budget before sleeping (ns); configurable via ASAP_SPIN_NS.
+// The most a wait spins before sleeping (ns; each thread adapts its own
+// budget below it); configurable via ASAP_SPIN_NS.
 int64_t spin_budget_ns();
 
 // ---------------------------------------------------------------------------
