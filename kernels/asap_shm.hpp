@@ -86,6 +86,13 @@ struct alignas(64) Ctrl {
   // a PE that closes after completing round k is not missing from round k,
   // so peers still finishing it do not fail (kDepBarrier).
   alignas(64) uint64_t barrier_done;
+  // Where this PE's waiting thread runs: (steady-clock microseconds << 16) |
+  // (CPU + 1), written when a wait starts, every few microseconds while it
+  // spins and when it wakes; 0 while it sleeps on a futex (and before its
+  // first wait). A waiter that finds a recently seen PE of its group on its
+  // own CPU sleeps at once instead of spinning: spinning would only keep
+  // that PE from running (see wait_until).
+  alignas(64) uint64_t run_stamp;
 };
 static_assert(sizeof(Ctrl) <= 4096, "control block must fit in one page");
 
@@ -169,6 +176,10 @@ class Group {
   // True once `pe` died or closed.
   bool gone(int pe) const;
   bool is_dead(int pe) const;
+  // True if another PE of this group on this host showed `stamp`'s CPU in
+  // its run_stamp within the last `window_us` microseconds before `stamp`
+  // and is not asleep: it is likely queued for the CPU this thread holds.
+  bool shares_cpu(uint64_t stamp, uint64_t window_us) const;
   int rank() const { return rank_; }
   int world_size() const { return world_; }
   Ctrl* ctrl(int pe) const { return ctrl_[pe]; }
@@ -217,8 +228,10 @@ struct WaitHook {
 
 // Waits until cmp(*addr, value) holds (acquire load). `owner` is the control
 // block of the PE whose memory holds *addr (its futex is where wakers ring).
-// Spins for spin_ns, then sleeps on the futex in slices, checking liveness of
-// the peers named by `dep` and the deadline. Must be called with the GIL
+// Spins for the calling thread's adaptive budget (at most spin_budget_ns();
+// yielding, or moving to another CPU, when another PE of the group runs on
+// this CPU: see kernels/sync.cpp), then sleeps on the futex in slices,
+// checking liveness of the peers named by `dep` and the deadline. Must be called with the GIL
 // held; releases it while sleeping. Python signals (Ctrl-C) are honoured.
 WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner,
                       double timeout_s, const Group* group, int dep, const uint8_t* mask = nullptr,
@@ -236,7 +249,8 @@ uint64_t signal_update(uint64_t* addr, uint64_t value, int op, Ctrl* owner);
 // Copy helper that releases the GIL for large sizes.
 void copy_bytes(void* dst, const void* src, size_t n);
 
-// Spin budget before sleeping (ns); configurable via ASAP_SPIN_NS.
+// The most a wait spins before sleeping (ns; each thread adapts its own
+// budget below it); configurable via ASAP_SPIN_NS.
 int64_t spin_budget_ns();
 
 // ---------------------------------------------------------------------------

@@ -69,7 +69,107 @@ bool pid_alive_procfs(int pid) {
 }
 
 constexpr int64_t kSliceNs = 20 * 1000 * 1000;  // futex slice: liveness/deadline/signals
-constexpr int64_t kPureSpinNs = 3000;            // spin without yielding for this long first
+constexpr int64_t kMinSpinNs = 2000;             // the adaptive spin budget's floor
+constexpr uint64_t kRecentUs = 1000;             // a run_stamp this fresh counts (shares_cpu)
+
+// run_stamp of the calling thread at time `now`: (steady-clock us << 16) |
+// (CPU + 1); 0 if the CPU is unknown.
+uint64_t make_stamp(Clock::time_point now = Clock::now()) {
+  const int cpu = sched_getcpu();  // glibc reads it from rseq: a load, no syscall
+  if (cpu < 0 || cpu >= 0xffff) return 0;
+  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count();
+  return (static_cast<uint64_t>(us) << 16) | static_cast<uint64_t>(cpu + 1);
+}
+
+// Publishes `stamp` in `me` unless it says what is there already (same CPU,
+// under 64 us newer), so that peers reading it rarely pull the line away.
+void publish_stamp(Ctrl* me, uint64_t stamp) {
+  const uint64_t old = A(me->run_stamp).load(std::memory_order_relaxed);
+  if (((old ^ stamp) & 0xffff) != 0 || (stamp >> 16) >= (old >> 16) + 64)
+    A(me->run_stamp).store(stamp, std::memory_order_relaxed);
+}
+
+// The spin budget of one thread's waits, adapted to how they end:
+// a wait that slept and was woken sooner than the configured budget (`cap`)
+// would have been caught by a longer spin, so the budget grows at once (to
+// 1.5x that wait, at most `cap`); waits that sleep far longer than `cap`
+// (an idle waiter) halve it, from the second such wait in a row, down to
+// kMinSpinNs, so that an idle waiter goes to sleep after a few
+// microseconds instead of spinning the whole budget each time. Waits that
+// end while spinning leave it as it is.
+struct SpinBudget {
+  int64_t ns = -1;  // the current budget; -1: not yet set (starts at cap)
+  int longs = 0;    // waits in a row that slept longer than 2 * cap
+  int shared = 0;   // waits in a row that found a PE of the group on this CPU
+  uint64_t moved_us = 0;  // when this thread last moved itself (move_off)
+
+  int64_t get(int64_t cap) {
+    if (ns < 0 || ns > cap) ns = cap;
+    return ns;
+  }
+  void slept(int64_t waited_ns, int64_t cap) {
+    if (waited_ns < cap) {
+      longs = 0;
+      ns = std::min(cap, std::max(2 * ns, waited_ns + waited_ns / 2));
+    } else if (waited_ns > 2 * cap) {
+      if (++longs >= 2) ns = std::max(std::min(cap, kMinSpinNs), ns / 2);
+    } else {
+      longs = 0;
+    }
+  }
+};
+thread_local SpinBudget t_spin;
+
+constexpr int kSharedBeforeMove = 3;   // co-located waits in a row before move_off acts
+constexpr uint64_t kMoveEveryUs = 20000;  // and at most this often
+
+// This thread shares its CPU with another PE of `g` (stamp: its own run_stamp):
+// moves itself to an allowed CPU on which no PE of the group ran lately, then
+// lets itself run anywhere allowed again (the scheduler does the same to
+// tasks of a busy CPU eventually, but hesitates for milliseconds, or for
+// good while other processes keep the other CPUs busy, and two PEs taking
+// turns on one CPU cost a context switch per message). Does nothing unless
+// the last kSharedBeforeMove waits found a co-located PE and no move happened
+// within kMoveEveryUs. Returns true if it moved.
+bool move_off(const Group* g, Ctrl* me, uint64_t stamp) {
+  SpinBudget& t = t_spin;
+  const uint64_t now_us = stamp >> 16;
+  if (t.shared < kSharedBeforeMove || now_us < t.moved_us + kMoveEveryUs) return false;
+  t.moved_us = now_us;
+  cpu_set_t allowed, used;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return false;
+  CPU_ZERO(&used);
+  CPU_SET((stamp & 0xffff) - 1, &used);
+  for (int pe = 0; pe < g->world_size(); ++pe) {
+    Ctrl* c = g->ctrl(pe);
+    if (pe == g->rank() || g->is_remote(pe) || c == nullptr) continue;
+    const uint64_t s = A(c->run_stamp).load(std::memory_order_relaxed);
+    if ((s & 0xffff) != 0 && (s >> 16) + kRecentUs >= now_us && (s & 0xffff) - 1 < CPU_SETSIZE)
+      CPU_SET((s & 0xffff) - 1, &used);
+  }
+  // The first free allowed CPU after this one, offset by rank so that PEs
+  // leaving one CPU together spread out.
+  const int here = static_cast<int>((stamp & 0xffff) - 1);
+  int target = -1;
+  for (int k = 1; k < CPU_SETSIZE && target < 0; ++k) {
+    const int c = (here + k + g->rank()) % CPU_SETSIZE;
+    if (CPU_ISSET(c, &allowed) && !CPU_ISSET(c, &used)) target = c;
+  }
+  if (target < 0) return false;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(target, &one);
+  if (sched_setaffinity(0, sizeof one, &one) != 0) return false;  // migrates this thread now
+  if (sched_setaffinity(0, sizeof allowed, &allowed) != 0) {       // free to move again
+    cpu_set_t all;  // the allowed set changed meanwhile (cpuset): never stay pinned to one CPU
+    CPU_ZERO(&all);
+    for (int c = 0; c < CPU_SETSIZE; ++c) CPU_SET(c, &all);
+    sched_setaffinity(0, sizeof all, &all);
+  }
+  t.shared = 0;
+  publish_stamp(me, make_stamp());
+  return true;
+}
 
 }  // namespace
 
@@ -165,6 +265,17 @@ bool Group::is_dead(int pe) const {
     return r > 0;  // readable once the process has terminated (zombie included)
   }
   return pid_[pe] > 0 && !pid_alive_procfs(pid_[pe]);
+}
+
+bool Group::shares_cpu(uint64_t stamp, uint64_t window_us) const {
+  const uint64_t cpu = stamp & 0xffff, now_us = stamp >> 16;
+  if (cpu == 0) return false;
+  for (int pe = 0; pe < world_; ++pe) {
+    if (pe == rank_ || remote_[pe] || ctrl_[pe] == nullptr) continue;
+    const uint64_t s = A(ctrl_[pe]->run_stamp).load(std::memory_order_relaxed);
+    if ((s & 0xffff) == cpu && (s >> 16) + window_us >= now_us) return true;
+  }
+  return false;
 }
 
 bool Group::gone(int pe) const {
@@ -272,11 +383,18 @@ WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner
   };
 
   // Phase 1: spin (GIL held: the caller asked to wait, nobody else in this
-  // process can do its work for it in a few microseconds).
-  // After a short pure spin, yield the CPU every few dozen polls: if the PE
-  // we wait for shares this CPU (oversubscribed hosts), it runs at once
-  // instead of after the whole spin budget.
-  const int64_t spin_ns = std::min(spin_budget_ns(), timeout_ns);
+  // process can do its work for it in a few microseconds), for this thread's
+  // adaptive budget (SpinBudget, at most ASAP_SPIN_NS). A waiter that finds
+  // another PE of its group running lately on its own CPU (two PEs on one
+  // CPU, as an unpinned pair often ends up) cannot be helped by spinning:
+  // that PE runs only when this one stops. It moves to a free CPU
+  // (move_off) if the sharing persists, and meanwhile yields every 64
+  // polls. Otherwise it never yields: on a busy host sched_yield queues the
+  // waiter behind other processes while its peer, on another CPU, answers.
+  const int64_t cap = spin_budget_ns();
+  int64_t spin_ns = -1;  // this thread's budget, looked up at the first check
+  Ctrl* me = group != nullptr ? group->ctrl(group->rank()) : nullptr;
+  bool shared = false;  // known only after the first 64 polls: a wait that ends sooner pays nothing for it
   NetIface* net = group != nullptr ? group->net() : nullptr;
   if (net != nullptr) net->poll_begin();
   for (uint32_t i = 1;; ++i) {
@@ -288,21 +406,33 @@ WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner
       return {kWaitOk, v, -1, nullptr};
     }
     if ((i & 63) == 0) {
-      const int64_t e = elapsed_ns();
-      if (e >= spin_ns) break;
-      if (e >= kPureSpinNs) sched_yield();
+      const auto now = Clock::now();
+      if (spin_ns < 0) spin_ns = std::min(t_spin.get(cap), timeout_ns);
+      if (std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count() >= spin_ns) break;
+      if (me != nullptr) {
+        const uint64_t stamp = make_stamp(now);
+        publish_stamp(me, stamp);
+        shared = group->shares_cpu(stamp, kRecentUs);
+        if (i == 64) {  // once per wait: count the waits in a row that share, maybe move
+          t_spin.shared = shared ? t_spin.shared + 1 : 0;
+          if (shared && move_off(group, me, stamp)) shared = false;
+        }
+        // Hand the CPU over. Only every 64 polls: each sched_yield pushes
+        // this thread's deadline back by a time slice (EEVDF), so a yield on
+        // every poll would queue it behind every other process on the CPU.
+        if (shared) sched_yield();
+      }
     }
   }
   if (net != nullptr) net->poll_end(true);
 
   // Phase 2: sleep on the owner's futex in slices.
-  WaitResult res{kWaitTimeout, v, -1, nullptr};
   for (;;) {
     int64_t left = timeout_ns - elapsed_ns();
     const char* why = nullptr;
     int bad = group != nullptr ? group->check(dep, &why, mask, value) : -1;
     v = A(*w).load(std::memory_order_acquire);
-    if (cmp_ok(v, cmp, value)) return {kWaitOk, v, -1, nullptr};
+    if (cmp_ok(v, cmp, value)) break;
     if (hook != nullptr) {
       const char* hwhy = nullptr;
       const int hp = hook->check(v, &hwhy);
@@ -321,16 +451,19 @@ WaitResult wait_until(const uint64_t* addr, int cmp, uint64_t value, Ctrl* owner
     if (cmp_ok(v, cmp, value)) {
       done = true;
     } else {
+      if (me != nullptr) A(me->run_stamp).store(0, std::memory_order_relaxed);  // asleep: not on any CPU
       futex_wait(&owner->futex_seq, seq, slice);
+      if (me != nullptr) publish_stamp(me, make_stamp());
     }
     A(owner->sleepers).fetch_sub(1, std::memory_order_seq_cst);
     Py_END_ALLOW_THREADS
     if (done) {
       std::atomic_thread_fence(std::memory_order_acquire);
-      return {kWaitOk, v, -1, nullptr};
+      break;
     }
   }
-  return res;
+  t_spin.slept(elapsed_ns(), cap);
+  return {kWaitOk, v, -1, nullptr};
 }
 
 }  // namespace asap
