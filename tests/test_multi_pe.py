@@ -239,15 +239,16 @@ def test_mailbox_many_producers_fifo_no_loss_no_dup():
 
 def _backpressure(comm, num_slots, extra):
     box = comm.mailbox(64, num_slots)
-    sig = comm.signals(1)
+    sig = comm.signals(2)  # [0]: the producer is done (on PE 0); [1]: the consumer started draining (on PE 1)
     if comm.rank == 1:
-        t0 = time.monotonic()
+        draining = []  # per send: had the consumer started draining when it returned?
         for i in range(num_slots + extra):
             box.send(0, torch.tensor([i]), i)
-        blocked = time.monotonic() - t0
+            draining.append(comm.signal_fetch(sig, 1) == 1)
         comm.signal_op(sig, 0, 1, "set", 0)
-        return blocked
-    time.sleep(0.6)  # the producer fills the inbox and must wait
+        return draining
+    time.sleep(0.6)  # the producer fills the inbox and must wait (the assertions do not depend on this time)
+    comm.signal_op(sig, 1, 1, "set", 1)
     got = []
     for _ in range(num_slots + extra):
         with box.recv(timeout=10) as m:
@@ -257,9 +258,10 @@ def _backpressure(comm, num_slots, extra):
 
 
 def test_mailbox_backpressure_waits_then_resumes():
-    got, blocked = run(_backpressure, 2, 4, 6)
+    got, draining = run(_backpressure, 2, 4, 6)
     assert got == [(i, i) for i in range(10)]
-    assert blocked >= 0.4, f"sender did not wait for the full inbox ({blocked:.3f} s)"
+    # a send past the inbox's 4 slots can only return once the consumer has released a slot, after it set the flag
+    assert all(draining[4:]), f"a send into the full inbox returned before the consumer drained it: {draining}"
 
 
 # --------------------------------------------------------------------------
@@ -301,7 +303,8 @@ def test_sigkill_mid_wait_gives_peer_failure_and_leaks_nothing(tmp_path, kind):
     err, took, leftover = eval((tmp_path / f"{kind}.txt").read_text())
     assert err is not None and err[0] == 1 and err[1] == "died", err
     assert "PE 1 died" in err[2]
-    assert took < 0.3 + 1.5, f"PeerFailure took {took:.2f} s"
+    # PeerFailure (not TimeoutError) is the liveness check; the guard, well under the 15-s bound, is a hang guard
+    assert took < 12, f"PeerFailure took {took:.2f} s"
     assert leftover == []
 
 
@@ -328,7 +331,7 @@ def test_waiting_on_a_group_whose_peers_closed_fails_fast():
 def _raise_on_rank(comm, bad_rank):
     if comm.rank == bad_rank:
         raise ValueError("boom from the test")
-    comm.signal_wait_until(comm.signals(1), 0, ">", 0, timeout=30)
+    comm.signal_wait_until(comm.signals(1), 0, ">", 0, timeout=600)  # nobody sets it: launch must stop this rank
 
 
 def _sleep(comm, secs):
@@ -336,11 +339,11 @@ def _sleep(comm, secs):
 
 
 def test_launch_reports_the_failing_rank_and_stops_the_others():
-    t0 = time.monotonic()
+    # the other ranks wait 600 s for a signal nobody sets; a LaunchError (not launch's TimeoutError after 90 s)
+    # means launch stopped them when rank 1 failed
     with pytest.raises(asap_comm.LaunchError, match="rank 1 raised ValueError: boom from the test") as ei:
         run(_raise_on_rank, 3, 1)
     assert ei.value.rank == 1 and "Traceback" in ei.value.remote_traceback
-    assert time.monotonic() - t0 < 25
     with pytest.raises(asap_comm.TimeoutError, match=r"launch: ranks \[0, 1\] did not finish within 3"):
         run(_sleep, 2, 60, timeout=3)
 
