@@ -9,7 +9,7 @@ signals, mailboxes) over a CPU shared-memory backend::
         sig = comm.signals(1)
         comm.put_signal(x, torch.ones(1024), pe=1, sig=sig, idx=0, value=1)
 
-or, on one host, ``asap_comm.launch(fn, world_size)``. See DESIGN.md and the
+or, on one host, ``asap_comm.launch(fn, world_size)``. See docs/design.md and the
 README for the memory-ordering contract of every call.
 """
 from ._native import _C  # noqa: F401  (fails with a build hint if the extension is missing)

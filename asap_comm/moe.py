@@ -17,7 +17,7 @@ The four halves, each a one-sided operation on pre-sized symmetric buffers::
         waits for slot's counter only,               area at the offset a assigned, then
         reduces the returned rows                    a's slot counter is bumped (release)
 
-Why it cannot deadlock (DESIGN.md, "A buffer layout that cannot deadlock"):
+Why it cannot deadlock (docs/design.md, "A buffer layout that cannot deadlock"):
 
 * a handle owns its slot ``(a, s)`` of every expert rank's dispatch region and
   of ``a``'s combine area from ``dispatch_send`` to ``combine_recv``, so

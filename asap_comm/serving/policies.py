@@ -2,7 +2,7 @@
 
 Pure decision code: no processes, no clocks (callers pass ``now``), no I/O.
 The runtime and ``asap_comm.sim`` make their placement, chunking and batching
-decisions by calling these same objects (DESIGN.md: the simulator reuses the
+decisions by calling these same objects (docs/design.md: the simulator reuses the
 runtime's policies; only time is simulated).
 
 Legend: A = attention ranks, T = tokens of a chunk, C = tokens already in a

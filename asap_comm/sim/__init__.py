@@ -1,1 +1,1 @@
-"""asap_comm.sim: a discrete-event simulator of the prefill runtime (see DESIGN.md, "asap_comm.sim")."""
+"""asap_comm.sim: a discrete-event simulator of the prefill runtime (see docs/design.md, "asap_comm.sim")."""

@@ -1,6 +1,6 @@
 """``python -m asap_comm.sim headline``: the best ASAP deployment against the best synchronous one, same hardware.
 
-The documented comparison (DESIGN.md, "asap_comm.sim"; issue 6, best-vs-best part):
+The documented comparison (docs/design.md, "asap_comm.sim"; issue 6, best-vs-best part):
 
 * **Hardware**: ``--devices`` (64) devices either way, on the ``ascend-910c-cm384``
   profile (one device = one 910C die on the UB network) and on ``h800-node``
