@@ -138,6 +138,7 @@ def _leader_group(comm, note):
     return "late"
 
 
+@pytest.mark.slow
 def test_launch_leader_outlives_a_dead_worker_and_stops_the_rest(tmp_path):
     from asap_comm import LaunchError
     note = tmp_path / "leader"

@@ -104,6 +104,7 @@ def _odd_offsets(comm):
         shm_files(comm._shm_prefix)
 
 
+@pytest.mark.slow
 def test_odd_offsets_strides_and_large_copies():
     for ok_x, ok_y, ok_big, ok_get, leftover in run(_odd_offsets, 3):
         assert ok_x and ok_y and ok_big and ok_get
@@ -182,6 +183,7 @@ def _add_from_everyone(comm, n):
     return comm.signal_fetch(sig, 0), comm.signal_fetch(sig, 1)
 
 
+@pytest.mark.slow
 def test_add_signals_from_every_pe_exact_total():
     world, n = 4, 3000
     res = run(_add_from_everyone, world, n)
@@ -230,6 +232,7 @@ def _mailbox_many_producers(comm, per_producer, num_slots):
     return problems, expected
 
 
+@pytest.mark.slow
 def test_mailbox_many_producers_fifo_no_loss_no_dup():
     res = run(_mailbox_many_producers, 4, 1500, 8)
     problems, counts = res[0]
@@ -295,6 +298,7 @@ def _killed_mid_wait(comm, report_dir, kind):
     return err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["wait", "barrier", "send"])
 def test_sigkill_mid_wait_gives_peer_failure_and_leaks_nothing(tmp_path, kind):
     with pytest.raises(asap_comm.LaunchError) as ei:
@@ -338,6 +342,7 @@ def _sleep(comm, secs):
     time.sleep(secs)
 
 
+@pytest.mark.slow
 def test_launch_reports_the_failing_rank_and_stops_the_others():
     # the other ranks wait 600 s for a signal nobody sets; a LaunchError (not launch's TimeoutError after 90 s)
     # means launch stopped them when rank 1 failed

@@ -11,6 +11,8 @@ from asap_comm.serving.sync import run_sync
 
 from serving_utils import CFG, INFO, TinyFactory, check_against_reference, make_trace
 
+pytestmark = pytest.mark.slow  # a serving group (A + E + 1 processes) per test
+
 
 @pytest.mark.parametrize("cfg", [
     # all four optimizations on; prompts up to 40 tokens in 16-token chunks

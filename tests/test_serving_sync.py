@@ -12,6 +12,7 @@ from asap_comm.serving.sync import rank_of_expert, run_sync
 from serving_utils import CFG, INFO, TinyFactory, check_against_reference, make_trace
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [
     # 3 workers (= A + E), load-aware placement, prompts up to 40 tokens in 16-token chunks
     RuntimeConfig(num_attention_ranks=2, num_expert_ranks=1, token_budget=32, chunk_len=16, max_prompt_len=64,

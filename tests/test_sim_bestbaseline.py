@@ -262,6 +262,7 @@ def _cli(argv, capsys) -> tuple:
     return rc, out.out, out.err
 
 
+@pytest.mark.slow
 def test_cli_flags_parse(tmp_path, capsys):
     rc, _, err = _cli(["run", "--out", str(tmp_path), "--profile", "h800-node", "--model", "tiny",
                        "--attention-ranks", "2", "--attention-tp", "2", "--expert-ranks", "2", "--sync-tp", "2",

@@ -131,6 +131,7 @@ def _run(args, timeout=240):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_cli_run_writes_the_runtime_keys_utilisation_and_plots(tmp_path):
     p = _run(["run", "--out", str(tmp_path), "--model", "small", "--num-requests", "80", "--rates", "4,8"])
     assert p.returncode == 0, p.stderr
@@ -147,6 +148,7 @@ def test_cli_run_writes_the_runtime_keys_utilisation_and_plots(tmp_path):
     assert bad.returncode == 2 and "calibrate|run|validate|headline" in bad.stderr
 
 
+@pytest.mark.slow
 def test_cli_headline_quick(tmp_path):
     p = _run(["headline", "--out", str(tmp_path), "--quick", "--profiles", "h800-node"])
     assert p.returncode == 0, p.stderr
@@ -158,6 +160,7 @@ def test_cli_headline_quick(tmp_path):
     assert s["slo_compliant_throughput_ratio"] == prof["slo_compliant_throughput_ratio"]
 
 
+@pytest.mark.slow
 def test_validate_command_on_a_small_configuration(tmp_path):
     p = _run(["validate", "--out", str(tmp_path), "--model", "tiny", "--configs", "quick", "--num-requests", "16",
               "--calibrate"], timeout=280)
