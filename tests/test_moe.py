@@ -197,6 +197,7 @@ def _check_group(results, plan):
     return merged
 
 
+@pytest.mark.slow
 def test_dispatch_combine_two_attention_two_expert_ranks():
     plan = MoEPlan(num_attention_ranks=2, num_expert_ranks=2, num_experts=8, hidden=32, top_k=3, max_tokens=24,
                    max_inflight=4)

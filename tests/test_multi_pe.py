@@ -66,6 +66,7 @@ def _op(draw, world):
             r0, r1, c0, c1, draw(st.integers(1, 3)))
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_put_get_slices_match_pure_torch_reference(data):
@@ -166,6 +167,7 @@ def _prepared_pingpong(comm, iters):
     return bad
 
 
+@pytest.mark.slow
 def test_put_signal_data_visible_before_signal():
     assert run(_put_signal_stress, 2, 3000, 4096) == [0, 0]   # 32 KiB payloads
     assert run(_put_signal_stress, 2, 300, 300_000) == [0, 0]  # 2.4 MB: torch copy path
