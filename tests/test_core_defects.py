@@ -91,6 +91,7 @@ def _compile_rounds(comm):
     return report
 
 
+@pytest.mark.slow
 def test_compiled_consumer_reads_what_eager_producer_wrote():
     report, put_times = run(_compile_rounds, 2, timeout=600)
     early = 0
@@ -125,6 +126,7 @@ def _flood(comm, num_slots, count):
     return seen, extra
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,num_slots", [(2, 1), (3, 1), (3, 2), (3, 3)])
 def test_every_mailbox_capacity_keeps_every_message(world, num_slots):
     count = 50
@@ -176,6 +178,7 @@ def _empty_put_signal(comm):
     return comm.signal_fetch(sig, 0)
 
 
+@pytest.mark.slow
 def test_put_signal_of_an_empty_view_to_a_peer_only_signals():
     assert run(_empty_put_signal, 2) == [2, 2]
 
@@ -322,6 +325,7 @@ def _run_with_a_death(fn, world, dying, timeout=120):
     return results, procs[dying].exitcode
 
 
+@pytest.mark.slow
 def test_failure_is_scoped_to_the_peers_a_wait_depends_on():
     results, code = _run_with_a_death(_scope, 3, dying=2)
     assert code == 3
@@ -372,6 +376,7 @@ def _half_written(comm):
     return out
 
 
+@pytest.mark.slow
 def test_half_written_message_of_a_dead_producer_is_dropped_and_reported():
     results, code = _run_with_a_death(_half_written, 3, dying=2)
     assert code == 0
@@ -411,6 +416,7 @@ def test_recv_timeout_says_what_was_awaited(comm1):
     assert text.startswith("recv: waiting for a message in PE 0's inbox") and "last value seen" not in text
 
 
+@pytest.mark.slow
 def test_launch_without_main_guard_says_so(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text(textwrap.dedent("""
@@ -455,6 +461,7 @@ def _mismatched(comm, kind):
     return "returned"
 
 
+@pytest.mark.slow
 def test_collective_call_mismatch_names_the_calls():
     with pytest.raises(asap_comm.LaunchError) as ei:
         run(_mismatched, 2, "different")

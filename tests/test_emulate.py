@@ -207,6 +207,7 @@ def _assert_matches_reference(res, reqs, ref) -> None:
         assert torch.allclose(hidden, o.final_hidden[-1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_emulated_runs_of_both_modes_match_the_reference(tmp_path):
     from asap_models import StageFactory
 
@@ -319,6 +320,7 @@ def test_a_simulated_layer_may_stand_for_several():
             simulate("sync", [Request(0, 0.0, 10)], cost, shapes, cfg, layers=bad)
 
 
+@pytest.mark.slow
 def test_simulate_emulated_is_a_lower_bound_of_the_emulated_run_in_its_units(tmp_path):
     """Every emulated stage is held at least its modelled time, so the simulator's prediction of an unloaded
     emulated run (in wall seconds and real tokens) cannot exceed the run's TTFT (beyond rounding); and it is not
@@ -369,6 +371,7 @@ def test_crossing_rate_interpolates_on_the_grid():
         crossing_rate([], 0.9)
 
 
+@pytest.mark.slow
 def test_validate_in_the_emulated_regime(tmp_path):
     """The second validation regime end to end, on its quick configuration: real emulated runs of both modes
     against simulate_emulated, every metric compared, overruns kept, SLO-compliant throughputs and ratio."""
@@ -396,6 +399,7 @@ def test_validate_in_the_emulated_regime(tmp_path):
         main(["--regime", "emulated", "--configs", "nope", "--out", str(tmp_path)])
 
 
+@pytest.mark.slow
 def test_emulated_context_parallelism_in_the_baseline(tmp_path):
     """run_sync with cp_threshold on emulated devices: long prompts are shared by several DP groups (their workers
     hold CP shares), outputs still equal the reference forward, the shared prompt's TTFT drops, and the run is

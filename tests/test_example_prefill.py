@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the example end to end in subprocesses
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "prefill.py"
 TINY = ["--model", "tiny", "--max-prompt-len", "64", "--median-len", "12", "--token-budget", "32", "--chunk-len", "16"]

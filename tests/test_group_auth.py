@@ -69,6 +69,7 @@ def test_a_value_that_fails_the_check_is_refused_naming_the_key(forged):
     assert [p for p in glob.glob(f"/dev/shm/{prefix}*")] == []
 
 
+@pytest.mark.slow
 def test_members_with_another_secret_never_meet():
     """Membership is the secret: two PEs with different secrets on one store cannot form a group."""
     store = loopback_store(30.0)
@@ -79,6 +80,7 @@ def test_members_with_another_secret_never_meet():
     assert glob.glob(f"/dev/shm/{prefix}*") == []
 
 
+@pytest.mark.slow
 def test_one_host_without_a_secret_shares_one_through_a_private_file_that_is_then_removed():
     store = loopback_store(30.0)
     prefix = "asap-ad" + os.urandom(3).hex() + "-"
@@ -145,6 +147,7 @@ def _refusing_pe(rank, port, secret, q):
         q.put((rank, type(e).__name__, str(e)))
 
 
+@pytest.mark.slow
 def test_a_refusal_reaches_every_pe_as_commerror_even_a_slow_one():
     """backend='shm' across two hosts: PE 1 reads the store late (a loaded host). Before, PE 0 (hosting the store)
     refused and exited first, and PE 1's read failed with 'Broken pipe' as a TimeoutError; now every PE reads

@@ -39,7 +39,7 @@ def test_init_timeout_when_a_peer_never_comes_leaves_nothing():
     t0 = time.monotonic()
     with pytest.raises(asap_comm.TimeoutError, match="init: waiting for PE 1's host"):
         asap_comm.init(0, 2, master_addr="127.0.0.1", master_port=0, timeout=1.0, shm_prefix=prefix)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 120, "init ignored its 1-s bound"  # a hang guard, not a timing check
     assert shm_files(prefix) == []
 
 
@@ -69,10 +69,9 @@ def test_zombie_peer_turns_wait_into_peer_failure():
                 break
             time.sleep(0.01)
         assert state == "Z"
-        t0 = time.monotonic()
+        # PeerFailure (not TimeoutError) means the liveness check fired, not the wait's 60-s bound
         with pytest.raises(PeerFailure, match="PE 1 died") as ei:
-            comm.signal_wait_until(sig, 0, "==", 3, timeout=15)
-        assert time.monotonic() - t0 < 1.0
+            comm.signal_wait_until(sig, 0, "==", 3, timeout=60)
         assert ei.value.pe == 1 and ei.value.reason == "died"
         assert not comm.peer_alive(1)
         comm.close()
@@ -82,24 +81,28 @@ def test_zombie_peer_turns_wait_into_peer_failure():
 
 
 def _barrier_timeout(comm):
-    if comm.rank == 1:
-        time.sleep(1.5)
-        comm.barrier(timeout=10)
+    go = comm.signals(1)
+    if comm.rank == 1:  # late on purpose: joins only after PE 0's barrier has timed out
+        comm.signal_wait_until(go, 0, "==", 1, timeout=60)
+        comm.barrier(timeout=60)
         return None
     t0 = time.monotonic()
+    msg = None
     try:
         comm.barrier(timeout=0.3)
     except asap_comm.TimeoutError as e:
         msg = str(e)
     took = time.monotonic() - t0
-    comm.barrier(timeout=10)  # the late PE completes the round it was in; both go on
+    comm.signal_op(go, 0, 1, "set", 1)
+    comm.barrier(timeout=60)  # the late PE completes the round it was in; both go on
     return msg, took
 
 
 def test_barrier_timeout():
     (msg, took), _ = run(_barrier_timeout, 2)
+    assert msg is not None, "the barrier completed without PE 1"
     assert msg.startswith("barrier: waiting for barrier #") and "timed out" in msg
-    assert 0.3 <= took < 1.4
+    assert took >= 0.3, f"the barrier gave up after {took:.3f} s, before its 0.3-s bound"
 
 
 def test_import_without_extension_says_how_to_build(tmp_path):
@@ -135,6 +138,7 @@ def _leader_group(comm, note):
     return "late"
 
 
+@pytest.mark.slow
 def test_launch_leader_outlives_a_dead_worker_and_stops_the_rest(tmp_path):
     from asap_comm import LaunchError
     note = tmp_path / "leader"

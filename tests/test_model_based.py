@@ -72,6 +72,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import asap_comm
 from distributed_utils import shm_files
 
+pytestmark = pytest.mark.slow  # a hypothesis state machine against live PEs (thousands of operations)
+
 SOAK = os.environ.get("ASAP_SOAK", "").strip() not in ("", "0")
 MAX_EXAMPLES = int(os.environ.get("ASAP_MODEL_EXAMPLES", 500 if SOAK else 100))
 STEPS = int(os.environ.get("ASAP_MODEL_STEPS", 100 if SOAK else 50))

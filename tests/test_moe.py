@@ -197,6 +197,7 @@ def _check_group(results, plan):
     return merged
 
 
+@pytest.mark.slow
 def test_dispatch_combine_two_attention_two_expert_ranks():
     plan = MoEPlan(num_attention_ranks=2, num_expert_ranks=2, num_experts=8, hidden=32, top_k=3, max_tokens=24,
                    max_inflight=4)
@@ -204,6 +205,7 @@ def test_dispatch_combine_two_attention_two_expert_ranks():
     assert merged > 0, "expert ranks never merged batches of one layer"
 
 
+@pytest.mark.slow
 def test_dispatch_combine_three_attention_one_expert_rank_tiny_buffers():
     # One slot per attention rank and 4-token micro-batches: everything waits on everything else's slot.
     plan = MoEPlan(num_attention_ranks=3, num_expert_ranks=1, num_experts=4, hidden=8, top_k=2, max_tokens=4,
@@ -227,6 +229,7 @@ def _bf16_group(comm, plan):
     return y.dtype, torch.allclose(y.float(), expect, rtol=2 ** -7, atol=0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k", [2, 4])  # 4 of 4 experts: every token goes to both ranks (whole-part adds)
 def test_bf16_micro_batches(top_k):
     plan = MoEPlan(num_attention_ranks=1, num_expert_ranks=2, num_experts=4, hidden=8, top_k=top_k, max_tokens=16,
@@ -256,6 +259,7 @@ def _killed_expert(comm, plan, report):
     return outcome
 
 
+@pytest.mark.slow
 def test_killed_expert_rank_gives_peer_failure(tmp_path):
     plan = MoEPlan(num_attention_ranks=1, num_expert_ranks=2, num_experts=4, hidden=8, top_k=4, max_tokens=8)
     report = tmp_path / "outcome.txt"
@@ -264,7 +268,8 @@ def test_killed_expert_rank_gives_peer_failure(tmp_path):
     assert ei.value.rank == 2 and ei.value.exitcode == -signal.SIGKILL
     outcome, took = report.read_text().split("|")
     assert outcome.startswith("PeerFailure pe=2"), outcome
-    assert float(took) < 5.0
+    # PeerFailure (not TimeoutError) is the liveness check; the guard, under the wait's 20-s bound, a hang guard
+    assert float(took) < 15.0
 
 
 def _wrong_roles(comm, plan):

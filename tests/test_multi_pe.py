@@ -66,6 +66,7 @@ def _op(draw, world):
             r0, r1, c0, c1, draw(st.integers(1, 3)))
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_put_get_slices_match_pure_torch_reference(data):
@@ -104,6 +105,7 @@ def _odd_offsets(comm):
         shm_files(comm._shm_prefix)
 
 
+@pytest.mark.slow
 def test_odd_offsets_strides_and_large_copies():
     for ok_x, ok_y, ok_big, ok_get, leftover in run(_odd_offsets, 3):
         assert ok_x and ok_y and ok_big and ok_get
@@ -165,6 +167,7 @@ def _prepared_pingpong(comm, iters):
     return bad
 
 
+@pytest.mark.slow
 def test_put_signal_data_visible_before_signal():
     assert run(_put_signal_stress, 2, 3000, 4096) == [0, 0]   # 32 KiB payloads
     assert run(_put_signal_stress, 2, 300, 300_000) == [0, 0]  # 2.4 MB: torch copy path
@@ -182,6 +185,7 @@ def _add_from_everyone(comm, n):
     return comm.signal_fetch(sig, 0), comm.signal_fetch(sig, 1)
 
 
+@pytest.mark.slow
 def test_add_signals_from_every_pe_exact_total():
     world, n = 4, 3000
     res = run(_add_from_everyone, world, n)
@@ -230,6 +234,7 @@ def _mailbox_many_producers(comm, per_producer, num_slots):
     return problems, expected
 
 
+@pytest.mark.slow
 def test_mailbox_many_producers_fifo_no_loss_no_dup():
     res = run(_mailbox_many_producers, 4, 1500, 8)
     problems, counts = res[0]
@@ -239,15 +244,16 @@ def test_mailbox_many_producers_fifo_no_loss_no_dup():
 
 def _backpressure(comm, num_slots, extra):
     box = comm.mailbox(64, num_slots)
-    sig = comm.signals(1)
+    sig = comm.signals(2)  # [0]: the producer is done (on PE 0); [1]: the consumer started draining (on PE 1)
     if comm.rank == 1:
-        t0 = time.monotonic()
+        draining = []  # per send: had the consumer started draining when it returned?
         for i in range(num_slots + extra):
             box.send(0, torch.tensor([i]), i)
-        blocked = time.monotonic() - t0
+            draining.append(comm.signal_fetch(sig, 1) == 1)
         comm.signal_op(sig, 0, 1, "set", 0)
-        return blocked
-    time.sleep(0.6)  # the producer fills the inbox and must wait
+        return draining
+    time.sleep(0.6)  # the producer fills the inbox and must wait (the assertions do not depend on this time)
+    comm.signal_op(sig, 1, 1, "set", 1)
     got = []
     for _ in range(num_slots + extra):
         with box.recv(timeout=10) as m:
@@ -257,9 +263,10 @@ def _backpressure(comm, num_slots, extra):
 
 
 def test_mailbox_backpressure_waits_then_resumes():
-    got, blocked = run(_backpressure, 2, 4, 6)
+    got, draining = run(_backpressure, 2, 4, 6)
     assert got == [(i, i) for i in range(10)]
-    assert blocked >= 0.4, f"sender did not wait for the full inbox ({blocked:.3f} s)"
+    # a send past the inbox's 4 slots can only return once the consumer has released a slot, after it set the flag
+    assert all(draining[4:]), f"a send into the full inbox returned before the consumer drained it: {draining}"
 
 
 # --------------------------------------------------------------------------
@@ -293,6 +300,7 @@ def _killed_mid_wait(comm, report_dir, kind):
     return err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["wait", "barrier", "send"])
 def test_sigkill_mid_wait_gives_peer_failure_and_leaks_nothing(tmp_path, kind):
     with pytest.raises(asap_comm.LaunchError) as ei:
@@ -301,7 +309,8 @@ def test_sigkill_mid_wait_gives_peer_failure_and_leaks_nothing(tmp_path, kind):
     err, took, leftover = eval((tmp_path / f"{kind}.txt").read_text())
     assert err is not None and err[0] == 1 and err[1] == "died", err
     assert "PE 1 died" in err[2]
-    assert took < 0.3 + 1.5, f"PeerFailure took {took:.2f} s"
+    # PeerFailure (not TimeoutError) is the liveness check; the guard, well under the 15-s bound, is a hang guard
+    assert took < 12, f"PeerFailure took {took:.2f} s"
     assert leftover == []
 
 
@@ -328,19 +337,20 @@ def test_waiting_on_a_group_whose_peers_closed_fails_fast():
 def _raise_on_rank(comm, bad_rank):
     if comm.rank == bad_rank:
         raise ValueError("boom from the test")
-    comm.signal_wait_until(comm.signals(1), 0, ">", 0, timeout=30)
+    comm.signal_wait_until(comm.signals(1), 0, ">", 0, timeout=600)  # nobody sets it: launch must stop this rank
 
 
 def _sleep(comm, secs):
     time.sleep(secs)
 
 
+@pytest.mark.slow
 def test_launch_reports_the_failing_rank_and_stops_the_others():
-    t0 = time.monotonic()
+    # the other ranks wait 600 s for a signal nobody sets; a LaunchError (not launch's TimeoutError after 90 s)
+    # means launch stopped them when rank 1 failed
     with pytest.raises(asap_comm.LaunchError, match="rank 1 raised ValueError: boom from the test") as ei:
         run(_raise_on_rank, 3, 1)
     assert ei.value.rank == 1 and "Traceback" in ei.value.remote_traceback
-    assert time.monotonic() - t0 < 25
     with pytest.raises(asap_comm.TimeoutError, match=r"launch: ranks \[0, 1\] did not finish within 3"):
         run(_sleep, 2, 60, timeout=3)
 

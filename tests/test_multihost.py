@@ -26,6 +26,8 @@ from asap_comm.moe import MoEPlan
 from faults_lib import cpu_hogs, http_in_host, rogue_peer, victim
 from netns import Hosts, run_across_hosts, torchrun, unavailable
 
+pytestmark = pytest.mark.slow  # simulated hosts in network namespaces, torchrun groups
+
 _why = unavailable()
 if _why is not None:
     if os.environ.get("ASAP_REQUIRE_NETNS"):

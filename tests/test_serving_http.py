@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from asap_comm.serving.client import ServiceProcess
 from models import preset, random_init
 
+pytestmark = pytest.mark.slow  # starts the HTTP service (a serving group) per module
+
 CFG = preset("tiny")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOONCAKE = os.path.join(REPO, "..", "shared", "traces", "mooncake_conversation.jsonl")

@@ -20,6 +20,8 @@ from test_serving_http import Server, _prompt, reference  # noqa: F401  (referen
 
 from asap_comm.serving.http_input import default_max_body_bytes
 
+pytestmark = pytest.mark.slow  # starts the HTTP service (a serving group) per module
+
 KEY = "k3y-for-tests"
 BOUND = 2048
 TIMEOUT_S = 6.0

@@ -58,6 +58,7 @@ def test_a_full_dev_shm_is_a_clear_error_not_sigbus(tmp_path):
     assert "LEFT []" in out, out  # nothing left behind
 
 
+@pytest.mark.slow
 def test_the_server_exits_2_naming_dev_shm():
     r = in_small_shm("700k", [sys.executable, "-m", "asap_comm.serving.server", "--model", "tiny", "--port", "0"],
                      timeout=300, cwd=REPO)

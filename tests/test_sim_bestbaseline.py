@@ -4,7 +4,6 @@ best-configuration search, and the command-line flags."""
 import copy
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 
@@ -16,9 +15,8 @@ from asap_comm.sim.shapes import ModelShapes
 from asap_comm.sim.simulate import Parallelism, simulate
 from asap_comm.sim.study import Deployment, search_best, spread_buckets
 
+from sim_fakes import CFG, LINK, SHAPES, ToyCost
 from test_sim_costs import ROUND, close
-
-LINK = 20e-6
 
 
 @pytest.fixture
@@ -75,49 +73,15 @@ def test_tp_all_reduce_and_cp_exchange_hand_computed(tiny):
 
 
 # ----------------------------------------------------------------------------------------- simulated paths
-class ToyCost:
-    """Round numbers, TP- and CP-aware, so expected times can be written down by hand."""
-    name, cores = "toy", None
-
-    def __init__(self):
-        self.calls = []
-
-    def attention_s(self, chunks, tp=1):
-        t = 0.0
-        for c in chunks:
-            T, C, g = (c[0], c[1], c[2] if len(c) > 2 else 1)
-            t += (1e-6 * T + 1e-9 * (T * C + T * (T + 1) / 2)) / g
-        return t / tp
-
-    def tp_all_reduce_s(self, tokens, tp): return 0.0 if tp == 1 else 3e-6 * tp + 1e-9 * tokens
-    def cp_exchange_s(self, T, C, g, tp=1): return 0.0 if g == 1 else 7e-6
-    def router_s(self, t): return 1e-7 * t
-    def shared_experts_s(self, t): return 5e-7 * t
-    def dense_mlp_s(self, t): return 1e-6 * t
-    def embed_s(self, t): return 1e-8 * t
-    def head_s(self, n): return 1e-5 * n
-    def expert_s(self, rows): return 0.0 if rows == 0 else 1e-5 + 2e-6 * rows
-    def experts_s(self, rows): return 5e-6 + sum(self.expert_s(r) for r in rows)
-    def dispatch_s(self, rows): return LINK + 1e-9 * rows
-    def combine_s(self, rows): return LINK + 2e-9 * rows
-
-    def all_to_all_s(self, rows, ranks, combine=False):
-        self.calls.append((rows, ranks, combine))
-        return 2 * LINK * ranks + (2e-9 if combine else 1e-9) * rows
-
-    def all_reduce_s(self, ranks): return LINK * ranks
-    def message_s(self, nbytes): return 5e-6
-
-
-SHAPES = SimpleNamespace(num_experts=4, top_k=2, hidden=8, heads=4, moe_layers=(False, True, True))
-CFG = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=64, chunk_len=64, max_prompt_len=64,
-                    expert_batching=False)
+def toy():
+    """The shared fake cost model, its combine rows at 2e-9 s (twice a dispatch row) to tell the two apart."""
+    return ToyCost(combine_row_s=2e-9)
 
 
 def test_sync_tp_group_single_request_hand_computed():
     # 1 DP group of 2 devices: EP over 2 devices (2 experts each); each device holds 5 of the 10 tokens after the
     # reduce-scatter; it sends round(5 * 5/6) = 4 rows to its one peer (it misses a device with chance 1/6)
-    cost = ToyCost()
+    cost = toy()
     res = simulate("sync", [Request(0, 0.0, 10)], cost, SHAPES, CFG, sync_ranks=1, par=Parallelism(sync_tp=2))
     attn = (1e-6 * 10 + 1e-9 * 55) / 2 + (6e-6 + 1e-8)  # one device's share + the group's RS + AG
     experts = 5e-6 + 2 * (1e-5 + 2e-6 * 5)  # 20 pairs over 4 experts: 10 on each device, 5 per expert
@@ -136,7 +100,7 @@ def test_sync_tp_group_single_request_hand_computed():
 def test_async_tp_group_single_request_hand_computed():
     # one attention group of 2 devices, one expert rank (all 4 experts): each device sends its 5 rows over its own
     # link, the expert rank receives all 10 (1e-8 s), so the transfer takes LINK + 1e-8; combine: 10 rows at 2e-9
-    res = simulate("async", [Request(0, 0.0, 10)], ToyCost(), SHAPES, CFG, par=Parallelism(attention_tp=2))
+    res = simulate("async", [Request(0, 0.0, 10)], toy(), SHAPES, CFG, par=Parallelism(attention_tp=2))
     a = (1e-6 * 10 + 1e-9 * 55) / 2 + (6e-6 + 1e-8)
     experts = 5e-6 + 4 * (1e-5 + 2e-6 * 5)
     cycle = (LINK + 1e-8) + experts + (LINK + 2e-8)  # shared experts (2.5e-6) overlap it
@@ -148,7 +112,7 @@ def test_async_tp_group_single_request_hand_computed():
 def test_context_parallel_request_hand_computed():
     # 2 DP groups of 1 device; a 10-token prompt above the threshold 6 runs on both (ceil(10/6) = 2 groups):
     # 5 queries each against all 10 keys, plus the KV exchange; each device sends round(5 * 5/6) = 4 rows
-    res = simulate("sync", [Request(0, 0.0, 10)], ToyCost(), SHAPES, CFG, sync_ranks=2,
+    res = simulate("sync", [Request(0, 0.0, 10)], toy(), SHAPES, CFG, sync_ranks=2,
                    par=Parallelism(cp_threshold=6))
     attn = (1e-6 * 10 + 1e-9 * 55) / 2 + 7e-6
     experts = 5e-6 + 2 * (1e-5 + 2e-6 * 5)
@@ -158,7 +122,7 @@ def test_context_parallel_request_hand_computed():
     heartbeat = 0.5 * 1e-3 + 2 * LINK
     assert res.records[0].ttft_s == pytest.approx(5e-6 + heartbeat + step + 5e-6, rel=1e-9)
     # below the threshold: plain DP on one group (slower here: 10 queries on one device)
-    plain = simulate("sync", [Request(0, 0.0, 10)], ToyCost(), SHAPES, CFG, sync_ranks=2,
+    plain = simulate("sync", [Request(0, 0.0, 10)], toy(), SHAPES, CFG, sync_ranks=2,
                      par=Parallelism(cp_threshold=10))
     assert plain.records[0].ttft_s > res.records[0].ttft_s
 
@@ -169,8 +133,8 @@ def test_context_parallel_requests_all_complete_and_long_prompts_gain():
     reqs = [Request(i, 0.002 * i, 60 if i % 3 == 0 else 8) for i in range(30)]
     cfg = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=64, chunk_len=16, max_prompt_len=64,
                         expert_batching=False)
-    on = simulate("sync", reqs, ToyCost(), SHAPES, cfg, sync_ranks=4, par=Parallelism(cp_threshold=16))
-    off = simulate("sync", reqs, ToyCost(), SHAPES, cfg, sync_ranks=4)
+    on = simulate("sync", reqs, toy(), SHAPES, cfg, sync_ranks=4, par=Parallelism(cp_threshold=16))
+    off = simulate("sync", reqs, toy(), SHAPES, cfg, sync_ranks=4)
     assert all(r.ok for r in on.records) and all(r.ok for r in off.records)
     t_on = sum(r.ttft_s for r in on.records if r.prompt_len == 60)
     t_off = sum(r.ttft_s for r in off.records if r.prompt_len == 60)
@@ -188,8 +152,8 @@ def test_tp_needs_dedicated_devices_and_defaults_are_unchanged():
         Parallelism(cp_threshold=0)
     # tp=1, no CP: the same as no Parallelism at all
     for mode in ("async", "sync"):
-        a = simulate(mode, [Request(0, 0.0, 10)], ToyCost(), SHAPES, CFG, sync_ranks=2).records[0].ttft_s
-        b = simulate(mode, [Request(0, 0.0, 10)], ToyCost(), SHAPES, CFG, sync_ranks=2,
+        a = simulate(mode, [Request(0, 0.0, 10)], toy(), SHAPES, CFG, sync_ranks=2).records[0].ttft_s
+        b = simulate(mode, [Request(0, 0.0, 10)], toy(), SHAPES, CFG, sync_ranks=2,
                      par=Parallelism(cp_threshold=None)).records[0].ttft_s
         assert a == b
 
@@ -210,8 +174,8 @@ def test_baseline_combine_all_to_all_uses_combine_row_bytes():
 
 
 def test_sync_overlap_hides_the_all_to_alls():
-    base = simulate("sync", [Request(0, 0.0, 10)], ToyCost(), SHAPES, CFG, sync_ranks=2).records[0].ttft_s
-    over = simulate("sync", [Request(0, 0.0, 10)], ToyCost(), SHAPES, CFG, sync_ranks=2,
+    base = simulate("sync", [Request(0, 0.0, 10)], toy(), SHAPES, CFG, sync_ranks=2).records[0].ttft_s
+    over = simulate("sync", [Request(0, 0.0, 10)], toy(), SHAPES, CFG, sync_ranks=2,
                     par=Parallelism(sync_overlap=True)).records[0].ttft_s
     a = 1e-6 * 10 + 1e-9 * 55
     a2a = 3 * 2 * LINK * 2 + 8e-9 + 16e-9  # 8 rows to the one peer
@@ -264,7 +228,7 @@ def test_search_best_on_a_tiny_grid_of_real_simulations():
                                                 chunk_len=64, max_prompt_len=64)) for a in (1, 3)]
     trace = [Request(i, 0.01 * i, 20 + 7 * (i % 5)) for i in range(60)]
     for group in (cands[:2], cands[2:]):
-        r = search_best(group, trace, ToyCost(), SHAPES, 0.01, start_rate=100.0, bisections=2, confirm_bisections=2)
+        r = search_best(group, trace, toy(), SHAPES, 0.01, start_rate=100.0, bisections=2, confirm_bisections=2)
         small, big = (r["candidates"][i]["coarse"]["slo_compliant_throughput"] for i in (0, 1))
         assert big is not None and (small is None or big > small), (small, big)
         assert r["best"] is group[1] and r["ranking"] == [1, 0]
@@ -298,6 +262,7 @@ def _cli(argv, capsys) -> tuple:
     return rc, out.out, out.err
 
 
+@pytest.mark.slow
 def test_cli_flags_parse(tmp_path, capsys):
     rc, _, err = _cli(["run", "--out", str(tmp_path), "--profile", "h800-node", "--model", "tiny",
                        "--attention-ranks", "2", "--attention-tp", "2", "--expert-ranks", "2", "--sync-tp", "2",

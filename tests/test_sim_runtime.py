@@ -5,7 +5,6 @@ import json
 import math
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
@@ -19,33 +18,7 @@ from asap_comm.sim.costs import CostModel
 from asap_comm.sim.shapes import ModelShapes
 from asap_comm.sim.simulate import rows_per_rank_fraction, simulate
 
-LINK = 20e-6
-
-
-class ToyCost:
-    """Round numbers, so expected times can be written down by hand."""
-    name, cores = "toy", None
-
-    def attention_s(self, chunks):
-        return sum(1e-6 * T + 1e-9 * (T * C + T * (T + 1) / 2) for T, C in chunks)
-
-    def router_s(self, t): return 1e-7 * t
-    def shared_experts_s(self, t): return 5e-7 * t
-    def dense_mlp_s(self, t): return 1e-6 * t
-    def embed_s(self, t): return 1e-8 * t
-    def head_s(self, n): return 1e-5 * n
-    def expert_s(self, rows): return 0.0 if rows == 0 else 1e-5 + 2e-6 * rows
-    def experts_s(self, rows): return 5e-6 + sum(self.expert_s(r) for r in rows)
-    def dispatch_s(self, rows): return LINK + 1e-9 * rows
-    def combine_s(self, rows): return LINK + 1e-9 * rows
-    def all_to_all_s(self, rows, ranks, combine=False): return 2 * LINK * ranks + 1e-9 * rows
-    def all_reduce_s(self, ranks): return LINK * ranks
-    def message_s(self, nbytes): return 5e-6
-
-
-SHAPES = SimpleNamespace(num_experts=4, top_k=2, hidden=8, moe_layers=(False, True, True))
-CFG = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=64, chunk_len=64, max_prompt_len=64,
-                    expert_batching=False)
+from sim_fakes import CFG, LINK, SHAPES, ToyCost
 
 
 def test_rows_per_rank_fraction():
@@ -158,6 +131,7 @@ def _run(args, timeout=240):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_cli_run_writes_the_runtime_keys_utilisation_and_plots(tmp_path):
     p = _run(["run", "--out", str(tmp_path), "--model", "small", "--num-requests", "80", "--rates", "4,8"])
     assert p.returncode == 0, p.stderr
@@ -174,6 +148,7 @@ def test_cli_run_writes_the_runtime_keys_utilisation_and_plots(tmp_path):
     assert bad.returncode == 2 and "calibrate|run|validate|headline" in bad.stderr
 
 
+@pytest.mark.slow
 def test_cli_headline_quick(tmp_path):
     p = _run(["headline", "--out", str(tmp_path), "--quick", "--profiles", "h800-node"])
     assert p.returncode == 0, p.stderr
@@ -185,6 +160,7 @@ def test_cli_headline_quick(tmp_path):
     assert s["slo_compliant_throughput_ratio"] == prof["slo_compliant_throughput_ratio"]
 
 
+@pytest.mark.slow
 def test_validate_command_on_a_small_configuration(tmp_path):
     p = _run(["validate", "--out", str(tmp_path), "--model", "tiny", "--configs", "quick", "--num-requests", "16",
               "--calibrate"], timeout=280)

@@ -334,6 +334,7 @@ def test_prepared_handles(comm1):
         box.prepare_send(0, torch.zeros(4, 4).t())
 
 
+@pytest.mark.slow
 def test_torch_ops_compile_fullgraph(comm1):
     """The ops trace (schemas + fakes) and run inside torch.compile without graph breaks."""
     x = comm1.zeros((4,))
