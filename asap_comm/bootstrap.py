@@ -148,7 +148,7 @@ def check_init_args(rank, world_size, backend, timeout, heap_chunk_bytes, shm_pr
     if backend not in ("auto", "shm"):
         raise ValueError(f"init: backend={backend!r} is not available; built backends: ['auto', 'shm'] "
                          "(auto: shared memory within a host, the network engine across hosts; cuda and npu "
-                         "are planned, see DESIGN.md)")
+                         "are planned, see docs/design.md)")
     rank = _env_int("RANK", "init") if rank is None else rank
     world_size = _env_int("WORLD_SIZE", "init") if world_size is None else world_size
     for nm, v in (("rank", rank), ("world_size", world_size)):

@@ -136,8 +136,9 @@ class GroupStore:
     def rendezvous(self, key: str) -> None:
         """Wait until every PE of the group has called ``rendezvous(key)``."""
         n = self._store.add(self.prefix + key, 1)
-        if n == self._world:
-            self.set(key + "/done", b"1")
+        if n == self._world:  # the last to arrive: done, and nothing left to wait for (the PE hosting the store
+            self.set(key + "/done", b"1")  # may leave as soon as it sees the key, so do not wait on it here)
+            return
         try:  # (only a member can name the key: its existence is the signal)
             self._store.wait([self.prefix + key + "/done"], timedelta(seconds=self._timeout))
         except Exception as e:

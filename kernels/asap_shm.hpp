@@ -1,5 +1,5 @@
 // asap_comm CPU shared-memory backend: the one interface between the Python
-// runtime (kernels/bindings.cpp) and the native code.
+// runtime (kernels/*_py.cpp) and the native code.
 //
 // Everything here works on raw addresses inside POSIX shared-memory mappings.
 // Words that more than one process touches are accessed only through
@@ -125,7 +125,7 @@ struct WaitResult {
   const char* why;
 };
 
-// The network engine as the shared-memory code sees it (kernels/net.cpp):
+// The network engine as the shared-memory code sees it (kernels/net_engine.hpp):
 // waits help it progress while they spin, and a mailbox send to a PE on
 // another host goes through it. Null when every PE is on this host.
 class NetIface {

@@ -34,16 +34,9 @@ from typing import Any, Callable, Sequence
 
 from .frontend import Replay
 from .group import GroupSpec, role_of, run_group  # noqa: F401  (role_of: its old home)
-from .group import group_main as _group_main
 from .protocol import ModelInfo, PromptRequest, RunResult, RuntimeConfig
 
 __all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "run_async"]
-
-
-def group_main(comm, cfg, info, model_factory, front):
-    """One PE of an async group: ``group.group_main(comm, GroupSpec("async", cfg, info, model_factory, front))``
-    (the old positional form, kept for callers that use it)."""
-    return _group_main(comm, GroupSpec("async", cfg, info, model_factory, front))
 
 
 def run_async(model_factory: Callable[[str, list], Any], info: ModelInfo, requests: Sequence[PromptRequest],

@@ -64,20 +64,12 @@ from ..rendezvous import loopback_store
 from .exchange import ShmCollectives, shm_collectives  # noqa: F401  (their old home)
 from .frontend import Replay
 from .group import GroupSpec, run_group
-from .group import group_main as _group_main
 from .hooks import emulates_context_parallelism
 from .protocol import ModelInfo, PromptRequest, RunResult, RuntimeConfig
 
 __all__ = ["run_sync"]
 
 rank_of_expert = expert_placement  # the worker holding each routed expert: the same placement as MoEPlan
-
-
-def group_main(comm, cfg, info, model_factory, store_port, front):
-    """One PE of a baseline group: ``group.group_main(comm, GroupSpec("sync", cfg, info, model_factory, front,
-    store_port))`` (the old positional form, kept for callers that use it). ``store_port``: the port of a
-    TCPStore on 127.0.0.1 for the workers' gloo group, or a ``torch.distributed.Store`` every worker reaches."""
-    return _group_main(comm, GroupSpec("sync", cfg, info, model_factory, front, store_port))
 
 
 def check_config(model_factory, cfg: RuntimeConfig) -> None:

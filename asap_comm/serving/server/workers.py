@@ -11,24 +11,22 @@ import threading
 import time
 
 from ...errors import CommError, LaunchError
+from ..group import GroupSpec, group_main
 from ..protocol import RuntimeConfig
+from ..sync import check_config
 from .app import HttpFront
 from .options import ServiceOptions
 
 __all__ = ["service_main", "serve_on_this_host", "serve_one_pe"]
 
 
-def service_main(comm, mode: str, *args):
+def service_main(comm, spec: GroupSpec):
     """One PE of a service group: signals are the parent's business (it turns SIGINT/SIGTERM into the stop
     event the front end watches; a terminal's Ctrl-C and a supervisor's SIGTERM to the whole process group
-    reach every PE), then the mode's ``group_main``."""
+    reach every PE), then ``group_main``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if mode == "async":
-        from ..runtime import group_main
-    else:
-        from ..sync import group_main
-    return group_main(comm, *args)
+    return group_main(comm, spec)
 
 
 def serve_on_this_host(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions) -> int:
@@ -42,18 +40,17 @@ def serve_on_this_host(args, factory, info, cfg: RuntimeConfig, opts: ServiceOpt
     from ...launch import launch
     store = None
     try:
-        world = cfg.num_attention_ranks + cfg.num_expert_ranks + 1
         if args.mode == "async":
-            fnargs = ("async", cfg, info, factory, front)
+            spec = GroupSpec("async", cfg, info, factory, front)
         else:
             from ...rendezvous import loopback_store
-            from ..sync import check_config
             check_config(factory, cfg)
             store = loopback_store(cfg.timeout_s)  # the workers' gloo group: on 127.0.0.1 only
-            fnargs = ("sync", cfg, info, factory, store.port, front)
+            spec = GroupSpec("sync", cfg, info, factory, front, store.port)
+        world = spec.world_size
         print(f"asap serve: starting {world - 1} {args.mode} workers for {opts.model_name} ...", file=sys.stderr,
               flush=True)
-        results = launch(service_main, world, *fnargs, timeout=1e9, comm_timeout=args.comm_timeout_s,
+        results = launch(service_main, world, spec, timeout=1e9, comm_timeout=args.comm_timeout_s,
                          leader=world - 1, leader_grace=5.0)
     except LaunchError as e:
         first = str(e).splitlines()[0]
@@ -149,14 +146,10 @@ def serve_one_pe(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions) 
                       f"{len(set(comm.hosts))} hosts ({where})", file=sys.stderr, flush=True)
             front = HttpFront(opts, stop)
             try:
-                if args.mode == "async":
-                    from ..runtime import group_main
-                    role, payload = group_main(comm, cfg, info, factory, front)
-                else:
-                    from ..sync import check_config
-                    from ..sync import group_main
+                if args.mode == "sync":
                     check_config(factory, cfg)
-                    role, payload = group_main(comm, cfg, info, factory, comm._store, front)
+                role, payload = group_main(comm, GroupSpec(args.mode, cfg, info, factory, front,
+                                                           comm._store if args.mode == "sync" else None))
             except OutOfSharedMemory as e:
                 print(f"asap serve: PE {pe}: {e}", file=sys.stderr)
                 return 2
