@@ -36,20 +36,23 @@ def serve_on_this_host(args, factory, info, cfg: RuntimeConfig, opts: ServiceOpt
         return 2
     stop = mp.get_context("spawn").Event()
     front = HttpFront(opts, stop)
-    old = _stop_on_signals(stop)
+    return _handling_signals(_stop_on_signals(stop), lambda: _launch_here(args, factory, info, cfg, opts, front))
+
+
+def _launch_here(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions, front) -> int:
     from ...launch import launch
     store = None
+    if args.mode == "async":
+        spec = GroupSpec("async", cfg, info, factory, front)
+    else:
+        from ...rendezvous import loopback_store
+        check_config(factory, cfg)
+        store = loopback_store(cfg.timeout_s)  # the workers' gloo group: on 127.0.0.1 only
+        spec = GroupSpec("sync", cfg, info, factory, front, store.port)
+    world = spec.world_size
+    print(f"asap serve: starting {world - 1} {args.mode} workers for {opts.model_name} ...", file=sys.stderr,
+          flush=True)
     try:
-        if args.mode == "async":
-            spec = GroupSpec("async", cfg, info, factory, front)
-        else:
-            from ...rendezvous import loopback_store
-            check_config(factory, cfg)
-            store = loopback_store(cfg.timeout_s)  # the workers' gloo group: on 127.0.0.1 only
-            spec = GroupSpec("sync", cfg, info, factory, front, store.port)
-        world = spec.world_size
-        print(f"asap serve: starting {world - 1} {args.mode} workers for {opts.model_name} ...", file=sys.stderr,
-              flush=True)
         results = launch(service_main, world, spec, timeout=1e9, comm_timeout=args.comm_timeout_s,
                          leader=world - 1, leader_grace=5.0)
     except LaunchError as e:
@@ -59,14 +62,21 @@ def serve_on_this_host(args, factory, info, cfg: RuntimeConfig, opts: ServiceOpt
             return 2
         print(f"asap serve: stopped: {first}", file=sys.stderr)
         return 3
+    del store  # the gloo group's store lives until the group ended
+    return _exit_status(results[-1][1])
+
+
+def _handling_signals(old: dict, body) -> int:
+    """``body()``'s exit status; a second signal (``KeyboardInterrupt``, see ``_stop_on_signals``) ends it at once
+    with 130. The handlers in ``old`` come back in every case."""
+    try:
+        return body()
     except KeyboardInterrupt:
         print("asap serve: stopped at once (second signal)", file=sys.stderr)
         return 130
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        del store
-    return _exit_status(results[-1][1])
 
 
 def _can_listen(opts: ServiceOptions) -> bool:
@@ -114,9 +124,6 @@ def serve_one_pe(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions) 
     as on one host); torchrun's rank r > 0 is PE r - 1. The group needs ``$ASAP_GROUP_SECRET``, the same on
     every host. Exit status as on one host (2: bad arguments or settings, 3: a worker failed); a worker's own
     status is 0 once the front end stopped it, 3 if the group failed under it."""
-    from ...comm import init
-    from ...errors import OutOfSharedMemory
-
     W, r = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
     if A + E + 1 != W:
@@ -133,37 +140,38 @@ def serve_one_pe(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions) 
         old = _stop_on_signals(stop)
     else:  # the front end stops the workers (a worker that died would fail the service)
         old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    return _handling_signals(old, lambda: _run_pe(pe, W, is_front, stop, args, factory, info, cfg, opts))
+
+
+def _run_pe(pe: int, W: int, is_front: bool, stop, args, factory, info, cfg: RuntimeConfig,
+            opts: ServiceOptions) -> int:
+    from ...comm import init
+    from ...errors import OutOfSharedMemory
+
     try:
+        comm = init(pe, W, timeout=args.comm_timeout_s)
+    except CommError as e:
+        print(f"asap serve: PE {pe}: {e}", file=sys.stderr)
+        return 2
+    with comm:
+        if is_front:
+            where = ", ".join(f"PE {p}@{h}" for p, h in enumerate(comm.hosts))
+            print(f"asap serve: {W - 1} {args.mode} workers for {opts.model_name} on "
+                  f"{len(set(comm.hosts))} hosts ({where})", file=sys.stderr, flush=True)
+        front = HttpFront(opts, stop)
         try:
-            comm = init(pe, W, timeout=args.comm_timeout_s)
-        except CommError as e:
+            if args.mode == "sync":
+                check_config(factory, cfg)
+            role, payload = group_main(comm, GroupSpec(args.mode, cfg, info, factory, front,
+                                                       comm._store if args.mode == "sync" else None))
+        except OutOfSharedMemory as e:
             print(f"asap serve: PE {pe}: {e}", file=sys.stderr)
             return 2
-        with comm:
-            if is_front:
-                where = ", ".join(f"PE {p}@{h}" for p, h in enumerate(comm.hosts))
-                print(f"asap serve: {W - 1} {args.mode} workers for {opts.model_name} on "
-                      f"{len(set(comm.hosts))} hosts ({where})", file=sys.stderr, flush=True)
-            front = HttpFront(opts, stop)
-            try:
-                if args.mode == "sync":
-                    check_config(factory, cfg)
-                role, payload = group_main(comm, GroupSpec(args.mode, cfg, info, factory, front,
-                                                           comm._store if args.mode == "sync" else None))
-            except OutOfSharedMemory as e:
-                print(f"asap serve: PE {pe}: {e}", file=sys.stderr)
-                return 2
-            except CommError as e:  # PeerFailure, TimeoutError: the group failed under this worker
-                print(f"asap serve: PE {pe}: stopped: {e}", file=sys.stderr, flush=True)
-                if not is_front:  # leave after the front end: torchrun stops a node's processes once one fails,
-                    _outlive_front_end(comm, opts)  # which would cut short the front end's 503 answers
-                return 3
-    except KeyboardInterrupt:
-        print("asap serve: stopped at once (second signal)", file=sys.stderr)
-        return 130
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        except CommError as e:  # PeerFailure, TimeoutError: the group failed under this worker
+            print(f"asap serve: PE {pe}: stopped: {e}", file=sys.stderr, flush=True)
+            if not is_front:  # leave after the front end: torchrun stops a node's processes once one fails,
+                _outlive_front_end(comm, opts)  # which would cut short the front end's 503 answers
+            return 3
     return _exit_status(payload) if role == "front" else 0
 
 
