@@ -105,12 +105,8 @@ class _AsyncSim(_Common):
         """When the rows reach the (representative) expert rank, on a cluster profile: the sending device's link
         carries its ``rows`` for each of the E expert ranks; the expert rank's link receives every micro-batch's
         rows, one after another (``ex_in_free``: when it is free)."""
-        now, w = self.engine.now, self.segs[mb.seg][1]
-        lat, _ = self._link(self.cost.dispatch_s, rows, w)
-        _, send = self._link(self.cost.dispatch_s, self.E * rows, w)
-        _, recv = self._link(self.cost.dispatch_s, self._rows(mb.tokens) if self.tp > 1 else rows, w)
-        self.ex_in_free = max(now, self.ex_in_free) + recv
-        return max(send, self.ex_in_free - now) + lat
+        delay, self.ex_in_free = self._through_expert_link(self.cost.dispatch_s, mb, rows, self.ex_in_free)
+        return delay
 
     def _expert_arrive(self, mb: _MicroBatch, rows: int) -> None:
         # an expert rank holds rows from every device of the group: the micro-batch's rows for it
@@ -155,12 +151,19 @@ class _AsyncSim(_Common):
         """When a micro-batch's combined rows are back, on a cluster profile: the expert rank's link sends the
         micro-batches of a batch one after another (``ex_out_free``); the receiving device's link takes ``rows``
         from each of the E expert ranks."""
+        delay, self.ex_out_free = self._through_expert_link(self.cost.combine_s, mb, rows, self.ex_out_free)
+        return delay
+
+    def _through_expert_link(self, transfer_s, mb: _MicroBatch, rows: int, link_free: float) -> "tuple[float, float]":
+        """(delay, when the expert rank's link is free again) of one transfer between an attention device and the
+        expert ranks, either way: the device's side moves ``rows`` to or from each of the E expert ranks at once;
+        the expert rank's link takes the micro-batches one after another from ``link_free``."""
         now, w = self.engine.now, self.segs[mb.seg][1]
-        lat, _ = self._link(self.cost.combine_s, rows, w)
-        _, recv = self._link(self.cost.combine_s, self.E * rows, w)
-        _, send = self._link(self.cost.combine_s, self._rows(mb.tokens) if self.tp > 1 else rows, w)
-        self.ex_out_free = max(now, self.ex_out_free) + send
-        return max(recv, self.ex_out_free - now) + lat
+        lat, _ = self._link(transfer_s, rows, w)
+        _, fan = self._link(transfer_s, self.E * rows, w)
+        _, serial = self._link(transfer_s, self._rows(mb.tokens) if self.tp > 1 else rows, w)
+        link_free = max(now, link_free) + serial
+        return max(fan, link_free - now) + lat, link_free
 
     def _part_back(self, mb: _MicroBatch) -> None:
         mb.waiting -= 1
