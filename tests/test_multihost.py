@@ -460,9 +460,11 @@ def _through_stops_and_load(comm, marker_dir, rounds):
         for _ in range(rounds):
             comm.signal_op(sig, 0, 1, "add", 0)
             time.sleep(0.2)
-    states = [comm.peer_state(pe) for pe in range(comm.world_size)]  # (after the barrier a peer may close)
+    # Both read before the last barrier: after it a peer may close, which ends its liveness line.
+    states = [comm.peer_state(pe) for pe in range(comm.world_size)]
+    stats = comm.net_stats()
     comm.barrier(timeout=120)
-    return {"states": states, "stats": comm.net_stats()}
+    return {"states": states, "stats": stats}
 
 
 def test_a_busy_or_stopped_peer_is_never_declared_dead(tmp_path):
