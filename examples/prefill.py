@@ -486,6 +486,9 @@ def main(argv=None) -> int:
     if args.emulate:  # calibration requests take emulated (long) times: space them by the emulated prefill time
         single_process_s = max(single_process_s, _emulated_p90_s(args, factory, requests))
     cfgs = {m: mode_config(cfg, m, args) for m in ("async", "sync")}
+    if args.emulate:  # the placer weighs work as the emulated device does (CostModel.placer_linear_weight)
+        cfgs = {m: dataclasses.replace(c, placer_linear_weight=emulated(args, factory, m).placer_linear_weight())
+                for m, c in cfgs.items()}
     slo_info = resolve_slo(args, {m: emulated(args, factory, m) for m in ("async", "sync")}, info, cfgs, requests,
                            single_process_s, modes)
     slo = slo_info["ttft_s"]

@@ -99,7 +99,7 @@ class FrontEnd:
                  max_queued_tokens: "int | None" = None) -> None:
         self.comm, self.cfg, self.info, self.box, self.W, self.label = comm, cfg, info, box, num_targets, label
         self.max_queued_tokens = max_queued_tokens
-        self.placer = Placer(num_targets, load_aware=cfg.load_aware)
+        self.placer = Placer(num_targets, load_aware=cfg.load_aware, linear_weight=cfg.placer_linear_weight)
         self.pending = [deque() for _ in range(num_targets)]  # per rank: [request id, payload, tag, queued at]
         self.inflight: dict = {}  # request -> _Admitted
         self.queued_tokens = 0

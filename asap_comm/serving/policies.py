@@ -51,6 +51,15 @@ def attention_cost(num_tokens: int, cached: int = 0, linear_weight: float = LINE
     return num_tokens * cached + num_tokens * (num_tokens + 1) / 2 + linear_weight * num_tokens
 
 
+def check_linear_weight(fn: str, value) -> float:
+    """``value`` as the placer's linear weight (None: :data:`LINEAR_WEIGHT`); a clear error if not a number >= 0."""
+    if value is None:
+        return LINEAR_WEIGHT
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"{fn}: linear_weight={value!r} must be None or a finite number >= 0")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Tokens ``[start, start + length)`` of request ``request_id``; chunk ``index`` of ``num_chunks``."""
@@ -97,13 +106,17 @@ class Placer:
     """Front-end placement of requests on attention ranks.
 
     ``load_aware=True``: the rank with the least outstanding estimated work
-    (sum of its unfinished chunks' :attr:`Chunk.cost`), ties to the lowest
+    (sum of its unfinished chunks' :func:`attention_cost`), ties to the lowest
     rank. ``load_aware=False``: round-robin (the ablation baseline).
+    ``linear_weight``: the per-token work in query-key pairs of
+    :func:`attention_cost` (None: :data:`LINEAR_WEIGHT`; the simulator and the
+    emulator derive it from their cost model, ``CostModel.placer_linear_weight``).
     """
 
-    def __init__(self, num_ranks: int, *, load_aware: bool = True) -> None:
+    def __init__(self, num_ranks: int, *, load_aware: bool = True, linear_weight: "float | None" = None) -> None:
         self.num_ranks = _int("Placer", "num_ranks", num_ranks, 1)
         self.load_aware = load_aware
+        self.linear_weight = check_linear_weight("Placer", linear_weight)
         self._work = [0.0] * num_ranks
         self._held: dict[int, tuple[list, float]] = {}  # request -> (its ranks, work on each)
         self._next = 0
@@ -116,7 +129,7 @@ class Placer:
     def place(self, request_id: int, chunks: Iterable[Chunk]) -> int:
         """Choose the rank for a request (all its chunks go there: they share its KV cache)."""
         self._check_new("place", request_id)
-        work = sum(c.cost for c in chunks)
+        work = self._work_of(chunks)
         if self.load_aware:
             rank = min(range(self.num_ranks), key=lambda r: (self._work[r], r))
         else:
@@ -135,11 +148,14 @@ class Placer:
         if g > self.num_ranks:
             raise ValueError(f"Placer.place_group: groups={g} is more than the {self.num_ranks} ranks")
         ranks = sorted(range(self.num_ranks), key=lambda r: (self._work[r], r))[:g]
-        work = sum(c.cost for c in chunks) / g
+        work = self._work_of(chunks) / g
         for r in ranks:
             self._work[r] += work
         self._held[request_id] = (ranks, work)
         return ranks
+
+    def _work_of(self, chunks: Iterable[Chunk]) -> float:
+        return sum(attention_cost(c.length, c.start, self.linear_weight) for c in chunks)
 
     def _check_new(self, fn: str, request_id: int) -> None:
         if request_id in self._held:

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from .policies import Chunk
+from .policies import Chunk, check_linear_weight
 
 __all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "HDR", "STOP", "CANCEL", "encode_chunk",
            "decode_chunk", "encode_cancel", "decode_cancel", "encode_result", "decode_result", "Channels", "WorkerStats",
@@ -114,6 +114,9 @@ class RuntimeConfig:
     # run_sync only, on emulated devices (asap_comm.sim.emulate): prompts longer than this many tokens run with
     # context parallelism over ceil(prompt / cp_threshold) DP groups (None: never; see sync.py)
     cp_threshold: "int | None" = None
+    # the placer's per-token work in query-key pairs (policies.attention_cost); None: policies.LINEAR_WEIGHT (512).
+    # The simulator and the emulator set it from their cost model (CostModel.placer_linear_weight)
+    placer_linear_weight: "float | None" = None
 
     def __post_init__(self) -> None:
         for name in ("num_attention_ranks", "num_expert_ranks", "token_budget", "max_prompt_len",
@@ -126,6 +129,8 @@ class RuntimeConfig:
         c = self.cp_threshold
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"RuntimeConfig: cp_threshold={c!r} must be None or an int >= 1")
+        if self.placer_linear_weight is not None:
+            check_linear_weight("RuntimeConfig: placer_linear_weight", self.placer_linear_weight)
         if self.sync_collectives not in ("gloo", "shm"):
             raise ValueError(f"RuntimeConfig: sync_collectives={self.sync_collectives!r} must be 'gloo' or 'shm'")
 

@@ -32,11 +32,46 @@ from .simulate import Parallelism
 from .study import capacity_rate, compare, parse_slo, percentile_target, run_point, spread_buckets, unloaded_slo
 
 
-def _runtime_args(p: argparse.ArgumentParser, *, a: int, e: int, budget: int, chunk: int, max_len: int,
-                  ex_budget: int, deadline: float) -> None:
+# ``run``'s defaults of the flags a user did not give: the local profile keeps the toy sizes of this host's small
+# model; a cluster profile (dedicated devices: no "cores" in its JSON) gets the headline's runtime settings
+# (headline.headline_config: 16k-token chunks and micro-batches, prompts up to 128k, expert batches of up to
+# 32768 rows or 1 ms) on 32 attention + 32 expert devices, deepseek-v3 and Mooncake-like synthetic lengths
+RUN_DEFAULTS = {
+    "local": {"model": "small", "attention_ranks": 2, "expert_ranks": 2, "token_budget": 256, "chunk_len": 256,
+              "max_prompt_len": 512, "expert_token_budget": 1024, "expert_deadline": 0.002, "median_len": 48},
+    "cluster": {"model": "deepseek-v3", "attention_ranks": 32, "expert_ranks": 32, "token_budget": 16384,
+                "chunk_len": 16384, "max_prompt_len": 131072, "expert_token_budget": 32768, "expert_deadline": 0.001,
+                "median_len": 6909},
+}
+
+
+def apply_run_defaults(args) -> tuple:
+    """Fill every ``run`` flag the user did not give (None) from :data:`RUN_DEFAULTS`: ``"cluster"`` for a profile
+    of dedicated devices, ``"local"`` for one of shared CPU cores. Returns (kind, {flag: value filled in})."""
+    from .costs import Profile
+
+    kind = "local" if Profile.load(args.profile).cores is not None else "cluster"
+    filled = {}
+    for k, v in RUN_DEFAULTS[kind].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+            filled["--" + k.replace("_", "-")] = v
+    return kind, filled
+
+
+def _runtime_args(p: argparse.ArgumentParser, *, a, e, budget, chunk, max_len, ex_budget, deadline) -> None:
+    """The runtime flags; a default of None is filled in after parsing (:func:`apply_run_defaults`)."""
+    dflt = (lambda v, what: f" (default {v})" if v is not None else f" (default: {what})")
+    per_profile = "per profile, see RUN_DEFAULTS: local {}, cluster {}"
+
+    def by_profile(key):
+        return per_profile.format(RUN_DEFAULTS["local"][key], RUN_DEFAULTS["cluster"][key])
+
     p.add_argument("--attention-ranks", type=int, default=a,
-                   help=f"ASAP attention ranks: DP groups of --attention-tp devices each (default {a})")
-    p.add_argument("--expert-ranks", type=int, default=e, help=f"ASAP expert ranks, one device each (default {e})")
+                   help="ASAP attention ranks: DP groups of --attention-tp devices each" + dflt(a, by_profile(
+                       "attention_ranks")))
+    p.add_argument("--expert-ranks", type=int, default=e,
+                   help="ASAP expert ranks, one device each" + dflt(e, by_profile("expert_ranks")))
     p.add_argument("--sync-ranks", type=int, default=None,
                    help="baseline DP groups of --sync-tp devices each, EP over all of them "
                         "(default: the same devices as ASAP, (A * attention_tp + E) / sync_tp)")
@@ -49,11 +84,16 @@ def _runtime_args(p: argparse.ArgumentParser, *, a: int, e: int, budget: int, ch
                         "ceil(prompt / TOKENS) DP groups (default: never)")
     p.add_argument("--sync-overlap", action="store_true",
                    help="baseline: hide the all_to_alls behind compute (two micro-batches per step; cluster profiles)")
-    p.add_argument("--token-budget", type=int, default=budget, help="tokens per attention micro-batch")
-    p.add_argument("--chunk-len", type=int, default=chunk, help="split longer prompts into chunks of this size")
-    p.add_argument("--max-prompt-len", type=int, default=max_len)
-    p.add_argument("--expert-token-budget", type=int, default=ex_budget)
-    p.add_argument("--expert-deadline", type=float, default=deadline, help="seconds")
+    p.add_argument("--token-budget", type=int, default=budget,
+                   help="tokens per attention micro-batch" + dflt(budget, by_profile("token_budget")))
+    p.add_argument("--chunk-len", type=int, default=chunk,
+                   help="split longer prompts into chunks of this size" + dflt(chunk, by_profile("chunk_len")))
+    p.add_argument("--max-prompt-len", type=int, default=max_len,
+                   help="longest prompt served" + dflt(max_len, by_profile("max_prompt_len")))
+    p.add_argument("--expert-token-budget", type=int, default=ex_budget,
+                   help="rows an expert rank gathers per layer" + dflt(ex_budget, by_profile("expert_token_budget")))
+    p.add_argument("--expert-deadline", type=float, default=deadline,
+                   help="seconds an expert rank waits for more rows" + dflt(deadline, by_profile("expert_deadline")))
     for opt in ("barrier-free", "ping-pong", "load-aware", "expert-batching"):
         p.add_argument(f"--no-{opt}", action="store_true", help=f"turn optimization '{opt}' off (ablation)")
 
@@ -108,7 +148,9 @@ def _trace_args(p: argparse.ArgumentParser, *, median: int, max_len: int) -> Non
                    help="synthetic (Gamma arrivals, log-normal lengths), or a Mooncake .jsonl / Azure .csv file")
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--burstiness", type=float, default=2.0, help="synthetic: CV of inter-arrival times")
-    p.add_argument("--median-len", type=int, default=median, help="synthetic: median prompt length")
+    p.add_argument("--median-len", type=int, default=median, help="synthetic: median prompt length" + (
+        f" (default {median})" if median is not None else " (default: 48 on the local profile, 6909 (Mooncake's) on "
+                                                          "a cluster profile)"))
     p.add_argument("--sigma", type=float, default=1.0, help="synthetic: log-normal sigma of prompt lengths (skew)")
     p.add_argument("--length-scale", type=float, default=1.0, help="scale the file's prompt lengths")
     p.add_argument("--spread-arrivals", action="store_true",
@@ -143,7 +185,8 @@ def cmd_run(argv) -> int:
     p = argparse.ArgumentParser(prog="python -m asap_comm.sim run", description="simulate ASAP and the baseline")
     p.add_argument("--out", required=True)
     p.add_argument("--profile", default="local", help="local, ascend-910c-cm384, h800-node, or a profile .json")
-    p.add_argument("--model", default="small", help="model shapes: tiny, small, deepseek-v3, or a config.json")
+    p.add_argument("--model", default=None, help="model shapes: tiny, small, deepseek-v3, or a config.json "
+                   "(default: small on the local profile, deepseek-v3 on a cluster profile)")
     p.add_argument("--rate", type=float, default=None, help="requests/s (default: half the baseline's capacity)")
     p.add_argument("--rates", default="", help="comma-separated request rates (a load sweep)")
     p.add_argument("--sweep", action="store_true", help="search each mode's SLO-compliant throughput")
@@ -152,9 +195,16 @@ def cmd_run(argv) -> int:
     p.add_argument("--slo-percentile", type=float, default=90.0, metavar="P",
                    help="SLO attainment target: at least P%% of requests must meet the SLO (default 90)")
     p.add_argument("--modes", default="async,sync")
-    _trace_args(p, median=48, max_len=512)
-    _runtime_args(p, a=2, e=2, budget=256, chunk=256, max_len=512, ex_budget=1024, deadline=0.002)
+    _trace_args(p, median=None, max_len=None)
+    _runtime_args(p, a=None, e=None, budget=None, chunk=None, max_len=None, ex_budget=None, deadline=None)
     args = p.parse_args(argv)
+    try:
+        kind, filled = apply_run_defaults(args)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(f"--profile {args.profile!r}: {e}")
+    if filled:
+        print(f"{kind} defaults for --profile {args.profile} (flags not given): "
+              + ", ".join(f"{k} {v}" for k, v in filled.items()), file=sys.stderr, flush=True)
     par, W = parallel_args(p, args)
     target = slo_target(p, args)
     slo_s = slo_arg(p, args.slo)
@@ -175,7 +225,8 @@ def cmd_run(argv) -> int:
                           "devices": {"async": cfg.num_attention_ranks * par.attention_tp + cfg.num_expert_ranks,
                                       "sync": W * par.sync_tp},
                           "trace": args.trace, "num_requests": len(trace), "slo_s": slo,
-                          "slo_percentile": args.slo_percentile, "cost_model": cost.describe()}, "runs": []}
+                          "slo_percentile": args.slo_percentile, "cost_model": cost.describe(),
+                          "defaults": {"kind": kind, "filled": filled}}, "runs": []}
     t0 = time.perf_counter()
     if args.sweep:
         res = compare(trace, cost, shapes, cfg, sync_ranks=W, slo=slo, progress="sweep", modes=modes,

@@ -356,6 +356,38 @@ class CostModel:
         m = self.profile.message
         return m["latency_s"] + n * m["s_per_byte"]
 
+    # ------------------------------------------------------------------ the placer's weight
+    def placer_linear_weight(self, tp: int = 1) -> float:
+        """The placer's ``linear_weight`` (``serving.policies.attention_cost``) for this model on this profile:
+        the per-token time of the linear work of a prompt token, averaged over the model's layers (attention
+        projections and the kv_b expansion of the token's own latent; router + shared experts on a MoE layer,
+        the dense MLP on a dense one), divided by the time of one query-key pair of the causal core (both on
+        one device of a ``tp``-way attention group, at the compute-bound rates: large calls, where the
+        placement matters). Routed experts run elsewhere (ASAP) or scale like the linear work, so they are
+        left out, as in the default of 512."""
+        t = self._tp("placer_linear_weight", tp)
+        s, ops = self.shapes, self.profile.ops
+        qk = s.qk_nope + s.qk_rope
+        q_down = 0 if s.q_lora_rank is None else s.hidden * s.q_lora_rank
+        rep = q_down + self.kva_params
+        split = (self.q_params - q_down + self.o_params + self.kvb_params) / t
+
+        def per_flop(op: str, cls: str = "gemm") -> float:
+            return ops[op].s_per_flop.get(cls, 0.0)
+
+        attn = 2.0 * (rep + split) * per_flop("attention")
+        pair = 2.0 * s.heads * (qk + s.v_head) / t * per_flop("attention", "core")
+        if not pair > 0:
+            raise ValueError(f"placer_linear_weight: profile {self.name!r} has no rate for attention's core flops")
+        moe = sum(1 for m in s.moe_layers if m)
+        dense = len(s.moe_layers) - moe
+        # router, shared experts and dense MLP run data-parallel in the group: 1/t of the tokens per device
+        mlp_moe = (2.0 * s.hidden * s.num_experts * per_flop("router")
+                   + (2.0 * self.shared_params * per_flop("shared_experts") if s.n_shared else 0.0)) / t
+        mlp_dense = 2.0 * self.dense_params * per_flop("dense_mlp") / t
+        mlp = (moe * mlp_moe + dense * mlp_dense) / max(1, moe + dense)
+        return (attn + mlp) / pair
+
     # ------------------------------------------------------------------ summary
     def describe(self) -> dict:
         """Every derived coefficient (rates in units per second), for summary.json."""

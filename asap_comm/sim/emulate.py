@@ -266,7 +266,8 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
         chunk_len=None if cfg.chunk_len is None else int(round(cfg.chunk_len * S)),
         expert_token_budget=max(1, int(round(cfg.expert_token_budget * row_scale))),
         expert_deadline_s=cfg.expert_deadline_s / K,
-        cp_threshold=None if cfg.cp_threshold is None else int(round(cfg.cp_threshold * S)))
+        cp_threshold=None if cfg.cp_threshold is None else int(round(cfg.cp_threshold * S)),
+        placer_linear_weight=None if cfg.placer_linear_weight is None else cfg.placer_linear_weight * S)
     res = simulate(mode, reqs, cost, emu, scaled, sync_ranks=ranks, spans=spans, par=par, layers=layers)
 
     def wall(t):
@@ -336,6 +337,13 @@ class EmulatedFactory(FactoryHooks):
 
     def cost(self) -> CostModel:
         return CostModel(Profile.load(self.profile_name), ModelShapes.load(self.model_name))
+
+    def placer_linear_weight(self) -> float:
+        """The runtime placer's linear weight for this emulation, in served (real) tokens: the emulated model's
+        (``CostModel.placer_linear_weight`` on this factory's attention groups) over the token scale (a real token
+        stands for ``token_scale`` emulated ones: its pairs scale with the square, its linear work linearly).
+        Callers set it as ``RuntimeConfig.placer_linear_weight``."""
+        return self.cost().placer_linear_weight(self.attention_tp) / self.token_scale
 
     def with_stats_dir(self, stats_dir: "str | Path") -> "EmulatedFactory":
         """The same emulation, recording its counters under ``stats_dir`` (one directory per run)."""

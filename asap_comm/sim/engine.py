@@ -11,7 +11,8 @@
   process of this host).
 * :class:`Rank`: one process / device: runs its jobs one at a time in FIFO
   order (``submit``; ``submit(front=True)`` continues the job that just
-  ended), and keeps its busy time and, optionally, its timeline spans.
+  ended), and keeps its busy time and, optionally, its timeline spans;
+  ``hold``/``release`` make it wait at a barrier (the lock-step ablation).
 """
 from __future__ import annotations
 
@@ -167,6 +168,8 @@ class Rank:
         self._spans = spans  # (rank name, label, start, duration) appended when not None
         self._started = 0.0
         self._current = None
+        self.held = False  # waiting at a barrier (hold/release): queued jobs wait
+        self.on_idle: "Callable[[], None] | None" = None  # called when the rank runs out of jobs
 
     def submit(self, work: float, callback: Callable[[], None] | None, label: str = "", *,
                front: bool = False) -> None:
@@ -197,6 +200,25 @@ class Rank:
         if callback is not None:
             callback()
         if not self.busy and self._queue:
+            self._start()
+        elif not self.busy and self.on_idle is not None:
+            self.on_idle()
+
+    def hold(self) -> None:
+        """The rank waits (a barrier): it starts no job until :meth:`release`; the wait is not busy time."""
+        if self.busy:
+            raise ValueError(f"Rank.hold: {self.name} is running a job")
+        self.busy = self.held = True
+        self._started = self.engine.now
+
+    def release(self) -> None:
+        """End a :meth:`hold`: record the wait as a span labelled ``barrier`` and start the next queued job."""
+        if not self.held:
+            raise ValueError(f"Rank.release: {self.name} is not held")
+        self.busy = self.held = False
+        if self._spans is not None and self.engine.now > self._started:
+            self._spans.append((self.name, "barrier", self._started, self.engine.now - self._started))
+        if self._queue:
             self._start()
 
     @property

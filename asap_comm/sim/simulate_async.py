@@ -27,7 +27,7 @@ class _AsyncSim(_Common):
         A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
         self.A, self.E = A, E
         self.tp = par.attention_tp  # devices per attention rank
-        self.placer = Placer(A, load_aware=cfg.load_aware)
+        self.placer = Placer(A, load_aware=cfg.load_aware, linear_weight=self._placer_weight())
         self.batchers = [MicroBatcher(cfg.token_budget) for _ in range(A)]
         self.running = [0] * A
         self.max_running = 2 if cfg.ping_pong else 1
@@ -42,6 +42,12 @@ class _AsyncSim(_Common):
         self.ex_wake = None  # (time, handle) of the pending deadline wake-up
         self.ex_in_free = self.ex_out_free = 0.0  # when the expert rank's link is free to receive / to send
         self.segs = self._segments()
+        # the lock-step ablation (barrier_free=False): every dispatch is a barrier among the A attention ranks
+        self.lockstep = not cfg.barrier_free and A > 1
+        self.at_barrier: dict = {}  # rank -> (micro-batch, rows) waiting at the current step
+        if self.lockstep:
+            for rk in self.att:
+                rk.on_idle = self._try_release
         rt = self.cost.runtime
         self.k_att, self.k_exp, self.layer_overhead = (rt["async_attention"], rt["async_expert"],
                                                        rt["async_layer_overhead_s"])
@@ -79,11 +85,36 @@ class _AsyncSim(_Common):
             work += moe * (mb.attn_s + cost.router_s(Td))
             if self.cpu:  # the attention rank's CPU copies the rows into each expert rank's memory
                 work += moe * self.E * cost.dispatch_s(rows)
-            self.att[mb.rank].submit(work * self.k_att, lambda: self._dispatched(mb, rows), f"attn seg {mb.seg}")
+            then = self._dispatched if not self.lockstep else self._arrive_barrier
+            self.att[mb.rank].submit(work * self.k_att, lambda: then(mb, rows), f"attn seg {mb.seg}")
         else:
             last = [c for c in mb.chunks if c.last]
             work += cost.head_s(len(last)) if last else 0.0
             self.att[mb.rank].submit(work * self.k_att, lambda: self._tail_done(mb), "attn tail")
+
+    # ------------------------------------------------------------------ lock-step ablation (asap_comm.serving
+    # .async_ranks._Lockstep): a rank that reaches a dispatch waits (blocked: its other micro-batch waits too)
+    # until every other attention rank has reached one or has nothing to compute (it joins the step for free);
+    # the step's signals cost one small all_reduce among the A ranks
+    def _arrive_barrier(self, mb: _MicroBatch, rows: int) -> None:
+        self.att[mb.rank].hold()
+        self.at_barrier[mb.rank] = (mb, rows)
+        self._try_release()
+
+    def _try_release(self) -> None:
+        if not self.at_barrier:
+            return
+        for r, rk in enumerate(self.att):
+            if r not in self.at_barrier and (rk.busy or rk.queued):
+                return  # still computing: it will reach a dispatch or run out of work
+        step, self.at_barrier = list(self.at_barrier.values()), {}
+        self.engine.after(self.cost.all_reduce_s(self.A), self._release_step, step)
+
+    def _release_step(self, step: list) -> None:
+        for mb, rows in step:
+            self._dispatched(mb, rows)  # queues the shared-expert job first on the held rank
+            self.att[mb.rank].release()
+        self._try_release()
 
     def _dispatched(self, mb: _MicroBatch, rows: int) -> None:
         mb.waiting = 2

@@ -146,6 +146,15 @@ class _Common:
         self.layer_weight = [float(w) for _m, w in layers]
         self.msg_result = cost.message_s(_RESULT_BYTES_PER_HIDDEN * (shapes.hidden + 1))
 
+    def _placer_weight(self) -> "float | None":
+        """The placer's linear weight: the config's, else derived from the cost model for this mode's attention
+        groups of ``self.tp`` devices (``CostModel.placer_linear_weight``; None, the runtime's 512, for a cost
+        model without it)."""
+        if self.cfg.placer_linear_weight is not None:
+            return self.cfg.placer_linear_weight
+        derive = getattr(self.cost._cost, "placer_linear_weight", None)
+        return None if derive is None else derive(self.tp)
+
     def _arrivals(self, arrive) -> None:
         for r in self.requests:
             self.engine.at(r.arrival_s, arrive, r)

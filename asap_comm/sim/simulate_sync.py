@@ -32,7 +32,7 @@ class _SyncSim(_Common):
         W = self.W = num_ranks  # DP groups
         self.tp = par.sync_tp  # devices per DP group
         self.D = W * self.tp  # devices; EP spans all of them
-        self.placer = Placer(W, load_aware=cfg.load_aware)
+        self.placer = Placer(W, load_aware=cfg.load_aware, linear_weight=self._placer_weight())
         self.batchers = [MicroBatcher(cfg.token_budget) for _ in range(W)]
         self.local = -(-shapes.num_experts // self.D)
         self.frac = rows_per_rank_fraction(shapes.num_experts, shapes.top_k, self.local)

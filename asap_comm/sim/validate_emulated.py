@@ -138,6 +138,9 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
             return EmulatedFactory(base, profile, emulate_model, time_scale=time_scale, token_scale=token_scale,
                                    num_expert_ranks=W, attention_tp=stp, expert_devices=stp, stats_dir=stats_dir)
 
+        mode_cfg = {m: dataclasses.replace(c, placer_linear_weight=factory(m).placer_linear_weight())
+                    for m, c in mode_cfg.items()}
+
         base_trace = _trace(kind, num_requests, token_scale, cfg.max_prompt_len, seed)
         lens = sorted(r.prompt_len for r in base_trace)
         p90 = lens[min(len(lens) - 1, int(0.9 * len(lens)))]
