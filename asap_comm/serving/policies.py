@@ -267,7 +267,9 @@ class ExpertBatcher:
     Rows arriving for a layer are held until that layer has ``token_budget``
     rows or its oldest rows have waited ``deadline_s``; then the whole layer
     is taken at once (one expert matmul per expert instead of one per
-    micro-batch). ``enabled=False`` runs every arrival at once (ablation).
+    micro-batch). ``enabled=False`` (ablation) gathers nothing: every arrival
+    is computed on its own, oldest first, at once (one item per :meth:`take`;
+    what arrived meanwhile waits its turn, as without optimization 4).
     """
 
     def __init__(self, token_budget: int, deadline_s: float, *, enabled: bool = True) -> None:
@@ -277,9 +279,13 @@ class ExpertBatcher:
         self.deadline_s = float(deadline_s)
         self.enabled = enabled
         self._layers: dict[int, _Pending] = {}
+        self._fifo: deque = deque()  # enabled=False: (layer, rows, item) in arrival order
 
     def add(self, layer: int, rows: int, item: Any, now: float) -> None:
         """Hold ``item`` (``rows`` rows of ``layer``) that arrived at time ``now``."""
+        if not self.enabled:
+            self._fifo.append((layer, rows, item))
+            return
         p = self._layers.get(layer)
         if p is None:
             self._layers[layer] = _Pending(rows, now, [item])
@@ -293,10 +299,10 @@ class ExpertBatcher:
         A layer at its token budget first (most rows), else the layer whose
         oldest rows passed the deadline (oldest first), else None.
         """
+        if not self.enabled:
+            return self._fifo[0][0] if self._fifo else None
         if not self._layers:
             return None
-        if not self.enabled:
-            return min(self._layers, key=lambda layer: self._layers[layer].since)
         full = [layer for layer, p in self._layers.items() if p.rows >= self.token_budget]
         if full:
             return max(full, key=lambda layer: self._layers[layer].rows)
@@ -304,12 +310,21 @@ class ExpertBatcher:
         return layer if now - self._layers[layer].since >= self.deadline_s else None
 
     def take(self, layer: int) -> list:
-        """Remove and return everything held for ``layer`` (in arrival order)."""
+        """Remove and return everything held for ``layer`` (in arrival order); with ``enabled=False`` only its
+        oldest item."""
+        if not self.enabled:
+            for i, (lay, _rows, item) in enumerate(self._fifo):
+                if lay == layer:
+                    del self._fifo[i]
+                    return [item]
+            return []
         p = self._layers.pop(layer, None)
         return [] if p is None else p.items
 
     def wait_s(self, now: float) -> "float | None":
         """How long the caller may wait for more arrivals before something becomes ready (None: nothing held)."""
+        if not self.enabled:
+            return 0.0 if self._fifo else None
         if not self._layers:
             return None
         if self.ready(now) is not None:
@@ -319,5 +334,5 @@ class ExpertBatcher:
 
     @property
     def held_rows(self) -> int:
-        return sum(p.rows for p in self._layers.values())
+        return sum(p.rows for p in self._layers.values()) + sum(r for _, r, _ in self._fifo)
 
