@@ -450,6 +450,10 @@ def calibrate(out_dir, model: str = "small", *, quick: bool = False, progress: b
            "median_abs_rel_error": statistics.median(all_errs), "per_op": summary}
     data["fit"] = fit
     path.write_text(json.dumps(data, indent=2) + "\n")
+    from .probe import probe_host  # the reference of validate's host probe, timed now beside the fit
+
+    data["probe"] = probe_host(shapes)
+    path.write_text(json.dumps(data, indent=2) + "\n")
     if runtime:  # the operators as the runtime runs them (asap_comm.sim.insitu)
         from .insitu import fit_runtime_factors
 

@@ -81,10 +81,11 @@ MOONCAKE_MEDIAN, MOONCAKE_P90 = 6909, 27367  # summarize_trace of shared/traces/
 PER_DIE_EXPERTS = 16  # the per-die reference split: devices - 16 attention + 16 expert devices
 
 
-def headline_config(attention: int = 32, expert: int = 32, chunk: int = 16384, budget: int = 16384) -> RuntimeConfig:
+def headline_config(attention: int = 32, expert: int = 32, chunk: int = 16384, budget: int = 16384,
+                    expert_budget: int = 32768, expert_deadline: float = 0.001) -> RuntimeConfig:
     return RuntimeConfig(num_attention_ranks=attention, num_expert_ranks=expert, token_budget=budget,
-                         chunk_len=chunk, max_prompt_len=131072, expert_token_budget=32768,
-                         expert_deadline_s=0.001)
+                         chunk_len=chunk, max_prompt_len=131072, expert_token_budget=expert_budget,
+                         expert_deadline_s=expert_deadline)
 
 
 def mooncake_trace(n: int) -> tuple[list, str]:
@@ -124,17 +125,31 @@ def sync_grid(devices: int, tps, cps, chunks, heads: int, overlaps=(False,), bud
     return out
 
 
-def async_grid(devices: int, experts, tps, chunks, heads: int) -> list:
-    """ASAP candidates: ``E`` expert devices and ``(devices - E) / T`` attention groups of ``T`` devices."""
+def async_grid(devices: int, experts, tps, chunks, heads: int, budgets=(16384,), deadlines=(0.001,),
+               expert_budgets=(32768,)) -> list:
+    """ASAP candidates: ``E`` expert devices and ``(devices - E) / T`` attention groups of ``T`` devices, chunk
+    size, micro-batch token budget (each of ``budgets`` at least the chunk, and the chunk itself, as the
+    baseline's), and the expert ranks' batching: deadline (s) and row budget."""
     out = []
     for chunk in chunks:
-        for e in experts:
-            for t in tps:
-                if e >= devices or (devices - e) % t or heads % t:
-                    continue
-                out.append(Deployment("async", headline_config((devices - e) // t, e, chunk),
-                                      Parallelism(attention_tp=t)))
+        for budget in sorted({chunk, *(b for b in budgets if b >= chunk)}):
+            for e in experts:
+                for t in tps:
+                    if e >= devices or (devices - e) % t or heads % t:
+                        continue
+                    for dl in deadlines:
+                        for eb in expert_budgets:
+                            out.append(Deployment("async", headline_config((devices - e) // t, e, chunk, budget, eb,
+                                                                           dl), Parallelism(attention_tp=t)))
     return out
+
+
+def search_breadth(syncs, asyncs, grid: dict) -> dict:
+    """How broadly each mode was searched: candidate counts and the values of each searched dimension."""
+    return {"async": len(asyncs), "sync": len(syncs),
+            "async_dimensions": {k: grid[k] for k in ("experts", "attention_tp", "chunk", "budget", "expert_deadline",
+                                                      "expert_budget")},
+            "sync_dimensions": {k: grid[k] for k in ("sync_tp", "cp", "sync_chunk", "sync_budget", "overlap")}}
 
 
 def per_die(devices: int) -> tuple:
@@ -207,7 +222,8 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
     D = grid["devices"]
     syncs = sync_grid(D, grid["sync_tp"], grid["cp"], grid["sync_chunk"], shapes.heads, grid["overlap"],
                       grid["sync_budget"])
-    asyncs = async_grid(D, grid["experts"], grid["attention_tp"], grid["chunk"], shapes.heads)
+    asyncs = async_grid(D, grid["experts"], grid["attention_tp"], grid["chunk"], shapes.heads, grid["budget"],
+                        grid["expert_deadline"], grid["expert_budget"])
     if not syncs or not asyncs:
         raise ValueError(f"headline: the grid has no {'baseline' if not syncs else 'ASAP'} configuration for "
                          f"{D} devices")
@@ -222,7 +238,8 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
         slo_s = f0 * unloaded
         rule = (f"{f0:g}x the unloaded TTFT of the trace's p90 prompt ({unloaded:.3g} s) on the fastest baseline "
                 f"of the grid ({slo_by.label})")
-    print(f"[{tag}] {trace_desc}; {D} devices; {len(syncs)} baseline and {len(asyncs)} ASAP configurations; "
+    print(f"[{tag}] {trace_desc}; {D} devices; search breadth: {len(syncs)} baseline and {len(asyncs)} ASAP "
+          "configurations; "
           f"SLO {slo_s:.3g} s ({rule}), {100 * target:g}% of requests", file=sys.stderr, flush=True)
     start = 0.25 * capacity_rate(probe, cost, shapes, ref_s.cfg, sync_ranks=ref_s.sync_ranks)
     main = best_vs_best(syncs, asyncs, probe, trace, cost, shapes, slo_s, start=start, target=target,
@@ -237,6 +254,7 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
                               "confirmed_slo_compliant_throughput": _sct(row["confirmed"])}
                              for row in found[mode]["candidates"]] for mode in ("async", "sync")},
            "search_requests": {"coarse": len(probe), "confirm": len(trace), "confirm_top": confirm_top},
+           "search_breadth": search_breadth(syncs, asyncs, grid),
            "sweep": {m: {k: found[m]["best_sweep"][k] for k in ("slo_compliant_rate_req_s", "saturated",
                                                                  "arrival_span_over_slo")}
                      for m in ("async", "sync")}}
@@ -386,6 +404,16 @@ def _ints(p: argparse.ArgumentParser, flag: str, value: str, *, none_ok: bool = 
     return out
 
 
+def _floats(p: argparse.ArgumentParser, flag: str, value: str) -> list:
+    try:
+        out = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or not all(v >= 0 and math.isfinite(v) for v in out):
+        p.error(f"{flag} {value!r}: expected comma-separated numbers >= 0")
+    return out
+
+
 def _onoff(p: argparse.ArgumentParser, value: str) -> list:
     out = []
     for x in value.split(","):
@@ -423,6 +451,13 @@ def main(argv=None) -> int:
                    help="baseline: context-parallelism thresholds searched (none: no CP)")
     p.add_argument("--chunk-len", default="8192,16384", metavar="TOKENS[,TOKENS...]",
                    help="ASAP: chunk sizes searched (micro-batch budget 16384 tokens)")
+    p.add_argument("--token-budget", default="16384", metavar="TOKENS[,TOKENS...]",
+                   help="ASAP: micro-batch token budgets searched, with each chunk size (a budget smaller than the "
+                        "chunk is skipped; the chunk size itself is always tried)")
+    p.add_argument("--expert-deadline", default="0.0005,0.002", metavar="SECONDS[,SECONDS...]",
+                   help="ASAP: expert ranks' batching deadlines searched")
+    p.add_argument("--expert-token-budget", default="16384,32768", metavar="ROWS[,ROWS...]",
+                   help="ASAP: expert ranks' batch row budgets searched")
     p.add_argument("--sync-chunk-len", default="4096,8192,16384", metavar="TOKENS[,TOKENS...]",
                    help="baseline: chunk sizes searched")
     p.add_argument("--sync-token-budget", default="16384", metavar="TOKENS[,TOKENS...]",
@@ -457,7 +492,9 @@ def main(argv=None) -> int:
             "attention_tp": _ints(p, "--attention-tp", args.attention_tp),
             "sync_tp": _ints(p, "--sync-tp", args.sync_tp),
             "cp": _ints(p, "--cp-threshold", args.cp_threshold, none_ok=True),
-            "chunk": _ints(p, "--chunk-len", args.chunk_len),
+            "chunk": _ints(p, "--chunk-len", args.chunk_len), "budget": _ints(p, "--token-budget", args.token_budget),
+            "expert_deadline": _floats(p, "--expert-deadline", args.expert_deadline),
+            "expert_budget": _ints(p, "--expert-token-budget", args.expert_token_budget),
             "sync_chunk": _ints(p, "--sync-chunk-len", args.sync_chunk_len),
             "sync_budget": _ints(p, "--sync-token-budget", args.sync_token_budget),
             "overlap": _onoff(p, args.sync_overlap)}
@@ -470,7 +507,8 @@ def main(argv=None) -> int:
         n, n_search, n_side = 200, 120, 120
         sigmas, loads, caps = (0.0, 1.0), (0.5, 1.0), (8192,)
         grid = {"devices": 8, "experts": [2, 4], "attention_tp": [1, 2], "sync_tp": [1, 2], "cp": [None, 16384],
-                "chunk": [16384], "sync_chunk": [16384], "sync_budget": [16384], "overlap": [False]}
+                "chunk": [16384], "sync_chunk": [16384], "sync_budget": [16384], "overlap": [False],
+                "budget": [16384], "expert_deadline": [0.001], "expert_budget": [32768]}
     try:
         factors = [float(x) for x in args.slo_factors.split(",") if x.strip()]
         assert factors and all(f > 0 and math.isfinite(f) for f in factors)

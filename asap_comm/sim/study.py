@@ -247,11 +247,16 @@ class Deployment:
     @property
     def label(self) -> str:
         chunk = "whole prompts" if self.cfg.effective_chunk_len is None else f"chunk {self.cfg.effective_chunk_len}"
-        if self.mode == "sync" and self.cfg.token_budget != self.cfg.effective_chunk_len:
+        if self.cfg.token_budget != self.cfg.effective_chunk_len and (
+                self.mode == "sync" or self.cfg.effective_chunk_len is not None):
             chunk += f", budget {self.cfg.token_budget}"
         if self.mode == "async":
             tp = "" if self.par.attention_tp == 1 else f" x TP{self.par.attention_tp}"
-            return f"ASAP {self.cfg.num_attention_ranks}{tp} + {self.cfg.num_expert_ranks}, {chunk}"
+            c = self.cfg
+            # the expert side's batching, where it is not the headline's default (1 ms, 32768 rows)
+            ex = ("" if (c.expert_deadline_s, c.expert_token_budget) == (0.001, 32768)
+                  else f", experts {1e3 * c.expert_deadline_s:g} ms / {c.expert_token_budget} rows")
+            return f"ASAP {c.num_attention_ranks}{tp} + {c.num_expert_ranks}, {chunk}{ex}"
         tp = "" if self.par.sync_tp == 1 else f" x TP{self.par.sync_tp}"
         cp = "no CP" if self.par.cp_threshold is None else f"CP > {self.par.cp_threshold}"
         overlap = ", overlap" if self.par.sync_overlap else ""
@@ -263,7 +268,8 @@ class Deployment:
              "token_budget": c.token_budget}
         if self.mode == "async":
             d.update(attention_ranks=c.num_attention_ranks, attention_tp=self.par.attention_tp,
-                     expert_ranks=c.num_expert_ranks)
+                     expert_ranks=c.num_expert_ranks, expert_deadline_s=c.expert_deadline_s,
+                     expert_token_budget=c.expert_token_budget)
         else:
             d.update(sync_ranks=self.sync_ranks, sync_tp=self.par.sync_tp, cp_threshold=self.par.cp_threshold,
                      sync_overlap=self.par.sync_overlap)

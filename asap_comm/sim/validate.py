@@ -58,8 +58,12 @@ def _real(mode: str, factory, info, trace, cfg, seed: int):
 
 def validate(out_dir, *, model: str = "small", profile: str = "local", configs: str = "default",
              num_requests: int = 40, calibrate_first: bool = False, seed: int = 0, progress: bool = True,
-             recalibrate: bool = True) -> dict:
-    """Run every configuration for real and simulated; write and return ``validation.json``'s content."""
+             recalibrate: bool = True, probe: bool = True) -> dict:
+    """Run every configuration for real and simulated; write and return ``validation.json``'s content.
+
+    ``probe``: before trusting a fitted profile whose fingerprint matches, time this host's probe operators
+    (``asap_comm.sim.probe``, a few seconds); where the host disagrees with the profile, calibrate first (or, with
+    ``recalibrate=False``, refuse). The probe's verdict is ``validation.json``'s ``host_probe``."""
     from ..serving.plugins import load_model_factory, model_info_of
 
     out = Path(out_dir)
@@ -81,6 +85,10 @@ def validate(out_dir, *, model: str = "small", profile: str = "local", configs: 
                 print(f"validate: the profile {profile!r} does not describe this host ({why}): calibrating this "
                       "host first", file=sys.stderr, flush=True)
             calibrate_first = True
+    host_probe = None
+    if not calibrate_first and probe:
+        host_probe = _probe(profile, model, recalibrate, progress)
+        calibrate_first = not host_probe["agrees"]
     if calibrate_first:
         from .calibrate import calibrate
 
@@ -91,8 +99,9 @@ def validate(out_dir, *, model: str = "small", profile: str = "local", configs: 
     info = model_info_of(factory)
     rows, t0 = [], time.perf_counter()
     for name, A, E, kind, rates in CONFIGS[configs]:
+        # the real runtime's placer weighs work as the simulated one (CostModel.placer_linear_weight)
         cfg = RuntimeConfig(num_attention_ranks=A, num_expert_ranks=E, token_budget=256, chunk_len=256,
-                            max_prompt_len=512)
+                            max_prompt_len=512, placer_linear_weight=cost.placer_linear_weight())
         base = _trace(kind, num_requests, cfg.max_prompt_len, seed)
         for rate in rates:
             trace = scale_trace(base, target_rate=rate)
@@ -122,9 +131,32 @@ def validate(out_dir, *, model: str = "small", profile: str = "local", configs: 
               "per_metric_max_abs_error": {m: max((abs(row["relative_error"][m]) for row in rows
                                                    if row["relative_error"][m] is not None), default=None)
                                            for m in METRICS},
-              "wall_s": time.perf_counter() - t0}
+              "wall_s": time.perf_counter() - t0, "host_probe": host_probe}
     (out / "validation.json").write_text(json.dumps(result, indent=2, default=str))
     return result
+
+
+def _probe(profile: str, model: str, recalibrate: bool, progress: bool) -> dict:
+    """The host probe against ``profile`` (see :func:`validate`); raises ValueError to refuse."""
+    from .costs import Profile
+    from .probe import probe_host, probe_verdict
+
+    prof, shapes = Profile.load(profile), ModelShapes.load(model)
+    if prof.data.get("fit") is None:  # an analytic profile: not tied to a host
+        return {"agrees": True, "reference": None, "reason": "not a fitted profile: nothing to probe"}
+    verdict = probe_verdict(probe_host(shapes), prof, shapes)
+    verdict["action"] = "used the profile" if verdict["agrees"] else "recalibrated first"
+    if progress:
+        print(f"validate: host probe ({verdict['measured']['wall_s']:.1f} s) against {profile!r}: median ratio "
+              f"{verdict['median_ratio']:.2f}x, " + ("agrees" if verdict["agrees"] else
+                                                      f"DISAGREES ({verdict['reason']})"), file=sys.stderr, flush=True)
+    if not verdict["agrees"] and not recalibrate:
+        raise ValueError(f"validate: this host disagrees with the profile {profile!r} although its fingerprint "
+                         f"matches ({verdict['reason']}). Run `python -m asap_comm.sim validate --calibrate` (fits "
+                         "this host first), or --no-probe to check the profile anyway")
+    if not verdict["agrees"] and progress:
+        print("validate: calibrating this host first", file=sys.stderr, flush=True)
+    return verdict
 
 
 def _table(result: dict) -> str:
@@ -151,6 +183,10 @@ def main(argv=None) -> int:
     p.add_argument("--calibrate", action="store_true", help="calibrate this host first and check that profile")
     p.add_argument("--no-recalibrate", action="store_true",
                    help="refuse (instead of calibrating first) when the profile was fitted on another host")
+    p.add_argument("--no-probe", action="store_true",
+                   help="do not probe this host (a few seconds of operator timings) before trusting a fitted profile "
+                        "whose fingerprint matches; by default a host that disagrees with it is recalibrated first "
+                        "(refused with --no-recalibrate)")
     p.add_argument("--configs", default="default",
                    help=f"local: {sorted(CONFIGS)}; emulated: default, nocp, perdie, quick")
     p.add_argument("--num-requests", type=int, default=None, help="requests per load (default 40; 80 with --regime "
@@ -188,10 +224,13 @@ def main(argv=None) -> int:
     try:
         result = validate(args.out, model=args.model or "small", profile=args.profile, configs=args.configs,
                           num_requests=args.num_requests or 40, calibrate_first=args.calibrate, seed=args.seed,
-                          recalibrate=not args.no_recalibrate)
+                          recalibrate=not args.no_recalibrate, probe=not args.no_probe)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    hp = result.get("host_probe")
+    if hp and hp.get("reference"):
+        print(f"host probe: median ratio {hp['median_ratio']:.2f}x against {hp['reference']}: {hp['action']}")
     print(_table(result))
     print(f"wrote {Path(args.out) / 'validation.json'}")
     return 0
