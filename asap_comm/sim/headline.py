@@ -15,10 +15,13 @@ The documented comparison (docs/design.md, "asap_comm.sim"; issue 6, best-vs-bes
   behind compute (``--sync-overlap``: DeepSeek's two-micro-batch overlap, an
   optimistic bound; ``off,on`` searches both). ``simulate.py``'s docstring
   has the models.
-* **ASAP, searched**: ``E`` expert devices (``--expert-ranks``: 16, 32) and
+* **ASAP, searched** (as broadly as the baseline: ``search_breadth`` in the
+  summary has both counts): ``E`` expert devices (``--expert-ranks``: 16, 32) and
   ``(devices - E) / T`` attention groups of ``T`` devices (``--attention-tp``:
-  1, 2, 4, 8), chunk size (``--chunk-len``: 8k, 16k; micro-batches of up to
-  16k tokens). Why at least 16 expert devices:
+  1, 2, 4, 8), chunk size (``--chunk-len``: 8k, 16k) with a micro-batch budget
+  equal to it or ``--token-budget`` (16k), the expert ranks' batching deadline
+  (``--expert-deadline``: 0.5, 2 ms) and row budget (``--expert-token-budget``:
+  16384, 32768). Why at least 16 expert devices:
   the routed experts are 653 B parameters (58 layers x 256 x 3 x 7168 x 2048),
   653 GB in INT8/FP8, so with 64 GB of HBM per 910C die (80 GB per H800) at
   least 11 (9) expert devices are needed; 16 leaves room for buffers. The
@@ -29,7 +32,7 @@ The documented comparison (docs/design.md, "asap_comm.sim"; issue 6, best-vs-bes
   ``--num-requests`` with 4 steps; the best confirmed of each mode is its
   headline (``study.search_best``). The ratio is best ASAP / best baseline.
 * **Runtime settings**: prompts up to 131072 tokens (the Mooncake trace's max
-  is 126k), expert batches up to 32768 rows or 1 ms.
+  is 126k); the per-die reference's expert batches up to 32768 rows or 1 ms.
 * **Load**: the first ``--num-requests`` requests of the public Mooncake
   conversation trace (``shared/traces``; prompt p50 6.9k / p90 27k / max 126k
   tokens), arrivals rescaled to each tested rate. The file's timestamps come
