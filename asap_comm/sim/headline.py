@@ -539,7 +539,8 @@ def main(argv=None) -> int:
           "passed)")
     for prof, r in summary["profiles"].items():
         b, sat = r["best"], r["slo_sensitivity"][0]["saturated"]
-        print(f"\n{prof}: SLO {r['slo_s']:.3g} s ({r['slo_rule']})")
+        print(f"\n{prof}: SLO {r['slo_s']:.3g} s ({r['slo_rule']}); search breadth: "
+              f"{r['search_breadth']['sync']} baseline, {r['search_breadth']['async']} ASAP configurations")
         for mode, name in (("sync", "best baseline"), ("async", "best ASAP")):
             print(f"  {name:14s} {b[mode]['label']:50s} {_tok(b[mode]['slo_compliant_throughput'], sat[mode])}")
         print(f"  ratio          {_fmt(b['ratio'], sat)}")
