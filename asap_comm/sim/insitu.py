@@ -73,7 +73,7 @@ def fit_runtime_factors(model: str, profile: Profile, shapes: ModelShapes, *, qu
     factory = load_model_factory(model, seed=0)
     info = model_info_of(factory)
     cfg = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=2, token_budget=256, chunk_len=256,
-                        max_prompt_len=512)
+                        max_prompt_len=512, placer_linear_weight=CostModel(profile, shapes).placer_linear_weight())
     # single requests, then pairs arriving together (two ranks computing at once in the baseline)
     lengths = [32, 160, 96, (64, 200)] if quick else [32, 160, 64, 256, 96, 128, 48, 200, (64, 200), (128, 256),
                                                       (32, 96)]
