@@ -104,7 +104,8 @@ def _reference(profile, shapes) -> "tuple[dict, str]":
     """The reference timings of the probe's calls: the probe recorded at fit time, else the profile's predictions."""
     rec = profile.data.get("probe")
     if isinstance(rec, dict) and isinstance(rec.get("swiglu"), dict):
-        return {k: v for k, v in rec.items() if k in ("swiglu", "p2p")}, "the probe recorded when the profile was fitted"
+        return ({k: v for k, v in rec.items() if k in ("swiglu", "p2p")},
+                "the probe recorded when the profile was fitted")
     from .costs import CostModel
 
     cm = CostModel(profile, shapes)
