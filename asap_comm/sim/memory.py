@@ -63,8 +63,9 @@ from dataclasses import dataclass, field
 from .hardware import Profile
 from .shapes import ModelShapes
 
-__all__ = ["DieMemory", "HBM", "profile_hbm", "weight_params", "deployment_memory", "memory_problems",
-           "memory_table", "refusal", "with_weights", "WEIGHT_DTYPES", "main"]
+__all__ = ["DieMemory", "HBM", "profile_hbm", "weight_params", "deployment_memory", "memory_of", "memory_problems",
+           "deployment_problems", "headline_memory", "check_expert_devices", "memory_table", "refusal", "with_weights", "WEIGHT_DTYPES",
+           "main"]
 
 GB = 1e9
 WEIGHT_DTYPES = ("bf16", "int8")
@@ -260,6 +261,58 @@ def refusal(prog: str, problems: list, hint: str) -> str:
     """The one line a command prints when it refuses an infeasible deployment (the first problem)."""
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     return f"{prog}: {problems[0]}{more}; {hint}"
+
+
+def deployment_problems(d, profile: Profile, shapes: ModelShapes) -> list:
+    """:func:`memory_problems` of a ``study.Deployment`` (its mode, runtime config, parallelism, DP groups)."""
+    return memory_problems(memory_of(d.mode, d.cfg, d.par, d.sync_ranks, profile, shapes), profile.name)
+
+
+def headline_memory(cost, shapes: ModelShapes, syncs: list, asyncs: list, weights: "str | None" = None,
+                    ignore_memory: bool = False, prog: str = "headline") -> tuple:
+    """The headline's candidates through the memory check: ``(cost with --weights applied, feasible baselines,
+    feasible ASAP configurations, the summary's memory record)``. With ``ignore_memory`` every candidate stays
+    (recorded). No feasible candidate on a side: exits 2 with one line naming the first problem."""
+    from .costs import CostModel
+
+    cost = CostModel(with_weights(cost.profile, weights), shapes)
+    dropped, kept = [], {"sync": [], "async": []}
+    for d in list(syncs) + list(asyncs):
+        probs = deployment_problems(d, cost.profile, shapes)
+        if probs:
+            dropped.append({"deployment": d.label, "mode": d.mode, "problem": probs[0]})
+        if not probs or ignore_memory:
+            kept[d.mode].append(d)
+    for mode, what in (("sync", "baseline"), ("async", "ASAP")):
+        if not kept[mode]:
+            first = next(x["problem"] for x in dropped if x["mode"] == mode)
+            print(f"{prog}: memory: no {what} configuration of the grid fits on {cost.name} dies (first: "
+                  f"{first.removeprefix('memory: ')}); give more devices"
+                  + (", --weights int8" if cost.w > 1 else "") + " or --ignore-memory",
+                  file=sys.stderr)
+            sys.exit(2)
+    if dropped:
+        print(f"[{cost.name}] memory: {len(dropped)} configuration(s) of the grid do not fit"
+              + (" (kept: --ignore-memory)" if ignore_memory else " and are left out") + f"; e.g. "
+              f"{dropped[0]['deployment']}: {dropped[0]['problem']}", file=sys.stderr, flush=True)
+    record = {"ignore_memory": ignore_memory, "weights": weights, "weight_bytes": cost.w,
+              "hbm": None if profile_hbm(cost.profile) is None else vars(profile_hbm(cost.profile)),
+              "infeasible": dropped}
+    return cost, kept["sync"], kept["async"], record
+
+
+def check_expert_devices(cost, dies: int, who: str) -> None:
+    """Raise ``ValueError`` (naming ``memory``) unless the model's routed experts, spread over ``dies`` devices,
+    fit in one device's usable HBM: the least any deployment needs (the emulator's check; the caller that knows
+    the whole deployment checks the rest with :func:`deployment_memory`)."""
+    hbm = profile_hbm(cost.profile)
+    d = deployment_memory("async", cost.profile, cost.shapes, expert_ranks=dies, token_budget=1, chunk_len=1,
+                          max_prompt_len=1)[1]
+    need = d.breakdown["routed experts"]
+    if hbm is not None and need > hbm.usable_gb:
+        raise ValueError(f"{who}: memory: {dies} devices hold {cost.shapes.name}'s routed experts at {need:.1f} GB "
+                         f"each but {cost.name} devices have {hbm.usable_gb:.1f} GB usable; give more expert "
+                         "devices (or do not check: --ignore-memory)")
 
 
 # ---------------------------------------------------------------------------------------------- W8A8
