@@ -36,8 +36,9 @@ q, expanded k and v and output (``heads / t * (qk + qk_nope + 2 v)``) per token,
 MLP intermediate (``3 * max(dense_inter, n_shared * moe_inter)``) on ``T / t`` tokens.
 The expansion of the *cached* context's keys (kv_b over every cached latent) is taken as
 a bounded workspace, as vLLM's chunked MLA prefill does, and is not counted. An expert
-die: its expected rows from every in-flight micro-batch (``A * S * T * top_k / E``,
-balanced routing) times a headroom of 2 for hot experts, ``(2 H + 3 moe_inter) * a``
+die: the rows of one batch (``expert_token_budget``, or one micro-batch's ``T * top_k / E``
+if more), at most its expected rows from every in-flight micro-batch (``A * S * T * top_k /
+E``, balanced routing), with a headroom of 2 for hot experts, ``(2 H + 3 moe_inter) * a``
 bytes per row. A baseline die: ``T * top_k / t`` received rows likewise.
 
 **Symmetric buffers.** ASAP: the runtime's layout (``asap_comm.moe.plan._Buffers``): every
@@ -191,12 +192,14 @@ def _expert_rows_act(shapes: ModelShapes, a: float, rows: float) -> float:
 def deployment_memory(mode: str, profile: Profile, shapes: ModelShapes, *, attention_ranks: int = 1,
                       attention_tp: int = 1, expert_ranks: int = 1, sync_ranks: int = 1, sync_tp: int = 1,
                       token_budget: int, chunk_len: "int | None", max_prompt_len: int,
-                      ping_pong: bool = True, sync_overlap: bool = False) -> list:
+                      ping_pong: bool = True, sync_overlap: bool = False,
+                      expert_token_budget: "int | None" = None) -> list:
     """The dies of one deployment, one :class:`DieMemory` per role.
 
     ``mode="async"`` (ASAP): ``attention_ranks`` groups of ``attention_tp`` devices and ``expert_ranks`` expert
     dies; ``mode="sync"`` (baseline): ``sync_ranks`` DP groups of ``sync_tp`` devices, EP over all of them.
-    ``token_budget``/``chunk_len``/``max_prompt_len``: the runtime's, in the modelled model's tokens.
+    ``token_budget``/``chunk_len``/``max_prompt_len``: the runtime's, in the modelled model's tokens;
+    ``expert_token_budget``: the rows an expert die computes in one batch (None: every in-flight row at once).
     """
     for nm, v in (("attention_ranks", attention_ranks), ("attention_tp", attention_tp),
                   ("expert_ranks", expert_ranks), ("sync_ranks", sync_ranks), ("sync_tp", sync_tp),
@@ -215,6 +218,8 @@ def deployment_memory(mode: str, profile: Profile, shapes: ModelShapes, *, atten
         att = _attention_side(profile, s, t, T, S, max_prompt_len)
         att["symmetric buffers"] = buffers
         rows = min(A * S * T * min(k, math.ceil(s.num_experts / E)), EXPERT_HEADROOM * A * S * T * k / E)
+        if expert_token_budget:  # one batch at a time: the budget, or one micro-batch's rows if more
+            rows = min(rows, max(expert_token_budget, EXPERT_HEADROOM * T * k / E))
         exp = {"routed experts": math.ceil(s.num_experts / E) * expert_layer_gb,
                "activations": _expert_rows_act(s, a, rows), "symmetric buffers": buffers}
         return [DieMemory("attention", A * t, att, hbm), DieMemory("expert", E, exp, hbm)]
@@ -237,7 +242,8 @@ def memory_of(mode: str, cfg, par, sync_ranks: "int | None", profile: Profile, s
                              attention_tp=par.attention_tp, expert_ranks=cfg.num_expert_ranks,
                              sync_ranks=sync_ranks or 1, sync_tp=par.sync_tp, token_budget=cfg.token_budget,
                              chunk_len=cfg.effective_chunk_len, max_prompt_len=cfg.max_prompt_len,
-                             ping_pong=cfg.ping_pong, sync_overlap=par.sync_overlap)
+                             ping_pong=cfg.ping_pong, sync_overlap=par.sync_overlap,
+                             expert_token_budget=cfg.expert_token_budget)
 
 
 def memory_problems(dies: list, profile_name: str) -> list:
