@@ -31,13 +31,18 @@ code, with every rank's compute held (sleeping) for the time a modelled device
 takes (``asap_comm.sim.emulate``): the work of ``--emulate-model`` (default
 deepseek-v3) on the hardware profile, times ``--time-scale``; each real token
 stands for ``--token-scale`` emulated tokens. Unless given, the defaults then
-become: the tiny model, 8 + 8 ranks (16 baseline workers), the Mooncake trace
-of ``shared/traces`` with lengths divided by the token scale, 128-token chunks
-and micro-batches, 240 requests per load, the baseline as tensor-parallel
-groups of 4 devices (``--sync-tp 4``: the best of 1, 2 and 4 measured at
-4 req/s on the default load, SLO attainment 0.48 / 0.87 / 0.98), and its
-collectives on shared memory (``--sync-collectives shm``: gloo's milliseconds
-would slow the baseline below what the modelled collectives take). ``summary.json`` then carries ``overrun_fraction`` per mode.
+become: the tiny model; afd-plugin's 32 dies, which hold DeepSeek-V3 on both
+sides (``EMULATE_DEFAULTS``): ASAP 2 attention groups x TP8 + 16 expert dies
+(4 expert processes of ``--expert-dies 4``), the baseline 4 DP groups x TP8
+with EP over all 32 and CP above 64 served tokens; the Mooncake trace of
+``shared/traces`` with lengths divided by the token scale, 128-token chunks
+and micro-batches, 240 requests per load, and the baseline's collectives on
+shared memory (``--sync-collectives shm``: gloo's milliseconds would slow the
+baseline below what the modelled collectives take). A deployment whose
+emulated dies cannot hold the model is refused (exit 2, one line naming
+``memory``; ``asap_comm.sim.memory``) unless ``--ignore-memory``.
+``summary.json`` then carries ``overrun_fraction`` per mode, the memory table
+(``memory``) and ``ignore_memory``.
 
     python examples/prefill.py --emulate ascend-910c-cm384 --emulate-model deepseek-v3 --sweep auto --out DIR
 """
@@ -255,12 +260,14 @@ def emulated(args, base, mode: str, stats_dir=None):
     if mode == "async":
         return EmulatedFactory(base, args.emulate, args.emulate_model, time_scale=args.time_scale,
                                token_scale=args.token_scale, num_expert_ranks=args.expert_ranks, stats_dir=stats_dir,
-                               attention_tp=args.attention_tp, expert_devices=args.expert_dies,
-                               weights=args.weights, check_memory=not args.ignore_memory)
+                               attention_tp=args.attention_tp, expert_devices=getattr(args, "expert_dies", 1),
+                               weights=getattr(args, "weights", None),
+                               check_memory=not getattr(args, "ignore_memory", False))
     return EmulatedFactory(base, args.emulate, args.emulate_model, time_scale=args.time_scale,
                            token_scale=args.token_scale, num_expert_ranks=sync_workers(args), stats_dir=stats_dir,
-                           attention_tp=args.sync_tp, expert_devices=args.sync_tp, weights=args.weights,
-                           check_memory=not args.ignore_memory)
+                           attention_tp=args.sync_tp, expert_devices=args.sync_tp,
+                           weights=getattr(args, "weights", None),
+                           check_memory=not getattr(args, "ignore_memory", False))
 
 
 def memory_table(args) -> dict:
@@ -275,7 +282,8 @@ def memory_table(args) -> dict:
               max_prompt_len=args.max_prompt_len * S)
     return {"profile": prof.name, "weight_bytes": prof.dtype["weight_bytes"],
             "async": deployment_memory("async", prof, shapes, attention_ranks=args.attention_ranks,
-                                       attention_tp=args.attention_tp, expert_ranks=args.expert_ranks * args.expert_dies,
+                                       attention_tp=args.attention_tp,
+                                       expert_ranks=args.expert_ranks * args.expert_dies,
                                        ping_pong=not args.no_ping_pong, **kw),
             "sync": deployment_memory("sync", prof, shapes, sync_ranks=sync_workers(args), sync_tp=args.sync_tp, **kw)}
 
@@ -303,7 +311,8 @@ def sync_workers(args) -> int:
         return args.sync_ranks
     if not args.emulate:
         return args.attention_ranks + args.expert_ranks
-    return max(1, (args.attention_ranks * args.attention_tp + args.expert_ranks * args.expert_dies) // args.sync_tp)
+    dies = args.attention_ranks * args.attention_tp + args.expert_ranks * getattr(args, "expert_dies", 1)
+    return max(1, dies // args.sync_tp)
 
 
 def mode_config(cfg: RuntimeConfig, mode: str, args) -> RuntimeConfig:

@@ -141,3 +141,72 @@ def test_sim_memory_cli(tmp_path):
     r = _sim("memory", "--profile", CM, "--model", "deepseek-v3", "--expert-ranks", "6", "--attention-tp", "2",
              "--attention-ranks", "5")
     assert r.returncode == 2 and "memory: an expert die needs" in r.stdout
+
+
+def test_headline_keeps_only_feasible_candidates(capsys):
+    from asap_comm.sim.headline import async_grid, sync_grid
+    from asap_comm.sim.memory import headline_memory
+
+    cost = CostModel.load(CM, "deepseek-v3")
+    syncs = sync_grid(32, (4, 8), (None,), (16384,), DSV3.heads)
+    asyncs = async_grid(32, (8, 16), (8,), (16384,), DSV3.heads)
+    cost2, s, a, rec = headline_memory(cost, DSV3, syncs, asyncs)
+    # 32 dies: the baseline's TP4 groups (8 x TP4, EP32) and TP8 fit; ASAP with 8 expert dies does not
+    assert [d.par.sync_tp for d in s] == [4, 8]
+    assert [d.cfg.num_expert_ranks for d in a] == [16]
+    assert len(rec["infeasible"]) == 1 and "expert die" in rec["infeasible"][0]["problem"]
+    assert cost2.w == 1 and rec["ignore_memory"] is False
+    _, s, a, rec = headline_memory(cost, DSV3, syncs, asyncs, ignore_memory=True)
+    assert len(a) == 2 and rec["ignore_memory"] is True and rec["infeasible"]
+    # bf16 weights: no baseline configuration of 32 dies fits -> exit 2, one line naming memory
+    with pytest.raises(SystemExit) as e:
+        headline_memory(cost, DSV3, syncs, asyncs, weights="bf16")
+    assert e.value.code == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("headline:")]
+    assert len(err) == 1 and "memory" in err[0] and "baseline" in err[0]
+
+
+def test_emulated_factory_check_and_per_die_transfer_rows():
+    from asap_models import StageFactory
+
+    from asap_comm.sim.emulate import EmulatedFactory
+
+    base = StageFactory("tiny", 0)
+    with pytest.raises(ValueError, match="memory: 6 devices hold deepseek-v3's routed experts at 109.8 GB"):
+        EmulatedFactory(base, CM, "deepseek-v3", num_expert_ranks=6, check_memory=True)
+    EmulatedFactory(base, CM, "deepseek-v3", num_expert_ranks=6)  # unchecked by default
+    f = EmulatedFactory(base, CM, "deepseek-v3", token_scale=128, num_expert_ranks=4, expert_devices=4,
+                        check_memory=True, weights="int8")
+    assert f.describe_emulation()["expert_devices"] == 4 and f.cost().w == 1
+    assert EmulatedFactory(base, CM, "deepseek-v3", weights="bf16").cost().w == 2
+    m4 = f(role="expert", experts=[0, 1])
+    m1 = EmulatedFactory(base, CM, "deepseek-v3", token_scale=128, num_expert_ranks=4)(role="expert",
+                                                                                      experts=[0, 1])
+    # four dies share the rank's 64 emulated experts: each die's link carries fewer rows than one die's would
+    assert 0 < m4._die_rows_per_real_row < m4._rows_per_real_row == m1._rows_per_real_row
+    assert m4.expert_work_s(64) == pytest.approx(m1.expert_work_s(64) / 4)
+
+
+def _example(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "prefill.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_example_emulated_default_is_feasible_and_an_infeasible_one_is_refused(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import prefill
+    finally:
+        sys.path.pop(0)
+    p = prefill.build_parser()
+    args = p.parse_args(["--emulate", CM])
+    prefill.apply_emulate_defaults(args, set())
+    assert prefill.memory_refusal(args) is None
+    t = prefill.memory_table(args)
+    assert [d.dies for d in t["async"]] == [16, 16] and [d.dies for d in t["sync"]] == [32]
+    assert prefill.sync_workers(args) == 4
+    r = _example("--emulate", CM, "--attention-ranks", "5", "--attention-tp", "2", "--expert-ranks", "6",
+                 "--expert-dies", "1", "--sync-tp", "4", "--out", str(tmp_path))
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "memory" in lines[0] and "expert die" in lines[0], r.stderr

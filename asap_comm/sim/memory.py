@@ -65,8 +65,8 @@ from .hardware import Profile
 from .shapes import ModelShapes
 
 __all__ = ["DieMemory", "HBM", "profile_hbm", "weight_params", "deployment_memory", "memory_of", "memory_problems",
-           "deployment_problems", "headline_memory", "check_expert_devices", "memory_table", "refusal", "with_weights", "WEIGHT_DTYPES",
-           "main"]
+           "deployment_problems", "headline_memory", "check_expert_devices", "memory_table", "refusal",
+           "with_weights", "WEIGHT_DTYPES", "main"]
 
 GB = 1e9
 WEIGHT_DTYPES = ("bf16", "int8")
