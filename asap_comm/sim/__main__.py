@@ -181,7 +181,7 @@ def cmd_run(argv) -> int:
                                       "sync": W * par.sync_tp},
                           "trace": args.trace, "num_requests": len(trace), "slo_s": slo,
                           "slo_percentile": args.slo_percentile, "cost_model": cost.describe()}, "runs": [],
-               "ignore_memory": args.ignore_memory, "memory": memory}
+               "ignore_memory": args.ignore_memory, "weights": args.weights, "memory": memory}
     t0 = time.perf_counter()
     if args.sweep:
         res = compare(trace, cost, shapes, cfg, sync_ranks=W, slo=slo, progress="sweep", modes=modes,
