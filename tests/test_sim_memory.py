@@ -210,3 +210,23 @@ def test_example_emulated_default_is_feasible_and_an_infeasible_one_is_refused(t
                  "--expert-dies", "1", "--sync-tp", "4", "--out", str(tmp_path))
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "memory" in lines[0] and "expert die" in lines[0], r.stderr
+
+
+def test_simulate_emulated_runs_the_dies_an_expert_rank_stands_for():
+    from asap_models import StageFactory
+
+    from asap_comm.serving.runtime import RuntimeConfig
+    from asap_comm.serving.traces import Request
+    from asap_comm.sim.emulate import EmulatedFactory, simulate_emulated
+
+    base = StageFactory("tiny", 0)
+    cfg = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=4, token_budget=128, chunk_len=128, max_prompt_len=512)
+    trace = [Request(i, 0.5 * i, 100 + 10 * i) for i in range(4)]
+    out = {}
+    for dies in (1, 4):
+        f = EmulatedFactory(base, CM, "deepseek-v3", time_scale=0.25, token_scale=128, num_expert_ranks=4,
+                            attention_tp=8, expert_devices=dies)
+        r = simulate_emulated(f, "async", trace, cfg)
+        out[dies] = r
+        assert r.ranks[-1]["stands_for"] == 4 * dies  # the expert side: 4 ranks of `dies` dies each
+    assert all(a.ok and b.ok for a, b in zip(out[1].records, out[4].records))

@@ -249,8 +249,9 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
     layers = [(m, w) for m, w in layers if w > 0] or [(False, 1.0)]
     tokens = {r.request_id: r.prompt_len for r in trace}
     reqs = [Request(r.request_id, r.arrival_s / K, int(round(r.prompt_len * S))) for r in trace]
-    if mode == "async":
+    if mode == "async":  # an expert rank standing for expert_devices dies: the simulator runs the dies
         par, ranks = Parallelism(attention_tp=factory.attention_tp), None
+        cfg = dataclasses.replace(cfg, num_expert_ranks=cfg.num_expert_ranks * factory.expert_devices)
         row_scale = rows_per_real_row(real, emu, S, cfg.num_expert_ranks)
     else:
         if factory.expert_devices != factory.attention_tp:
