@@ -506,6 +506,11 @@ def main(argv=None) -> int:
             parser.error(f"--emulate {args.emulate} --emulate-model {args.emulate_model}: {e}")
         if args.time_scale <= 0 or args.token_scale < 1:
             parser.error("--time-scale must be > 0 and --token-scale >= 1")
+    if not args.emulate:
+        extra = [f for f, on in (("--expert-dies", args.expert_dies != 1), ("--weights", args.weights),
+                                 ("--ignore-memory", args.ignore_memory)) if on]
+        if extra:
+            parser.error(f"{', '.join(extra)} {'needs' if len(extra) == 1 else 'need'} --emulate (emulated devices only)")
     if args.cp_threshold is not None:
         if args.cp_threshold < 0:
             parser.error(f"--cp-threshold {args.cp_threshold}: give a number of tokens >= 1, or 0 for off")
