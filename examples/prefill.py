@@ -510,7 +510,8 @@ def main(argv=None) -> int:
         extra = [f for f, on in (("--expert-dies", args.expert_dies != 1), ("--weights", args.weights),
                                  ("--ignore-memory", args.ignore_memory)) if on]
         if extra:
-            parser.error(f"{', '.join(extra)} {'needs' if len(extra) == 1 else 'need'} --emulate (emulated devices only)")
+            verb = "needs" if len(extra) == 1 else "need"
+            parser.error(f"{', '.join(extra)} {verb} --emulate (emulated devices only)")
     if args.cp_threshold is not None:
         if args.cp_threshold < 0:
             parser.error(f"--cp-threshold {args.cp_threshold}: give a number of tokens >= 1, or 0 for off")
