@@ -31,13 +31,18 @@ code, with every rank's compute held (sleeping) for the time a modelled device
 takes (``asap_comm.sim.emulate``): the work of ``--emulate-model`` (default
 deepseek-v3) on the hardware profile, times ``--time-scale``; each real token
 stands for ``--token-scale`` emulated tokens. Unless given, the defaults then
-become: the tiny model, 8 + 8 ranks (16 baseline workers), the Mooncake trace
-of ``shared/traces`` with lengths divided by the token scale, 128-token chunks
-and micro-batches, 240 requests per load, the baseline as tensor-parallel
-groups of 4 devices (``--sync-tp 4``: the best of 1, 2 and 4 measured at
-4 req/s on the default load, SLO attainment 0.48 / 0.87 / 0.98), and its
-collectives on shared memory (``--sync-collectives shm``: gloo's milliseconds
-would slow the baseline below what the modelled collectives take). ``summary.json`` then carries ``overrun_fraction`` per mode.
+become: the tiny model; afd-plugin's 32 dies, which hold DeepSeek-V3 on both
+sides (``EMULATE_DEFAULTS``): ASAP 2 attention groups x TP8 + 16 expert dies
+(4 expert processes of ``--expert-dies 4``), the baseline 4 DP groups x TP8
+with EP over all 32 and CP above 64 served tokens; the Mooncake trace of
+``shared/traces`` with lengths divided by the token scale, 128-token chunks
+and micro-batches, 240 requests per load, and the baseline's collectives on
+shared memory (``--sync-collectives shm``: gloo's milliseconds would slow the
+baseline below what the modelled collectives take). A deployment whose
+emulated dies cannot hold the model is refused (exit 2, one line naming
+``memory``; ``asap_comm.sim.memory``) unless ``--ignore-memory``.
+``summary.json`` then carries ``overrun_fraction`` per mode, the memory table
+(``memory``) and ``ignore_memory``.
 
     python examples/prefill.py --emulate ascend-910c-cm384 --emulate-model deepseek-v3 --sweep auto --out DIR
 """
@@ -137,11 +142,12 @@ SLO_MULTIPLIER = 3.0  # the automatic SLO: this many times the baseline's unload
 DEFAULT_TIME_SCALE = 0.25  # --emulate: wall seconds per modelled second (under 5% overruns at 8+8 on 2 cores)
 DEFAULT_TOKEN_SCALE = 128  # --emulate: emulated tokens per real token
 # --emulate: defaults of the flags a user did not give
-# --emulate's deployment: 16 devices either way, each side the best of the simulator's search in this regime
-# (simulate_emulated over ASAP splits and baseline TP x CP; see the README, "Emulated accelerators")
-EMULATE_DEFAULTS = {"model": "tiny", "attention_ranks": 5, "attention_tp": 2, "expert_ranks": 6, "trace": "mooncake",
-                    "num_requests": 240, "max_prompt_len": 512, "token_budget": 128, "chunk_len": 128,
-                    "sync_collectives": "shm", "sync_tp": 4, "cp_threshold": 64}
+# --emulate's deployment: afd-plugin's 32 dies (vLLM afd-plugin issue 170), memory-feasible for deepseek-v3 on
+# ascend-910c-cm384 (asap_comm.sim.memory): ASAP 2 attention groups x TP8 + 16 expert dies (4 expert processes
+# of 4 dies each: the served model has 8 experts), the baseline 4 DP groups x TP8 with EP over all 32 dies
+EMULATE_DEFAULTS = {"model": "tiny", "attention_ranks": 2, "attention_tp": 8, "expert_ranks": 4, "expert_dies": 4,
+                    "trace": "mooncake", "num_requests": 240, "max_prompt_len": 512, "token_budget": 128,
+                    "chunk_len": 128, "sync_collectives": "shm", "sync_tp": 8, "cp_threshold": 64}
 SWEEP_AUTO_BISECTIONS = 3  # --sweep auto: bisection steps after the doubling phase
 SWEEP_PROBE_S = 45.0  # --sweep auto: a probe's arrivals span at most this many seconds ...
 SWEEP_MIN_REQUESTS = 60  # ... but hold at least this many requests
@@ -254,20 +260,59 @@ def emulated(args, base, mode: str, stats_dir=None):
     if mode == "async":
         return EmulatedFactory(base, args.emulate, args.emulate_model, time_scale=args.time_scale,
                                token_scale=args.token_scale, num_expert_ranks=args.expert_ranks, stats_dir=stats_dir,
-                               attention_tp=args.attention_tp, expert_devices=1)
+                               attention_tp=args.attention_tp, expert_devices=getattr(args, "expert_dies", 1),
+                               weights=getattr(args, "weights", None),
+                               check_memory=not getattr(args, "ignore_memory", False))
     return EmulatedFactory(base, args.emulate, args.emulate_model, time_scale=args.time_scale,
                            token_scale=args.token_scale, num_expert_ranks=sync_workers(args), stats_dir=stats_dir,
-                           attention_tp=args.sync_tp, expert_devices=args.sync_tp)
+                           attention_tp=args.sync_tp, expert_devices=args.sync_tp,
+                           weights=getattr(args, "weights", None),
+                           check_memory=not getattr(args, "ignore_memory", False))
+
+
+def memory_table(args) -> dict:
+    """The emulated deployment's per-die memory (asap_comm.sim.memory), both modes, in emulated tokens."""
+    from asap_comm.sim.costs import Profile
+    from asap_comm.sim.memory import deployment_memory, with_weights
+    from asap_comm.sim.shapes import ModelShapes
+
+    prof, shapes, S = with_weights(Profile.load(args.emulate), args.weights), ModelShapes.load(args.emulate_model), \
+        args.token_scale
+    kw = dict(token_budget=args.token_budget * S, chunk_len=None if args.no_load_aware else args.chunk_len * S,
+              max_prompt_len=args.max_prompt_len * S)
+    return {"profile": prof.name, "weight_bytes": prof.dtype["weight_bytes"],
+            "async": deployment_memory("async", prof, shapes, attention_ranks=args.attention_ranks,
+                                       attention_tp=args.attention_tp,
+                                       expert_ranks=args.expert_ranks * args.expert_dies,
+                                       ping_pong=not args.no_ping_pong, **kw),
+            "sync": deployment_memory("sync", prof, shapes, sync_ranks=sync_workers(args), sync_tp=args.sync_tp, **kw)}
+
+
+def memory_refusal(args) -> "str | None":
+    """--emulate: the one line refusing a deployment whose emulated dies cannot hold it (None: it fits, or
+    --ignore-memory)."""
+    from asap_comm.sim.memory import memory_problems, refusal
+
+    try:
+        table = memory_table(args)
+    except ValueError as e:
+        return f"prefill.py: {e}"
+    problems = [x for m in ("async", "sync") for x in memory_problems(table[m], table["profile"])]
+    if not problems or args.ignore_memory:
+        return None
+    return refusal("prefill.py", problems, "give more --expert-ranks / --expert-dies or larger TP groups"
+                   + (", --weights int8" if table["weight_bytes"] > 1 else "") + " or --ignore-memory")
 
 
 def sync_workers(args) -> int:
     """The baseline's workers (DP groups): --sync-ranks, or as many groups of --sync-tp devices as ASAP has devices
-    (A x attention_tp + E) when emulating, else A + E processes."""
+    (A x attention_tp + E x expert_dies) when emulating, else A + E processes."""
     if args.sync_ranks is not None:
         return args.sync_ranks
     if not args.emulate:
         return args.attention_ranks + args.expert_ranks
-    return max(1, (args.attention_ranks * args.attention_tp + args.expert_ranks) // args.sync_tp)
+    dies = args.attention_ranks * args.attention_tp + args.expert_ranks * getattr(args, "expert_dies", 1)
+    return max(1, dies // args.sync_tp)
 
 
 def mode_config(cfg: RuntimeConfig, mode: str, args) -> RuntimeConfig:
@@ -396,6 +441,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "by it unless --length-scale is given)")
     p.add_argument("--attention-tp", type=int, default=1,
                    help="with --emulate: devices per ASAP attention rank (a tensor-parallel group)")
+    p.add_argument("--expert-dies", type=int, default=1,
+                   help="with --emulate: devices per ASAP expert process (its experts spread over them; default with "
+                        "--emulate: 4)")
+    p.add_argument("--weights", choices=("bf16", "int8"), default=None,
+                   help="with --emulate: weight dtype of the emulated devices, overriding the profile's (int8: W8A8)")
+    p.add_argument("--ignore-memory", action="store_true",
+                   help="with --emulate: run a deployment whose emulated dies cannot hold the model (recorded)")
     p.add_argument("--sync-tp", type=int, default=1,
                    help="with --emulate: devices per baseline worker (a tensor-parallel DP group; its experts spread "
                         "over them)")
@@ -440,6 +492,12 @@ def main(argv=None) -> int:
     except ValueError:
         parser.error(f"--sweep {args.sweep!r}: give comma-separated rates (req/s) or auto")
     if args.emulate:
+        if args.expert_dies < 1:
+            parser.error(f"--expert-dies {args.expert_dies}: give a number of devices >= 1")
+        line = memory_refusal(args)  # before the factories, whose own check is the experts' share only
+        if line is not None:
+            print(line, file=sys.stderr)
+            return 2
         try:
             base = StageFactory(args.model, args.seed)
             for mode in modes:  # a bad profile, model or split fails here
@@ -448,6 +506,12 @@ def main(argv=None) -> int:
             parser.error(f"--emulate {args.emulate} --emulate-model {args.emulate_model}: {e}")
         if args.time_scale <= 0 or args.token_scale < 1:
             parser.error("--time-scale must be > 0 and --token-scale >= 1")
+    if not args.emulate:
+        extra = [f for f, on in (("--expert-dies", args.expert_dies != 1), ("--weights", args.weights),
+                                 ("--ignore-memory", args.ignore_memory)) if on]
+        if extra:
+            verb = "needs" if len(extra) == 1 else "need"
+            parser.error(f"{', '.join(extra)} {verb} --emulate (emulated devices only)")
     if args.cp_threshold is not None:
         if args.cp_threshold < 0:
             parser.error(f"--cp-threshold {args.cp_threshold}: give a number of tokens >= 1, or 0 for off")
@@ -497,6 +561,9 @@ def main(argv=None) -> int:
     summary = {"config": vars(args), "slo": slo_info, "runs": []}
     if args.emulate:
         summary["emulation"] = emulated(args, factory, "async").describe_emulation()
+        summary["ignore_memory"] = args.ignore_memory
+        summary["memory"] = {m: [d.describe() for d in v] if m in ("async", "sync") else v
+                             for m, v in memory_table(args).items()}
     rows, checked, mismatches, details = [], 0, 0, []
     emu_runs: dict = {m: [] for m in modes}
     last_results: dict = {}  # mode -> its last RunResult (the default picture)

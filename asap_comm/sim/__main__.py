@@ -1,4 +1,4 @@
-"""``python -m asap_comm.sim calibrate | run | validate | headline`` (each with ``--out DIR``).
+"""``python -m asap_comm.sim calibrate | run | validate | headline | memory`` (each but memory with ``--out DIR``).
 
 * ``calibrate``: time this host's real operators and transfers, fit the ``local`` profile
   (``DIR/profile_local.json``, ``DIR/calibration.json``).
@@ -12,6 +12,9 @@
   ``--slo SECONDS`` (or auto) and ``--slo-percentile P`` (the share of requests that must meet it).
 * ``validate``: real runtime on this host against the simulator with the local profile
   (``DIR/validation.json``: the relative error of every compared metric).
+* ``memory``: the per-die memory of an ASAP and a baseline deployment (``asap_comm.sim.memory``); ``run``
+  and ``headline`` refuse a deployment whose dies cannot hold it (exit 2, one line with ``memory``) unless
+  ``--ignore-memory``; ``--weights {bf16,int8}`` overrides the profile's weight dtype.
 * ``headline``: the documented CloudMatrix384 comparison (and the same on H800 nodes), with the
   sensitivity to length skew and load (``DIR/summary.json`` and plots).
 """
@@ -195,6 +198,7 @@ def cmd_run(argv) -> int:
     p.add_argument("--slo-percentile", type=float, default=90.0, metavar="P",
                    help="SLO attainment target: at least P%% of requests must meet the SLO (default 90)")
     p.add_argument("--modes", default="async,sync")
+    memory_args(p)
     _trace_args(p, median=None, max_len=None)
     _runtime_args(p, a=None, e=None, budget=None, chunk=None, max_len=None, ex_budget=None, deadline=None)
     args = p.parse_args(argv)
@@ -209,6 +213,7 @@ def cmd_run(argv) -> int:
     target = slo_target(p, args)
     slo_s = slo_arg(p, args.slo)
     cost, shapes = CostModel.load(args.profile, args.model), ModelShapes.load(args.model)
+    cost, memory = check_memory(p, args, cost, shapes, _runtime_config(args), par, W)
     if max(par.attention_tp, par.sync_tp) > 1 and cost.cores is not None:
         p.error(f"--attention-tp / --sync-tp above 1 need a profile of dedicated devices; {cost.name!r} shares "
                 f"{cost.cores} CPU cores between its ranks")
@@ -226,7 +231,8 @@ def cmd_run(argv) -> int:
                                       "sync": W * par.sync_tp},
                           "trace": args.trace, "num_requests": len(trace), "slo_s": slo,
                           "slo_percentile": args.slo_percentile, "cost_model": cost.describe(),
-                          "defaults": {"kind": kind, "filled": filled}}, "runs": []}
+                          "defaults": {"kind": kind, "filled": filled}}, "runs": [],
+               "ignore_memory": args.ignore_memory, "weights": args.weights, "memory": memory}
     t0 = time.perf_counter()
     if args.sweep:
         res = compare(trace, cost, shapes, cfg, sync_ranks=W, slo=slo, progress="sweep", modes=modes,
@@ -285,6 +291,48 @@ def _print_summary(summary: dict, modes, slo: float) -> None:
               f"(TTFT SLO {slo:.3f} s)")
 
 
+# ----------------------------------------------------------------------------- memory (asap_comm.sim.memory)
+def memory_args(p: argparse.ArgumentParser) -> None:
+    """--weights and --ignore-memory (sim run, headline)."""
+    from .memory import WEIGHT_DTYPES
+
+    p.add_argument("--weights", choices=WEIGHT_DTYPES, default=None,
+                   help="weight dtype, overriding the profile's (int8: W8A8, 1 byte and the INT8 GEMM peak; bf16: "
+                        "2 bytes and the BF16 peak); default: the profile's")
+    p.add_argument("--ignore-memory", action="store_true",
+                   help="do not refuse a deployment whose dies cannot hold it (sensitivity studies); recorded in "
+                        "the summary")
+
+
+def check_memory(p: argparse.ArgumentParser, args, cost: CostModel, shapes: ModelShapes, cfg, par, W: int) -> tuple:
+    """(the cost model with --weights applied, the summary's memory table); an infeasible deployment exits 2 with
+    one line naming the die, what it needs and what it has, unless --ignore-memory."""
+    from .memory import memory_of, memory_problems, refusal, with_weights
+
+    try:
+        cost = CostModel(with_weights(cost.profile, args.weights), shapes)
+    except ValueError as e:
+        p.error(str(e))
+    table = {m: [d.describe() for d in dies] for m, dies in
+             (("async", memory_of("async", cfg, par, W, cost.profile, shapes)),
+              ("sync", memory_of("sync", cfg, par, W, cost.profile, shapes)))}
+    problems = [x for m in ("async", "sync") for x in memory_problems(
+        memory_of(m, cfg, par, W, cost.profile, shapes), cost.name)]
+    if problems and not args.ignore_memory:
+        hint = ("give more --expert-ranks" if "expert die" in problems[0] else "give more devices or larger "
+                "--sync-tp / --attention-tp groups") + (", --weights int8" if cost.w > 1 else "") \
+            + " or --ignore-memory"
+        print(refusal("sim " + p.prog.split()[-1], problems, hint), file=sys.stderr)
+        sys.exit(2)
+    return cost, {"per_die": table, "problems": problems}
+
+
+def cmd_memory(argv) -> int:
+    from .memory import main
+
+    return main(argv)
+
+
 # ----------------------------------------------------------------------------- calibrate / validate / headline
 def cmd_calibrate(argv) -> int:
     from .calibrate import main
@@ -304,7 +352,8 @@ def cmd_headline(argv) -> int:
     return main(argv)
 
 
-COMMANDS = {"calibrate": cmd_calibrate, "run": cmd_run, "validate": cmd_validate, "headline": cmd_headline}
+COMMANDS = {"calibrate": cmd_calibrate, "run": cmd_run, "validate": cmd_validate, "headline": cmd_headline,
+            "memory": cmd_memory}
 
 
 def main(argv=None) -> int:

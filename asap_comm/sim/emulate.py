@@ -249,8 +249,9 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
     layers = [(m, w) for m, w in layers if w > 0] or [(False, 1.0)]
     tokens = {r.request_id: r.prompt_len for r in trace}
     reqs = [Request(r.request_id, r.arrival_s / K, int(round(r.prompt_len * S))) for r in trace]
-    if mode == "async":
+    if mode == "async":  # an expert rank standing for expert_devices dies: the simulator runs the dies
         par, ranks = Parallelism(attention_tp=factory.attention_tp), None
+        cfg = dataclasses.replace(cfg, num_expert_ranks=cfg.num_expert_ranks * factory.expert_devices)
         row_scale = rows_per_real_row(real, emu, S, cfg.num_expert_ranks)
     else:
         if factory.expert_devices != factory.attention_tp:
@@ -301,7 +302,11 @@ class EmulatedFactory(FactoryHooks):
     tokens per real token; ``num_expert_ranks``/``num_ranks``: how the
     emulated model's experts are spread (for the per-rank share and the
     fan-out of dispatched rows; ``num_ranks`` defaults to ``num_expert_ranks``);
-    ``stats_dir``: where the overrun counters go (None: not recorded).
+    ``stats_dir``: where the overrun counters go (None: not recorded); ``weights``: ``"bf16"``/``"int8"``
+    overrides the profile's weight dtype (``asap_comm.sim.memory.with_weights``); ``check_memory``: refuse
+    (``ValueError`` naming ``memory``) when the emulated model's routed experts do not fit on the
+    ``num_expert_ranks * expert_devices`` devices (off by default: the tests' small deployments are not
+    meant to fit; ``examples/prefill.py`` checks its whole deployment and turns it on).
     Picklable: the cost model is built in each worker.
     """
 
@@ -310,7 +315,8 @@ class EmulatedFactory(FactoryHooks):
 
     def __init__(self, inner, profile: str, emulate_model: str, *, time_scale: float = 1.0, token_scale: int = 1,
                  num_expert_ranks: int = 1, stats_dir: "str | Path | None" = None,
-                 real_shapes: "ModelShapes | None" = None, attention_tp: int = 1, expert_devices: int = 1) -> None:
+                 real_shapes: "ModelShapes | None" = None, attention_tp: int = 1, expert_devices: int = 1,
+                 weights: "str | None" = None, check_memory: bool = False) -> None:
         if not callable(inner):
             raise TypeError(f"EmulatedFactory: inner must be a model factory (callable), got {type(inner).__name__}")
         for nm, v in (("time_scale", time_scale), ("token_scale", token_scale)):
@@ -332,11 +338,18 @@ class EmulatedFactory(FactoryHooks):
                              f"{self.real_shapes.num_experts} experts: some ranks would hold none and the emulated "
                              "experts would not all be charged; serve a model with more experts, or use fewer expert "
                              "ranks (for the baseline: larger --sync-tp groups)")
-        self.cost()  # fail here, in the caller, on an unknown profile or model
+        self.weights, self.check_memory = weights, bool(check_memory)
+        cost = self.cost()  # fail here, in the caller, on an unknown profile or model (or --weights)
+        if self.check_memory:  # the least a deployment needs: its routed experts fit (asap_comm.sim.memory)
+            from .memory import check_expert_devices
+
+            check_expert_devices(cost, self.num_expert_ranks * self.expert_devices, "EmulatedFactory")
         self._made = 0
 
     def cost(self) -> CostModel:
-        return CostModel(Profile.load(self.profile_name), ModelShapes.load(self.model_name))
+        from .memory import with_weights
+
+        return CostModel(with_weights(Profile.load(self.profile_name), self.weights), ModelShapes.load(self.model_name))
 
     def placer_linear_weight(self) -> float:
         """The runtime placer's linear weight for this emulation, in served (real) tokens: the emulated model's
@@ -350,7 +363,8 @@ class EmulatedFactory(FactoryHooks):
         return EmulatedFactory(self.inner, self.profile_name, self.model_name, time_scale=self.time_scale,
                                token_scale=self.token_scale, num_expert_ranks=self.num_expert_ranks,
                                stats_dir=stats_dir, real_shapes=self.real_shapes, attention_tp=self.attention_tp,
-                               expert_devices=self.expert_devices)
+                               expert_devices=self.expert_devices, weights=self.weights,
+                               check_memory=self.check_memory)
 
     def __call__(self, role: str, experts: list):
         model = self.inner(role, experts)
@@ -375,7 +389,8 @@ class EmulatedFactory(FactoryHooks):
         return {"profile": self.profile_name, "model": self.model_name, "time_scale": self.time_scale,
                 "token_scale": self.token_scale, "num_expert_ranks": self.num_expert_ranks,
                 "attention_tp": self.attention_tp, "expert_devices": self.expert_devices,
-                "served_model": self.real_shapes.name}
+                "served_model": self.real_shapes.name, "weights": self.weights,
+                "check_memory": self.check_memory}
 
     def __repr__(self) -> str:
         return (f"EmulatedFactory({self.inner!r}, {self.profile_name!r}, {self.model_name!r}, "
@@ -413,6 +428,9 @@ class EmulatedModel(ModelHooks):
             r_real = rows_per_rank_fraction(real.num_experts, real.top_k, num_local_experts)
             r_emu = rows_per_rank_fraction(emu.num_experts, emu.top_k, max(1, round(self._emu_local)))
             self._rows_per_real_row = token_scale * r_emu / r_real
+            # an ASAP expert rank standing for expert_devices dies: the rows of one die (its share of the experts)
+            r_die = rows_per_rank_fraction(emu.num_experts, emu.top_k, max(1, round(self._emu_local / expert_devices)))
+            self._die_rows_per_real_row = token_scale * r_die / r_real
         else:
             self._emu_local = self._experts_per_real = 0.0
             self._pairs_per_real_row = token_scale * emu.top_k / real.top_k
@@ -569,8 +587,10 @@ class EmulatedModel(ModelHooks):
 
     def hold_transfer(self, rows: int, started: float, layer: "int | None" = None) -> None:
         """On an expert rank, after computing a batch of ``rows`` rows: hold for the batch's modelled dispatch and
-        combine transfers (one link: latency plus all bytes), counted from ``started``."""
-        emu_rows = self.emulated_rows(rows)
+        combine transfers (one link: latency plus all bytes), counted from ``started``. A rank standing for
+        ``expert_devices`` dies: one die's rows (the dies' links work in parallel)."""
+        emu_rows = (self.emulated_rows(rows) if self.expert_devices == 1
+                    else int(round(rows * self._die_rows_per_real_row)))
         s = self.cost.dispatch_s(emu_rows) + self.cost.combine_s(emu_rows)
         if layer is not None:
             s *= self._layer_weight(layer)

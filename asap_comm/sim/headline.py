@@ -78,6 +78,7 @@ from .shapes import ModelShapes
 from .simulate import Parallelism, simulate
 from .study import (Deployment, capacity_rate, mean_len, p90_prompt, parse_slo, percentile_target, run_point,
                     search_best, spread_buckets, sweep_deployment)
+from .memory import WEIGHT_DTYPES, deployment_problems, headline_memory
 from .validate_common import mooncake_path as _mooncake_path
 
 MOONCAKE_MEDIAN, MOONCAKE_P90 = 6909, 27367  # summarize_trace of shared/traces/mooncake_conversation.jsonl
@@ -217,7 +218,8 @@ def best_vs_best(syncs, asyncs, probe, trace, cost, shapes, slo: float, *, start
 
 
 def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: dict, out: Path, sigmas, loads,
-          caps, quick: bool, slo_s: "float | None", target: float, confirm_top: int, slo_factors) -> dict:
+          caps, quick: bool, slo_s: "float | None", target: float, confirm_top: int, slo_factors,
+          weights: "str | None" = None, ignore_memory: bool = False) -> dict:
     cost, shapes = CostModel.load(profile, model), ModelShapes.load(model)
     trace, trace_desc = mooncake_trace(n)
     probe = trace[:n_search]
@@ -230,6 +232,8 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
     if not syncs or not asyncs:
         raise ValueError(f"headline: the grid has no {'baseline' if not syncs else 'ASAP'} configuration for "
                          f"{D} devices")
+    # memory (asap_comm.sim.memory): only deployments whose dies hold them, unless --ignore-memory
+    cost, syncs, asyncs, memory = headline_memory(cost, shapes, syncs, asyncs, weights, ignore_memory)
     ref_a, ref_s = per_die(D)
     bis = 2 if quick else 4
     slo_given = slo_s is not None
@@ -260,7 +264,7 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
            "search_breadth": search_breadth(syncs, asyncs, grid),
            "sweep": {m: {k: found[m]["best_sweep"][k] for k in ("slo_compliant_rate_req_s", "saturated",
                                                                  "arrival_span_over_slo")}
-                     for m in ("async", "sync")}}
+                     for m in ("async", "sync")}, "memory": memory}
     # the SLO: best-vs-best searched again at other multiples of the same unloaded TTFT
     res["slo_sensitivity"] = [{"slo_factor": slo_factors[0] if not slo_given else None, "slo_s": slo_s,
                                "async_label": best_a.label, "sync_label": best_s.label, "async": main["async_sct"],
@@ -296,6 +300,9 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
     if not quick:
         per_die_slos.append(("its own SLO rule (3x the per-die baseline's unloaded p90 TTFT)",
                              3 * unloaded_ttft(ref_s, p90_prompt(trace, ref_s.cfg), cost, shapes)))
+    per_die_problems = [x for d in (ref_a, ref_s) for x in deployment_problems(d, cost.profile, shapes)]
+    if per_die_problems and not ignore_memory:  # the per-die reference does not fit: left out, said why
+        res["per_die_infeasible"], per_die_slos = per_die_problems, []
     for what, slo in per_die_slos:
         c = _pair(ref_a, ref_s, trace, cost, shapes, slo, start, bis, target, f"{tag} per-die")
         res["per_die"].append({"slo": what, "slo_s": slo, "async_label": ref_a.label, "sync_label": ref_s.label,
@@ -479,7 +486,12 @@ def main(argv=None) -> int:
                         "first F is the headline, the others re-run the search (SLO sensitivity)")
     p.add_argument("--profiles", default="ascend-910c-cm384,h800-node")
     p.add_argument("--quick", action="store_true",
-                   help="a small smoke run (8 devices, a small grid, few requests, two skews, two loads)")
+                   help="a small smoke run (8 devices, a small grid, few requests, two skews, two loads; memory not "
+                        "checked: 8 devices cannot hold deepseek-v3)")
+    p.add_argument("--weights", choices=WEIGHT_DTYPES, default=None,
+                   help="weight dtype, overriding each profile's (int8: W8A8; default: the profile's)")
+    p.add_argument("--ignore-memory", action="store_true",
+                   help="keep configurations whose dies cannot hold them (sensitivity studies; recorded)")
     args = p.parse_args(argv)
     try:
         target = percentile_target(args.slo_percentile)
@@ -519,15 +531,21 @@ def main(argv=None) -> int:
         p.error(f"--slo-factors {args.slo_factors!r}: expected comma-separated positive numbers")
     if args.quick:
         factors = factors[:1]
+        if not args.ignore_memory:  # 8 devices cannot hold DeepSeek-V3 (asap_comm.sim.memory): a smoke run only
+            print("headline --quick: 8 devices cannot hold deepseek-v3's experts; memory is not checked in this "
+                  "smoke run (ignore_memory recorded)", file=sys.stderr, flush=True)
+            args.ignore_memory = True
     if args.devices < 2 or args.confirm_top < 1:
         p.error("--devices must be >= 2 and --confirm-top >= 1")
     t0 = time.perf_counter()
     summary = {"config": {"model": "deepseek-v3", "runtime": headline_config().__dict__, "grid": grid,
                           "num_requests": n, "num_requests_search": n_search, "num_requests_sensitivity": n_side,
-                          "slo_percentile": args.slo_percentile, "slo": args.slo}, "profiles": {}}
+                          "slo_percentile": args.slo_percentile, "slo": args.slo}, "profiles": {},
+               "ignore_memory": args.ignore_memory, "weights": args.weights}
     for prof in [x for x in args.profiles.split(",") if x]:
         summary["profiles"][prof] = study(prof, "deepseek-v3", n, n_search, n_side, grid, out, sigmas, loads, caps,
-                                          args.quick, slo_s, target, args.confirm_top, factors)
+                                          args.quick, slo_s, target, args.confirm_top, factors,
+                                          weights=args.weights, ignore_memory=args.ignore_memory)
     first = summary["profiles"][next(iter(summary["profiles"]))]
     for mode in ("async", "sync"):  # the runtime's summary.json keys, for the first (headline) profile
         summary[mode] = first[mode]
