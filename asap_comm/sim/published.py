@@ -11,6 +11,8 @@ how it is simulated with the simulator's own machinery (:func:`~asap_comm.sim.si
 * ``fixed_batch``: a closed-loop batch submitted at once and pinned to attention group 0 (as the published
   runs pin it to DP rank 0); the batch's latency (its last TTFT; the publication's p50 over 10 repeats of a
   deterministic batch);
+* ``loaded_ttft``: TTFT p50 / p99 of that window at a published offered load (input tokens/s; arrivals rescaled,
+  bursts kept);
 * ``capacity``: SLO-compliant throughput (input tokens/s) at TTFT p99 <= 50 s on a 128-request window of
   the shared Mooncake trace chosen to match the published window's statistics (same-timestamp bursts kept);
   ``capacity_ratio``: ASAP's over the baseline's;
@@ -50,7 +52,7 @@ from .shapes import ModelShapes
 from .simulate import Parallelism
 from .simulate_async import _AsyncSim
 from .simulate_sync import _SyncSim
-from .study import find_slo_throughput, mean_len
+from .study import find_slo_throughput, mean_len, run_point
 from .validate_common import TARGET, mooncake_path
 
 __all__ = ["Deployment", "Figure", "DEPLOYMENTS", "FIGURES", "SOURCES", "stack_profile", "simulate_figure",
@@ -135,7 +137,7 @@ class Figure:
 
     key: str
     label: str
-    kind: str  # solo_ttft | fixed_batch | capacity | capacity_ratio | throughput_per_npu
+    kind: str  # solo_ttft | fixed_batch | loaded_ttft | capacity | capacity_ratio | throughput_per_npu
     value: float
     unit: str
     deployment: str  # a key of DEPLOYMENTS ("afd-*" for the ratio: both)
@@ -182,6 +184,14 @@ FIGURES = [
            "p50, baseline", B, [33704 - 7 * 1170] + [1170] * 7, 12.735, _FIXED_AT),
     _batch("batch_32k_mixed_afd", "closed-loop 32K long+short batch (1 x 25.5k + 7 x 1,170, 33,704 tokens) p50, "
            "AFD A2", A, [33704 - 7 * 1170] + [1170] * 7, 9.691, _FIXED_AT),
+    *[Figure(f"{stat}_at_{int(load)}_{side}", f"TTFT {stat} at {load:,} tok/s offered (screening window), "
+             f"{'baseline' if side == 'baseline' else 'AFD A2'}", "loaded_ttft", value, "s",
+             B if side == "baseline" else A, f"{AFD_REPORT}, section 1 (screening table: every tested point)",
+             {"offered_tokens_per_s": load, "stat": stat})
+      for load, side, stat, value in ((2185.5, "baseline", "p50", 17.85), (2185.5, "baseline", "p99", 46.78),
+                                      (2185.5, "afd", "p50", 12.50), (2185.5, "afd", "p99", 40.21),
+                                      (4371.0, "baseline", "p50", 24.03), (4371.0, "baseline", "p99", 52.30),
+                                      (4371.0, "afd", "p50", 18.10), (4371.0, "afd", "p99", 44.08))],
     Figure("capacity_baseline", "capacity at TTFT p99 <= 50 s (128-request screening window), baseline",
            "capacity", 2600.0, "tok/s", B, f"{AFD_REPORT}, section 1 (last pass 2,599 tok/s, first fail 3,091)"),
     Figure("capacity_afd", "capacity at TTFT p99 <= 50 s (128-request screening window), AFD A2", "capacity",
@@ -308,6 +318,14 @@ def simulate_figure(fig: Figure, costs: dict, shapes, *, cache: dict, num_reques
         recs = _run(dep, [Request(i, 0.0, n) for i, n in enumerate(lens)], cost, shapes, pinned=True,
                     token_budget=budget)
         return max(r.ttft_s for r in recs)
+    if fig.kind == "loaded_ttft":
+        if ("trace", num_requests) not in cache:
+            cache[("trace", num_requests)] = afd_screening_window(num_requests)
+        trace = cache[("trace", num_requests)]
+        rate = fig.params["offered_tokens_per_s"] / mean_len(trace)
+        s, _ = run_point(dep.mode, trace, rate, cost, shapes, dep.cfg(), SLO_S,
+                         sync_ranks=dep.sync_ranks if dep.mode == "sync" else None, par=dep.par())
+        return s[f"ttft_{fig.params['stat']}_s"]
     if fig.kind == "capacity":
         key = ("capacity", dep.name, num_requests, bisections)
         if key not in cache:
