@@ -114,7 +114,10 @@ class Deployment:
 DEPLOYMENTS = {d.name: d for d in (
     Deployment("afd-baseline-dp4tp8", "sync", 32, "DP4 x TP8 (EP32), eager, no dual-batch overlap",
                "vllm-ascend-eager", sync_ranks=4, sync_tp=8,
-               note="2 Atlas A3 nodes, 32 dies of one super-node; max-num-batched-tokens 65,536; prefix cache off"),
+               note="2 Atlas A3 nodes of one super-node, 32 devices (the report writes '32 x 910B'; an A3 node's 8 "
+                    "910C packages are 16 devices of 64 GB, and its ~51.5 GB peak per card fits a die: one device = "
+                    "one die of this profile); max-num-batched-tokens 65,536, max-num-seqs 8 per DP replica (not "
+                    "modelled), prefix cache off, output length 1"),
     Deployment("afd-a2-2tp8-ep16", "async", 32, "16 attention dies (DP2 x TP8) + 16 FFN dies (EP16), CAM async "
                "connector, A2 token-balanced dual micro-batches", "vllm-ascend-eager",
                attention_ranks=2, attention_tp=8, expert_ranks=16,
