@@ -94,3 +94,20 @@ def test_cli(tmp_path, capsys):
     assert "solo_63778_baseline" in out and "within" in out and "validation_published.json" in out
     assert validate_main(["--regime", "published", "--configs", "nope", "--out", str(tmp_path)]) == 2
     assert "configs='nope'" in capsys.readouterr().err
+
+
+def test_the_capacity_window_matches_the_published_screening_window():
+    if P.mooncake_path() is None:
+        pytest.skip("shared/traces/mooncake_conversation.jsonl is not here")
+    import collections
+    import statistics
+
+    t = P.afd_screening_window(128)
+    assert len(t) == 128 and t[0].arrival_s == 0.0
+    assert abs(sum(r.prompt_len for r in t) / 1340915 - 1) < 0.05
+    assert abs(statistics.median(r.prompt_len for r in t) / 6702.5 - 1) < 0.05
+    assert max(r.prompt_len for r in t) <= 63778
+    assert max(collections.Counter(r.arrival_s for r in t).values()) == 20  # the published 20-request burst
+    assert t[-1].arrival_s == pytest.approx(33.0)
+    with pytest.raises(ValueError, match="num_requests=4"):
+        P.validate_published("unused", num_requests=4, progress=False)
