@@ -160,7 +160,8 @@ def main(argv=None) -> int:
                    help="local: this host's shared CPU against the local profile (default); emulated: the real "
                         "runtime on emulated accelerators against the simulator with a cluster profile "
                         "(asap_comm.sim.validate_emulated); published: the simulator against published measurements "
-                        "(asap_comm.sim.published; --configs default or quick, --num-requests: the capacity window)")
+                        "(asap_comm.sim.published; --configs default or quick, --num-requests: the capacity window, default "
+                        "128 as published)")
     e = p.add_argument_group("--regime emulated")
     e.add_argument("--emulate", default="ascend-910c-cm384", metavar="PROFILE", help="the emulated hardware profile")
     e.add_argument("--emulate-model", default="deepseek-v3", help="the emulated model's shapes")
