@@ -192,10 +192,12 @@ def main(argv=None) -> int:
     p.add_argument("--num-requests", type=int, default=None, help="requests per load (default 40; 80 with --regime "
                    "emulated)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--regime", choices=("local", "emulated"), default="local",
+    p.add_argument("--regime", choices=("local", "emulated", "published"), default="local",
                    help="local: this host's shared CPU against the local profile (default); emulated: the real "
                         "runtime on emulated accelerators against the simulator with a cluster profile "
-                        "(asap_comm.sim.validate_emulated)")
+                        "(asap_comm.sim.validate_emulated); published: the simulator against published measurements "
+                        "(asap_comm.sim.published; --configs default or quick, --num-requests: the capacity window, default "
+                        "128 as published)")
     e = p.add_argument_group("--regime emulated")
     e.add_argument("--emulate", default="ascend-910c-cm384", metavar="PROFILE", help="the emulated hardware profile")
     e.add_argument("--emulate-model", default="deepseek-v3", help="the emulated model's shapes")
@@ -205,6 +207,8 @@ def main(argv=None) -> int:
     e.add_argument("--slo", type=float, default=None, help="SLO in seconds (default: 3x the simulated unloaded "
                    "TTFT of the baseline on the p90 prompt)")
     args = p.parse_args(argv)
+    if args.regime == "published":
+        return _main_published(p, args)
     if args.regime == "emulated":
         configs = args.configs
         if configs not in ECONFIGS:
@@ -233,4 +237,20 @@ def main(argv=None) -> int:
         print(f"host probe: median ratio {hp['median_ratio']:.2f}x against {hp['reference']}: {hp['action']}")
     print(_table(result))
     print(f"wrote {Path(args.out) / 'validation.json'}")
+    return 0
+
+
+def _main_published(p, args) -> int:
+    """``validate --regime published``: the table of published figures against the simulator."""
+    from .published import published_table, validate_published
+
+    profile = args.profile if args.profile != "local" else "ascend-910c-cm384"
+    try:
+        result = validate_published(args.out, profile=profile, model=args.model or "deepseek-v3",
+                                    configs=args.configs, num_requests=args.num_requests or 128)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(published_table(result))
+    print(f"wrote {Path(args.out) / 'validation_published.json'}")
     return 0
