@@ -254,10 +254,10 @@ def emulated(args, base, mode: str, stats_dir=None):
     if mode == "async":
         return EmulatedFactory(base, args.emulate, args.emulate_model, time_scale=args.time_scale,
                                token_scale=args.token_scale, num_expert_ranks=args.expert_ranks, stats_dir=stats_dir,
-                               attention_tp=args.attention_tp, expert_devices=1)
+                               attention_tp=args.attention_tp, expert_devices=1, routing=args.routing)
     return EmulatedFactory(base, args.emulate, args.emulate_model, time_scale=args.time_scale,
                            token_scale=args.token_scale, num_expert_ranks=sync_workers(args), stats_dir=stats_dir,
-                           attention_tp=args.sync_tp, expert_devices=args.sync_tp)
+                           attention_tp=args.sync_tp, expert_devices=args.sync_tp, routing=args.routing)
 
 
 def sync_workers(args) -> int:
@@ -388,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"({', '.join(known_profiles())}, or a profile .json)")
     p.add_argument("--emulate-model", default="deepseek-v3",
                    help="with --emulate: the model whose work is costed (deepseek-v3, small, tiny, or a config.json)")
+    p.add_argument("--routing", default="balanced", metavar="balanced|zipf:S|histogram:PATH",
+                   help="with --emulate: the emulated model's routing (asap_comm/sim/routing.py); a hot expert "
+                        "rank's emulated expert work and rows are scaled by its share (default: balanced)")
     p.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
                    help="with --emulate: wall seconds per modelled second (the dilation; raise it if overruns "
                         "exceed 5%%)")
@@ -448,6 +451,9 @@ def main(argv=None) -> int:
             parser.error(f"--emulate {args.emulate} --emulate-model {args.emulate_model}: {e}")
         if args.time_scale <= 0 or args.token_scale < 1:
             parser.error("--time-scale must be > 0 and --token-scale >= 1")
+    if args.routing != "balanced" and not args.emulate:
+        parser.error(f"--routing {args.routing}: needs --emulate (the served model's own router picks its experts; "
+                     "the routing skews the emulated model's work)")
     if args.cp_threshold is not None:
         if args.cp_threshold < 0:
             parser.error(f"--cp-threshold {args.cp_threshold}: give a number of tokens >= 1, or 0 for off")

@@ -9,7 +9,8 @@
   ``--expert-ranks E`` (expert devices), ``--sync-ranks W --sync-tp T`` (baseline: W DP groups of T
   devices, EP over all W*T), ``--cp-threshold TOKENS`` (baseline context parallelism),
   ``--sync-overlap`` (the baseline hides its all_to_alls behind compute);
-  ``--slo SECONDS`` (or auto) and ``--slo-percentile P`` (the share of requests that must meet it).
+  ``--slo SECONDS`` (or auto) and ``--slo-percentile P`` (the share of requests that must meet it);
+  ``--routing balanced|zipf:S|histogram:PATH`` (expert popularity, ``routing.py``; summary key ``routing``).
 * ``validate``: real runtime on this host against the simulator with the local profile
   (``DIR/validation.json``: the relative error of every compared metric).
 * ``headline``: the documented CloudMatrix384 comparison (and the same on H800 nodes), with the
@@ -27,6 +28,7 @@ from ..serving.protocol import RuntimeConfig
 from ..serving.traces import LogNormalLengths, load_trace, synthetic_trace
 from . import plots
 from .costs import CostModel
+from .routing import parse_routing_arg, routed_cost, routing_arg
 from .shapes import ModelShapes
 from .simulate import Parallelism
 from .study import capacity_rate, compare, parse_slo, percentile_target, run_point, spread_buckets, unloaded_slo
@@ -152,6 +154,7 @@ def cmd_run(argv) -> int:
     p.add_argument("--slo-percentile", type=float, default=90.0, metavar="P",
                    help="SLO attainment target: at least P%% of requests must meet the SLO (default 90)")
     p.add_argument("--modes", default="async,sync")
+    routing_arg(p)
     _trace_args(p, median=48, max_len=512)
     _runtime_args(p, a=2, e=2, budget=256, chunk=256, max_len=512, ex_budget=1024, deadline=0.002)
     args = p.parse_args(argv)
@@ -159,6 +162,8 @@ def cmd_run(argv) -> int:
     target = slo_target(p, args)
     slo_s = slo_arg(p, args.slo)
     cost, shapes = CostModel.load(args.profile, args.model), ModelShapes.load(args.model)
+    routing = parse_routing_arg(p, args.routing)
+    cost = routed_cost(cost, routing)  # every simulated run below charges this routing (routing.py)
     if max(par.attention_tp, par.sync_tp) > 1 and cost.cores is not None:
         p.error(f"--attention-tp / --sync-tp above 1 need a profile of dedicated devices; {cost.name!r} shares "
                 f"{cost.cores} CPU cores between its ranks")
@@ -175,7 +180,8 @@ def cmd_run(argv) -> int:
                           "devices": {"async": cfg.num_attention_ranks * par.attention_tp + cfg.num_expert_ranks,
                                       "sync": W * par.sync_tp},
                           "trace": args.trace, "num_requests": len(trace), "slo_s": slo,
-                          "slo_percentile": args.slo_percentile, "cost_model": cost.describe()}, "runs": []}
+                          "slo_percentile": args.slo_percentile, "cost_model": cost.describe()}, "runs": [],
+               "routing": routing.describe(shapes.num_experts, shapes.top_k)}
     t0 = time.perf_counter()
     if args.sweep:
         res = compare(trace, cost, shapes, cfg, sync_ranks=W, slo=slo, progress="sweep", modes=modes,

@@ -50,7 +50,7 @@ from functools import lru_cache
 from pathlib import Path
 
 __all__ = ["Routing", "RankLoad", "parse_routing", "BALANCED", "block_placement", "known_histograms",
-           "routed_cost", "routing_of", "HISTOGRAM_FORMAT", "SAMPLES"]
+           "routed_cost", "routing_of", "routing_arg", "parse_routing_arg", "HISTOGRAM_FORMAT", "SAMPLES"]
 
 HISTOGRAM_FORMAT = "asap-routing-histogram/1"
 SAMPLES = 65536  # tokens sampled to estimate a skewed distribution's per-expert and per-rank shares
@@ -396,3 +396,54 @@ def routing_of(cost) -> Routing:
     """The routing a cost model carries (balanced when none)."""
     r = getattr(cost, "routing", None)
     return BALANCED if r is None else r
+
+
+# ----------------------------------------------------------------------------- command line
+def routing_arg(p) -> None:
+    """Adds ``--routing`` to an argparse parser (``sim run``, ``sim headline``, ``sim skew``)."""
+    p.add_argument("--routing", default="balanced", metavar="balanced|zipf:S|histogram:PATH",
+                   help="how the router spreads tokens over the experts (asap_comm/sim/routing.py): balanced "
+                        "(default), zipf:S[:SEED] (popularity 1/rank^S, hot experts placed by SEED), or "
+                        "histogram:PATH|NAME[:SEED] (measured expert-selection counts)")
+
+
+def parse_routing_arg(p, value: str) -> Routing:
+    """``--routing``'s value parsed, or ``p.error`` naming it."""
+    try:
+        return parse_routing(value)
+    except ValueError as e:
+        p.error(str(e))
+
+
+# ----------------------------------------------------------------------------- the emulator's scales
+def rank_of_experts(experts, num_experts: int, num_ranks: int) -> "int | None":
+    """Which of ``num_ranks`` ranks holds exactly ``experts`` under the runtime's placement (None: no rank does,
+    e.g. an attention model with no experts)."""
+    want = sorted(int(e) for e in experts)
+    if not want:
+        return None
+    blocks = block_placement(num_experts, num_ranks)
+    return blocks.index(want) if want in blocks else None
+
+
+def emulated_scales(routing, num_experts: int, top_k: int, num_ranks: int, devices_per_rank: int,
+                    rank: "int | None") -> tuple:
+    """(pairs factor, rows factor) of an emulated rank under ``routing``: its (hottest device's) (token, expert)
+    pairs and its dispatched rows over the mean rank's, for the emulated model's ``num_experts`` experts on
+    ``num_ranks`` ranks of ``devices_per_rank`` devices each (placed contiguously over all the devices).
+    ``rank`` None (a model with no experts, which holds the baseline's all-to-alls): (1, the hottest device's
+    rows over the mean), since an all-to-all lasts as long as its busiest device. Balanced: (1, 1)."""
+    r = parse_routing(routing)
+    if r.balanced:
+        return 1.0, 1.0
+    devices = num_ranks * devices_per_rank
+    dev = r.rank_load(num_experts, top_k, devices)
+    mean_pairs = top_k / devices
+    mean_rows = dev.rows_per_token / devices
+    if rank is None:
+        return 1.0, max(dev.row_frac) / mean_rows
+    mine = range(rank * devices_per_rank, (rank + 1) * devices_per_rank)
+    pairs = max(sum(dev.pair_share[d]) for d in mine) / mean_pairs
+    ranks = r.rank_load(num_experts, top_k, num_ranks)
+    rows = ranks.row_frac[rank] / (ranks.rows_per_token / num_ranks)
+    return pairs, rows
