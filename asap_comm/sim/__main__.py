@@ -15,6 +15,7 @@
   (``DIR/validation.json``: the relative error of every compared metric).
 * ``headline``: the documented CloudMatrix384 comparison (and the same on H800 nodes), with the
   sensitivity to length skew and load (``DIR/summary.json`` and plots).
+* ``skew``: both modes' SLO-compliant throughput across routing skews (``skew.py``, ``DIR/skew.json``).
 """
 from __future__ import annotations
 
@@ -259,7 +260,13 @@ def cmd_headline(argv) -> int:
     return main(argv)
 
 
-COMMANDS = {"calibrate": cmd_calibrate, "run": cmd_run, "validate": cmd_validate, "headline": cmd_headline}
+def cmd_skew(argv) -> int:
+    from .skew import main
+    return main(argv)
+
+
+COMMANDS = {"calibrate": cmd_calibrate, "run": cmd_run, "validate": cmd_validate, "headline": cmd_headline,
+            "skew": cmd_skew}
 
 
 def main(argv=None) -> int:
