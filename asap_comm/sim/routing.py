@@ -190,9 +190,9 @@ class Routing:
         _check_nk(num_experts, top_k)
         blocks = block_placement(num_experts, num_ranks)
         if self.balanced:
-            from .simulate_common import rows_per_rank_fraction
             share = tuple(tuple(top_k / num_experts for _ in b) for b in blocks)
-            frac = tuple(rows_per_rank_fraction(num_experts, top_k, len(b)) for b in blocks)
+            # simulate_common.rows_per_rank_fraction: 1 - C(N - L, k) / C(N, k)
+            frac = tuple(1.0 - math.comb(num_experts - len(b), top_k) / math.comb(num_experts, top_k) for b in blocks)
         else:
             q, rank_frac = _sampled(self, num_experts, top_k)
             share = tuple(tuple(q[e] for e in b) for b in blocks)
