@@ -185,9 +185,10 @@ def test_sim_run_records_the_routing_and_rejects_a_bad_one(tmp_path, capsys):
     assert main(["run", "--out", str(out), "--num-requests", "20", "--routing", "zipf:1.0", "--modes", "async"]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["routing"]["spec"] == "zipf:1" and s["routing"]["hot_expert_over_mean"] > 1
-    with pytest.raises(SystemExit) as e:
-        main(["run", "--out", str(out), "--routing", "zipf:hot"])
-    assert e.value.code == 2 and "zipf:hot" in capsys.readouterr().err
+    for cmd in ("run", "headline", "skew"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--out", str(out), "--routing" if cmd != "skew" else "--routings", "zipf:hot"])
+        assert e.value.code == 2 and "zipf:hot" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- the emulator holds it
