@@ -309,8 +309,8 @@ class EmulatedFactory(FactoryHooks):
     tokens per real token; ``num_expert_ranks``/``num_ranks``: how the
     emulated model's experts are spread (for the per-rank share and the
     fan-out of dispatched rows; ``num_ranks`` defaults to ``num_expert_ranks``);
-    ``stats_dir``: where the overrun counters go (None: not recorded).
-    Picklable: the cost model is built in each worker.
+    ``stats_dir``: where the overrun counters go (None: not recorded); ``routing``: the emulated model's
+    routing (``routing.py`` spec or ``Routing``; default balanced). Picklable: the cost model is built in each worker.
     """
 
     # run_sync's context parallelism is emulated: its models have cp_step / hold_cp_share / attention_stage(cp_groups=)
