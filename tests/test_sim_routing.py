@@ -218,3 +218,18 @@ def test_the_emulated_expert_time_follows_the_ranks_share(cost):
     assert fac(("expert"), [hot])._pairs_per_real_row == pytest.approx(h._pairs_per_real_row)
     assert fac.describe_emulation()["routing"] == "zipf:1"
     assert fac.with_stats_dir("/tmp/x").routing == fac.routing
+
+
+def test_skew_study_rows_follow_the_routing(cost):
+    from asap_comm.sim.headline import skew_trace
+    from asap_comm.sim.skew import deployments, skew_study, table
+    a, s = deployments(6, 8, 16, 8, 8, 16384, True)
+    res = skew_study(["balanced", "zipf:1.5"], a, s, skew_trace(24, 1.0, 6000.0), cost, cost.shapes, bisections=1,
+                     progress=False)
+    assert [r["routing"] for r in res["rows"]] == ["balanced", "zipf:1.5"]
+    bal, hot = res["rows"]
+    assert bal["hot"]["sync_devices"]["hot_rank_pairs_over_mean"] == pytest.approx(1.0)
+    assert hot["hot"]["sync_devices"]["hot_rank_pairs_over_mean"] > hot["hot"]["async_expert_ranks"][
+        "hot_rank_pairs_over_mean"] > 1.5  # EP over 64 dies concentrates more than 16 expert dies
+    assert hot["sync"] is None or bal["sync"] is None or hot["sync"] <= bal["sync"]
+    assert "| zipf:1.5 |" in table(res)

@@ -58,8 +58,9 @@ def skew_study(routings, a: Deployment, s: Deployment, trace, cost, shapes, *, s
                      "async": got["async"], "sync": got["sync"], "ratio": ratio, "hot": hot,
                      "wall_s": time.perf_counter() - t0})
         if progress:
-            print(f"[skew] {r.spec:32s} ASAP {got['async'] or 0:10.0f} tok/s  baseline {got['sync'] or 0:10.0f} tok/s"
-                  f"  ratio {ratio or float('nan'):.2f}  ({rows[-1]['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+            print(f"[skew] {r.spec:32s} ASAP {_tok(got['async']):>8s} tok/s  baseline {_tok(got['sync']):>8s} tok/s  "
+                  f"ratio {'-' if ratio is None else f'{ratio:.2f}'}  ({rows[-1]['wall_s']:.0f} s)  (-: fails the SLO "
+                  "at every load)", file=sys.stderr, flush=True)
     return {"slo_s": slo, "slo_set_by": by.label, "slo_factor": slo_factor, "slo_percentile": 100 * target,
             "async": a.describe(), "sync": s.describe(), "rows": rows}
 
