@@ -262,12 +262,12 @@ def emulated(args, base, mode: str, stats_dir=None):
                                token_scale=args.token_scale, num_expert_ranks=args.expert_ranks, stats_dir=stats_dir,
                                attention_tp=args.attention_tp, expert_devices=getattr(args, "expert_dies", 1),
                                weights=getattr(args, "weights", None),
-                               check_memory=not getattr(args, "ignore_memory", False))
+                               check_memory=not getattr(args, "ignore_memory", False), routing=args.routing)
     return EmulatedFactory(base, args.emulate, args.emulate_model, time_scale=args.time_scale,
                            token_scale=args.token_scale, num_expert_ranks=sync_workers(args), stats_dir=stats_dir,
                            attention_tp=args.sync_tp, expert_devices=args.sync_tp,
                            weights=getattr(args, "weights", None),
-                           check_memory=not getattr(args, "ignore_memory", False))
+                           check_memory=not getattr(args, "ignore_memory", False), routing=args.routing)
 
 
 def memory_table(args) -> dict:
@@ -433,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"({', '.join(known_profiles())}, or a profile .json)")
     p.add_argument("--emulate-model", default="deepseek-v3",
                    help="with --emulate: the model whose work is costed (deepseek-v3, small, tiny, or a config.json)")
+    p.add_argument("--routing", default="balanced", metavar="balanced|zipf:S|histogram:PATH",
+                   help="with --emulate: the emulated model's routing (asap_comm/sim/routing.py); a hot expert "
+                        "rank's emulated expert work and rows are scaled by its share (default: balanced)")
     p.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
                    help="with --emulate: wall seconds per modelled second (the dilation; raise it if overruns "
                         "exceed 5%%)")
@@ -512,6 +515,9 @@ def main(argv=None) -> int:
         if extra:
             verb = "needs" if len(extra) == 1 else "need"
             parser.error(f"{', '.join(extra)} {verb} --emulate (emulated devices only)")
+    if args.routing != "balanced" and not args.emulate:
+        parser.error(f"--routing {args.routing}: needs --emulate (the served model's own router picks its experts; "
+                     "the routing skews the emulated model's work)")
     if args.cp_threshold is not None:
         if args.cp_threshold < 0:
             parser.error(f"--cp-threshold {args.cp_threshold}: give a number of tokens >= 1, or 0 for off")

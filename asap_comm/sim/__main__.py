@@ -9,7 +9,8 @@
   ``--expert-ranks E`` (expert devices), ``--sync-ranks W --sync-tp T`` (baseline: W DP groups of T
   devices, EP over all W*T), ``--cp-threshold TOKENS`` (baseline context parallelism),
   ``--sync-overlap`` (the baseline hides its all_to_alls behind compute);
-  ``--slo SECONDS`` (or auto) and ``--slo-percentile P`` (the share of requests that must meet it).
+  ``--slo SECONDS`` (or auto) and ``--slo-percentile P`` (the share of requests that must meet it);
+  ``--routing balanced|zipf:S|histogram:PATH`` (expert popularity, ``routing.py``; summary key ``routing``).
 * ``validate``: real runtime on this host against the simulator with the local profile
   (``DIR/validation.json``: the relative error of every compared metric).
 * ``memory``: the per-die memory of an ASAP and a baseline deployment (``asap_comm.sim.memory``); ``run``
@@ -17,6 +18,7 @@
   ``--ignore-memory``; ``--weights {bf16,int8}`` overrides the profile's weight dtype.
 * ``headline``: the documented CloudMatrix384 comparison (and the same on H800 nodes), with the
   sensitivity to length skew and load (``DIR/summary.json`` and plots).
+* ``skew``: both modes' SLO-compliant throughput across routing skews (``skew.py``, ``DIR/skew.json``).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ..serving.protocol import RuntimeConfig
 from ..serving.traces import LogNormalLengths, load_trace, synthetic_trace
 from . import plots
 from .costs import CostModel
+from .routing import parse_routing_arg, routed_cost, routing_arg
 from .shapes import ModelShapes
 from .simulate import Parallelism
 from .study import capacity_rate, compare, parse_slo, percentile_target, run_point, spread_buckets, unloaded_slo
@@ -199,6 +202,7 @@ def cmd_run(argv) -> int:
                    help="SLO attainment target: at least P%% of requests must meet the SLO (default 90)")
     p.add_argument("--modes", default="async,sync")
     memory_args(p)
+    routing_arg(p)
     _trace_args(p, median=None, max_len=None)
     _runtime_args(p, a=None, e=None, budget=None, chunk=None, max_len=None, ex_budget=None, deadline=None)
     args = p.parse_args(argv)
@@ -214,6 +218,8 @@ def cmd_run(argv) -> int:
     slo_s = slo_arg(p, args.slo)
     cost, shapes = CostModel.load(args.profile, args.model), ModelShapes.load(args.model)
     cost, memory = check_memory(p, args, cost, shapes, _runtime_config(args), par, W)
+    routing = parse_routing_arg(p, args.routing)
+    cost = routed_cost(cost, routing)  # every simulated run below charges this routing (routing.py)
     if max(par.attention_tp, par.sync_tp) > 1 and cost.cores is not None:
         p.error(f"--attention-tp / --sync-tp above 1 need a profile of dedicated devices; {cost.name!r} shares "
                 f"{cost.cores} CPU cores between its ranks")
@@ -232,7 +238,8 @@ def cmd_run(argv) -> int:
                           "trace": args.trace, "num_requests": len(trace), "slo_s": slo,
                           "slo_percentile": args.slo_percentile, "cost_model": cost.describe(),
                           "defaults": {"kind": kind, "filled": filled}}, "runs": [],
-               "ignore_memory": args.ignore_memory, "weights": args.weights, "memory": memory}
+               "ignore_memory": args.ignore_memory, "weights": args.weights, "memory": memory,
+               "routing": routing.describe(shapes.num_experts, shapes.top_k)}
     t0 = time.perf_counter()
     if args.sweep:
         res = compare(trace, cost, shapes, cfg, sync_ranks=W, slo=slo, progress="sweep", modes=modes,
@@ -352,8 +359,13 @@ def cmd_headline(argv) -> int:
     return main(argv)
 
 
+def cmd_skew(argv) -> int:
+    from .skew import main
+    return main(argv)
+
+
 COMMANDS = {"calibrate": cmd_calibrate, "run": cmd_run, "validate": cmd_validate, "headline": cmd_headline,
-            "memory": cmd_memory}
+            "memory": cmd_memory, "skew": cmd_skew}
 
 
 def main(argv=None) -> int:

@@ -55,6 +55,13 @@ emulated run gives every rank what a deployment has, a dedicated device:
   ``hold_cp_share``, each with the cost model's KV exchange
   (``CostModel.cp_exchange_s``); ``cp_step`` makes the owner's MLP stages and
   dispatched rows count only its share, the others' dispatches their shares.
+* **Routing skew** (``routing=``, ``routing.py``): the served model's router
+  picks real experts; an expert rank's emulated pairs and dispatched rows are
+  scaled by its share of the emulated distribution over the mean rank's (a
+  baseline worker of several devices: its hottest device's pairs), so a hot
+  rank holds longer; a model without experts (the baseline's collectives)
+  scales its rows by the hottest device's, as an all-to-all lasts as long as
+  its busiest device.
 * **Overruns are reported.** An overrun is a held call whose real compute took
   longer than its modelled (dilated) time: the dilation is too small for this
   host. Every wrapped model counts calls, overruns, modelled and real seconds
@@ -84,6 +91,7 @@ from typing import Any
 
 from ..serving.hooks import FactoryHooks, ModelHooks
 from .costs import CostModel, Profile
+from .routing import emulated_scales, parse_routing, rank_of_experts
 from .shapes import ModelShapes
 from .simulate import rows_per_rank_fraction
 
@@ -269,7 +277,8 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
         expert_deadline_s=cfg.expert_deadline_s / K,
         cp_threshold=None if cfg.cp_threshold is None else int(round(cfg.cp_threshold * S)),
         placer_linear_weight=None if cfg.placer_linear_weight is None else cfg.placer_linear_weight * S)
-    res = simulate(mode, reqs, cost, emu, scaled, sync_ranks=ranks, spans=spans, par=par, layers=layers)
+    res = simulate(mode, reqs, cost, emu, scaled, sync_ranks=ranks, spans=spans, par=par, layers=layers,
+                   routing=factory.routing)
 
     def wall(t):
         return None if t is None else t * K
@@ -306,7 +315,8 @@ class EmulatedFactory(FactoryHooks):
     overrides the profile's weight dtype (``asap_comm.sim.memory.with_weights``); ``check_memory``: refuse
     (``ValueError`` naming ``memory``) when the emulated model's routed experts do not fit on the
     ``num_expert_ranks * expert_devices`` devices (off by default: the tests' small deployments are not
-    meant to fit; ``examples/prefill.py`` checks its whole deployment and turns it on).
+    meant to fit; ``examples/prefill.py`` checks its whole deployment and turns it on); ``routing``: the
+    emulated model's routing (``routing.py`` spec or ``Routing``; default balanced).
     Picklable: the cost model is built in each worker.
     """
 
@@ -316,7 +326,7 @@ class EmulatedFactory(FactoryHooks):
     def __init__(self, inner, profile: str, emulate_model: str, *, time_scale: float = 1.0, token_scale: int = 1,
                  num_expert_ranks: int = 1, stats_dir: "str | Path | None" = None,
                  real_shapes: "ModelShapes | None" = None, attention_tp: int = 1, expert_devices: int = 1,
-                 weights: "str | None" = None, check_memory: bool = False) -> None:
+                 weights: "str | None" = None, check_memory: bool = False, routing=None) -> None:
         if not callable(inner):
             raise TypeError(f"EmulatedFactory: inner must be a model factory (callable), got {type(inner).__name__}")
         for nm, v in (("time_scale", time_scale), ("token_scale", token_scale)):
@@ -339,6 +349,7 @@ class EmulatedFactory(FactoryHooks):
                              "experts would not all be charged; serve a model with more experts, or use fewer expert "
                              "ranks (for the baseline: larger --sync-tp groups)")
         self.weights, self.check_memory = weights, bool(check_memory)
+        self.routing = parse_routing(routing)  # the emulated model's routing (routing.py; balanced by default)
         cost = self.cost()  # fail here, in the caller, on an unknown profile or model (or --weights)
         if self.check_memory:  # the least a deployment needs: its routed experts fit (asap_comm.sim.memory)
             from .memory import check_expert_devices
@@ -364,7 +375,7 @@ class EmulatedFactory(FactoryHooks):
                                token_scale=self.token_scale, num_expert_ranks=self.num_expert_ranks,
                                stats_dir=stats_dir, real_shapes=self.real_shapes, attention_tp=self.attention_tp,
                                expert_devices=self.expert_devices, weights=self.weights,
-                               check_memory=self.check_memory)
+                               check_memory=self.check_memory, routing=self.routing)
 
     def __call__(self, role: str, experts: list):
         model = self.inner(role, experts)
@@ -375,7 +386,9 @@ class EmulatedFactory(FactoryHooks):
             path = Path(self.stats_dir) / f"{role}-{os.getpid()}-{self._made}.stat"
         emu = EmulatedModel(model, self.cost(), self.real_shapes, role, len(experts), self.time_scale,
                             self.token_scale, self.num_expert_ranks, _Stats(path), attention_tp=self.attention_tp,
-                            expert_devices=self.expert_devices)
+                            expert_devices=self.expert_devices,
+                            routing=None if self.routing.balanced else (self.routing, rank_of_experts(
+                                experts, self.real_shapes.num_experts, self.num_expert_ranks)))
         if path is not None:
             emu.collectives = _CollectiveLog(path.with_suffix(".coll"))
         return emu
@@ -390,7 +403,7 @@ class EmulatedFactory(FactoryHooks):
                 "token_scale": self.token_scale, "num_expert_ranks": self.num_expert_ranks,
                 "attention_tp": self.attention_tp, "expert_devices": self.expert_devices,
                 "served_model": self.real_shapes.name, "weights": self.weights,
-                "check_memory": self.check_memory}
+                "check_memory": self.check_memory, "routing": self.routing.spec}
 
     def __repr__(self) -> str:
         return (f"EmulatedFactory({self.inner!r}, {self.profile_name!r}, {self.model_name!r}, "
@@ -402,7 +415,7 @@ class EmulatedModel(ModelHooks):
 
     def __init__(self, inner, cost: CostModel, real: ModelShapes, role: str, num_local_experts: int,
                  time_scale: float, token_scale: float, num_expert_ranks: int, stats: _Stats, *,
-                 attention_tp: int = 1, expert_devices: int = 1) -> None:
+                 attention_tp: int = 1, expert_devices: int = 1, routing=None) -> None:
         self.inner, self.cost, self.role, self.stats = inner, cost, role, stats
         # A rank may be a group of devices: attention-side work runs tensor-parallel on attention_tp devices
         # (per-device time from the cost model, plus the group's all-reduces); a rank's routed experts are
@@ -439,6 +452,11 @@ class EmulatedModel(ModelHooks):
         self._cp_mlp = self._cp_rows = 0
         local = max(1, real.num_experts // num_expert_ranks)
         self._real_rows_per_token = num_expert_ranks * rows_per_rank_fraction(real.num_experts, real.top_k, local)
+        if routing is not None:  # (Routing, this rank's index or None): a skewed emulated routing (routing.py)
+            f_pairs, f_rows = emulated_scales(routing[0], emu.num_experts, emu.top_k, num_expert_ranks,
+                                              expert_devices, routing[1])
+            self._pairs_per_real_row *= f_pairs
+            self._rows_per_real_row *= f_rows
 
     # ------------------------------------------------------------------ holding
     def _hold(self, t0: float, modelled_s: float) -> None:

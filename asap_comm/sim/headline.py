@@ -74,6 +74,7 @@ from ..serving.protocol import RuntimeConfig
 from ..serving.traces import LogNormalLengths, Request, load_trace, synthetic_trace
 from . import plots
 from .costs import CostModel
+from .routing import parse_routing_arg, routed_cost, routing_arg
 from .shapes import ModelShapes
 from .simulate import Parallelism, simulate
 from .study import (Deployment, capacity_rate, mean_len, p90_prompt, parse_slo, percentile_target, run_point,
@@ -219,7 +220,7 @@ def best_vs_best(syncs, asyncs, probe, trace, cost, shapes, slo: float, *, start
 
 def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: dict, out: Path, sigmas, loads,
           caps, quick: bool, slo_s: "float | None", target: float, confirm_top: int, slo_factors,
-          weights: "str | None" = None, ignore_memory: bool = False) -> dict:
+          weights: "str | None" = None, ignore_memory: bool = False, routing=None) -> dict:
     cost, shapes = CostModel.load(profile, model), ModelShapes.load(model)
     trace, trace_desc = mooncake_trace(n)
     probe = trace[:n_search]
@@ -234,6 +235,8 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
                          f"{D} devices")
     # memory (asap_comm.sim.memory): only deployments whose dies hold them, unless --ignore-memory
     cost, syncs, asyncs, memory = headline_memory(cost, shapes, syncs, asyncs, weights, ignore_memory)
+    if routing is not None:  # --routing: every simulated run charges it (routing.py; after --weights)
+        cost = routed_cost(cost, routing)
     ref_a, ref_s = per_die(D)
     bis = 2 if quick else 4
     slo_given = slo_s is not None
@@ -485,6 +488,7 @@ def main(argv=None) -> int:
                    help="with --slo auto: the SLO is F x the fastest baseline's unloaded TTFT of the p90 prompt; the "
                         "first F is the headline, the others re-run the search (SLO sensitivity)")
     p.add_argument("--profiles", default="ascend-910c-cm384,h800-node")
+    routing_arg(p)
     p.add_argument("--quick", action="store_true",
                    help="a small smoke run (8 devices, a small grid, few requests, two skews, two loads; memory not "
                         "checked: 8 devices cannot hold deepseek-v3)")
@@ -493,6 +497,7 @@ def main(argv=None) -> int:
     p.add_argument("--ignore-memory", action="store_true",
                    help="keep configurations whose dies cannot hold them (sensitivity studies; recorded)")
     args = p.parse_args(argv)
+    routing = parse_routing_arg(p, args.routing)
     try:
         target = percentile_target(args.slo_percentile)
     except ValueError as e:
@@ -541,11 +546,11 @@ def main(argv=None) -> int:
     summary = {"config": {"model": "deepseek-v3", "runtime": headline_config().__dict__, "grid": grid,
                           "num_requests": n, "num_requests_search": n_search, "num_requests_sensitivity": n_side,
                           "slo_percentile": args.slo_percentile, "slo": args.slo}, "profiles": {},
-               "ignore_memory": args.ignore_memory, "weights": args.weights}
+               "ignore_memory": args.ignore_memory, "weights": args.weights, "routing": routing.describe()}
     for prof in [x for x in args.profiles.split(",") if x]:
         summary["profiles"][prof] = study(prof, "deepseek-v3", n, n_search, n_side, grid, out, sigmas, loads, caps,
                                           args.quick, slo_s, target, args.confirm_top, factors,
-                                          weights=args.weights, ignore_memory=args.ignore_memory)
+                                          weights=args.weights, ignore_memory=args.ignore_memory, routing=routing)
     first = summary["profiles"][next(iter(summary["profiles"]))]
     for mode in ("async", "sync"):  # the runtime's summary.json keys, for the first (headline) profile
         summary[mode] = first[mode]

@@ -14,8 +14,9 @@ operator costs of a :class:`~asap_comm.sim.costs.CostModel`. The modes are
 Modelling choices (each one is what the runtime does, or the stated
 simplification):
 
-* **Routing**: balanced in expectation (DeepSeek-V3's auxiliary-loss-free
-  balancing): a micro-batch of ``T`` tokens sends ``T * p`` rows to each
+* **Routing**: balanced in expectation by default (DeepSeek-V3's auxiliary-loss-free
+  balancing; ``routing=`` takes a skewed one, see ``routing.py``: the hottest
+  rank's rows and pairs then stand for every rank's): a micro-batch of ``T`` tokens sends ``T * p`` rows to each
   expert rank, where ``p`` is the chance that one of a token's ``k`` distinct
   experts lives on that rank, and every local expert gets ``T * k / N``
   (token, expert) pairs, rounded so the total is right. With identical row
@@ -82,6 +83,7 @@ from dataclasses import dataclass, field
 # the runtime's own policy objects, which the simulated modes call as the runtime does
 from ..serving.policies import ExpertBatcher, MicroBatcher, Placer  # noqa: F401
 from ..serving.protocol import RuntimeConfig
+from .routing import routed_cost
 from .simulate_async import _AsyncSim
 from .simulate_common import SYNC_IDLE_POLL_S, Parallelism, rows_per_rank_fraction  # noqa: F401
 from .simulate_sync import _SyncSim
@@ -104,7 +106,7 @@ class SimResult:
 
 def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConfig(), *,
              sync_ranks: int | None = None, spans: bool = False, par: Parallelism | None = None,
-             layers=None) -> SimResult:
+             layers=None, routing=None) -> SimResult:
     """Simulate ``requests`` (``asap_comm.serving.traces.Request``: id, arrival, prompt length).
 
     ``mode``: ``"async"`` (``cfg.num_attention_ranks`` attention ranks of ``par.attention_tp`` devices each +
@@ -114,6 +116,8 @@ def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConf
     layers of ``shapes`` (default: ``shapes.moe_layers``, weight 1 each). An emulated run
     (``asap_comm.sim.emulate``) serves a small model whose layers each stand for several emulated ones; this
     simulates that structure (see ``emulate.simulate_emulated``).
+    ``routing``: a routing distribution (``routing.py``: ``"balanced"``, ``"zipf:S"``, ``"histogram:PATH"`` or a
+    ``Routing``); None: the one the cost model carries (``routing.routed_cost``), balanced by default.
     Returns records with the runtime's fields, so ``summarize_run`` applies.
     """
     if mode not in ("async", "sync"):
@@ -130,6 +134,8 @@ def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConf
     if tp > 1 and cost.cores is not None:
         raise ValueError(f"simulate: tensor parallelism (tp={tp}) needs a profile of dedicated devices; "
                          f"{cost.name!r} shares {cost.cores} CPU cores between its ranks")
+    if routing is not None:
+        cost = routed_cost(cost, routing)
     t0 = time.perf_counter()
     if mode == "async":
         sim = _AsyncSim(cost, shapes, cfg, requests, spans, par, layers)

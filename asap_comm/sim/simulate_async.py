@@ -6,7 +6,7 @@ import math
 
 from ..serving.policies import ExpertBatcher, MicroBatcher, Placer
 from .engine import Engine, Rank
-from .simulate_common import Parallelism, _Common, _pairs, rows_per_rank_fraction
+from .simulate_common import Parallelism, _Common, rows_per_rank_fraction
 
 
 # ----------------------------------------------------------------------------- ASAP
@@ -36,6 +36,7 @@ class _AsyncSim(_Common):
         # one representative expert rank for all E (see the module docstring); the most-loaded share of experts
         self.local = -(-shapes.num_experts // E)
         self.frac = rows_per_rank_fraction(shapes.num_experts, shapes.top_k, self.local)
+        self._skew(E)  # a skewed routing: the representative is the hottest expert rank
         self.ex = Rank(self.engine, self.host, f"experts x{E}", weight=E, spans=self.spans)
         self.ex_batcher = ExpertBatcher(cfg.expert_token_budget, cfg.expert_deadline_s,
                                         enabled=cfg.expert_batching)
@@ -84,7 +85,8 @@ class _AsyncSim(_Common):
             rows = self._rows(Td)  # rows one device of the group sends to one expert rank
             work += moe * (mb.attn_s + cost.router_s(Td))
             if self.cpu:  # the attention rank's CPU copies the rows into each expert rank's memory
-                work += moe * self.E * cost.dispatch_s(rows)
+                work += moe * (self.E * cost.dispatch_s(rows) if self.load is None
+                               else sum(cost.dispatch_s(self.load.rows(Td, r)) for r in range(self.E)))
             then = self._dispatched if not self.lockstep else self._arrive_barrier
             self.att[mb.rank].submit(work * self.k_att, lambda: then(mb, rows), f"attn seg {mb.seg}")
         else:
@@ -163,7 +165,7 @@ class _AsyncSim(_Common):
         items = self.ex_batcher.take(layer)
         tokens = sum(mb.tokens for mb, _ in items)
         w = self.segs[layer][1]
-        work = w * self.cost.experts_s(_pairs(tokens, self.shapes, self.local))
+        work = w * self.cost.experts_s(self._expert_pairs(tokens))
         if self.cpu:  # the expert rank's CPU copies each micro-batch's output rows back
             work += w * sum(self.cost.combine_s(rows) for _, rows in items)
         self.ex.submit(work * self.k_exp, lambda: self._experts_done(items), f"experts seg {layer} ({len(items)} mb)")
@@ -191,7 +193,8 @@ class _AsyncSim(_Common):
         the expert rank's link takes the micro-batches one after another from ``link_free``."""
         now, w = self.engine.now, self.segs[mb.seg][1]
         lat, _ = self._link(transfer_s, rows, w)
-        _, fan = self._link(transfer_s, self.E * rows, w)
+        fan_rows = self.E * rows if self.load is None else round(rows * self.load.rows_per_token / self.frac)
+        _, fan = self._link(transfer_s, fan_rows, w)  # skewed: the rows for every expert rank together
         _, serial = self._link(transfer_s, self._rows(mb.tokens) if self.tp > 1 else rows, w)
         link_free = max(now, link_free) + serial
         return max(fan, link_free - now) + lat, link_free

@@ -11,6 +11,7 @@ from ..serving.protocol import HDR, RuntimeConfig
 from ..serving.traces import Request
 from .costs import RUNTIME_FACTORS
 from .engine import Engine, Host
+from .routing import routing_of
 
 __all__ = ["Parallelism", "rows_per_rank_fraction", "SYNC_IDLE_POLL_S"]
 
@@ -114,7 +115,10 @@ class _Memo:
         return v
 
     def experts_s(self, pairs: list) -> float:
-        key = (pairs[0], pairs[-1], len(pairs))  # balanced lists (see _pairs) are fixed by these
+        # the cost depends on the multiset of row counts: one of values m and m + 1 (balanced lists, see _pairs)
+        # is fixed by its bounds, length and sum; a skewed one (routing.py) by all its values
+        hi, lo = max(pairs), min(pairs)
+        key = (hi, lo, len(pairs), sum(pairs)) if hi - lo <= 1 else tuple(sorted(pairs))
         v = self._experts.get(key)
         if v is None:
             v = self._experts[key] = self._cost.experts_s(pairs)
@@ -145,6 +149,19 @@ class _Common:
         self.moe = [bool(m) for m, _w in layers]
         self.layer_weight = [float(w) for _m, w in layers]
         self.msg_result = cost.message_s(_RESULT_BYTES_PER_HIDDEN * (shapes.hidden + 1))
+        self.routing = routing_of(cost)  # routing.py: balanced unless the cost model carries a skew
+        self.load = None  # the skewed distribution's RankLoad on this mode's ranks (set by _skew)
+
+    def _skew(self, ranks: int) -> None:
+        """A skewed routing on ``ranks`` expert-holding ranks: the hottest rank's rows and pairs replace the
+        balanced ones (``routing.py``: the slowest rank sets the pace of both modes)."""
+        if not self.routing.balanced:
+            self.load = self.routing.rank_load(self.shapes.num_experts, self.shapes.top_k, ranks)
+            self.frac = self.load.row_frac[self.load.hot]
+
+    def _expert_pairs(self, tokens: int) -> list:
+        """(token, expert) pairs per local expert of the (hottest) rank for ``tokens`` tokens."""
+        return _pairs(tokens, self.shapes, self.local) if self.load is None else self.load.pairs(tokens)
 
     def _placer_weight(self) -> "float | None":
         """The placer's linear weight: the config's, else derived from the cost model for this mode's attention

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..serving.policies import MicroBatcher, Placer, split_prompt
 from ..serving.traces import Request
 from .engine import ps_makespan
-from .simulate_common import SYNC_IDLE_POLL_S, Parallelism, _Common, _pairs, _validate, rows_per_rank_fraction
+from .simulate_common import SYNC_IDLE_POLL_S, Parallelism, _Common, _validate, rows_per_rank_fraction
 
 
 # ----------------------------------------------------------------------------- synchronous DP+EP baseline
@@ -36,6 +36,7 @@ class _SyncSim(_Common):
         self.batchers = [MicroBatcher(cfg.token_budget) for _ in range(W)]
         self.local = -(-shapes.num_experts // self.D)
         self.frac = rows_per_rank_fraction(shapes.num_experts, shapes.top_k, self.local)
+        self._skew(self.D)  # a skewed routing: the hottest device's experts and rows set the step
         self.busy = [0.0] * W
         self.stepping = False
         self.check_at = None  # a pending step check (heartbeat)
@@ -134,9 +135,13 @@ class _SyncSim(_Common):
         # every token of every rank may choose this rank's experts: its share of the (token, expert) pairs
         # is sum(tokens) * top_k * local / N (see _pairs)
         k = self.k
-        expert_work = k * cost.experts_s(_pairs(sum(tokens), self.shapes, self.local)) if sum(tokens) else 0.0
+        expert_work = k * cost.experts_s(self._expert_pairs(sum(tokens))) if sum(tokens) else 0.0
         # the busiest device: what it sends (its rows for each of its D - 1 peers) or receives (from D - 1 devices)
         a2a_rows = max(max(rows) * (D - 1), round(sum(rows) * tp * (D - 1) / D))
+        if self.load is not None:  # skewed: a device sends to the ranks its tokens reach; the hottest receives most
+            p = self.load.row_frac
+            a2a_rows = round(max(max(per_dev) * (self.load.rows_per_token - min(p)),
+                                 max(p) * tp * sum(per_dev) * (D - 1) / D))
         # counts, dispatch (dispatch rows), combine (combine rows)
         a2a = cost.all_to_all_s(0, D) + cost.all_to_all_s(a2a_rows, D) + cost.all_to_all_s(a2a_rows, D, True)
         t = cost.all_reduce_s(D)
