@@ -233,3 +233,12 @@ def test_skew_study_rows_follow_the_routing(cost):
         "hot_rank_pairs_over_mean"] > 1.5  # EP over 64 dies concentrates more than 16 expert dies
     assert hot["sync"] is None or bal["sync"] is None or hot["sync"] <= bal["sync"]
     assert "| zipf:1.5 |" in table(res)
+
+
+def test_the_memoised_expert_cost_tells_lists_with_the_same_ends_apart(cost):
+    """Balanced pair lists [b+1]*x + [b]*(L-x) share their ends and length for every x; the memo once keyed them
+    by those alone and charged the first x's cost to all (up to 0.25% of a TTFT on the local profile)."""
+    from asap_comm.sim.simulate_common import _Memo
+    memo = _Memo(cost)
+    for pairs in ([9, 8, 8, 8], [9, 9, 9, 8], [9, 9, 8, 8], [40, 3, 9, 1], [3, 40, 9, 1]):
+        assert memo.experts_s(pairs) == cost.experts_s(pairs)
