@@ -81,10 +81,13 @@ MOONCAKE_MEDIAN, MOONCAKE_P90 = 6909, 27367  # summarize_trace of shared/traces/
 PER_DIE_EXPERTS = 16  # the per-die reference split: devices - 16 attention + 16 expert devices
 
 
+LANE = {"long_prompt_lane": True}  # --no-long-prompt-lane sets it off for every ASAP configuration of the run
+
+
 def headline_config(attention: int = 32, expert: int = 32, chunk: int = 16384, budget: int = 16384) -> RuntimeConfig:
     return RuntimeConfig(num_attention_ranks=attention, num_expert_ranks=expert, token_budget=budget,
                          chunk_len=chunk, max_prompt_len=131072, expert_token_budget=32768,
-                         expert_deadline_s=0.001)
+                         expert_deadline_s=0.001, long_prompt_lane=LANE["long_prompt_lane"])
 
 
 def mooncake_trace(n: int) -> tuple[list, str]:
@@ -442,7 +445,10 @@ def main(argv=None) -> int:
     p.add_argument("--profiles", default="ascend-910c-cm384,h800-node")
     p.add_argument("--quick", action="store_true",
                    help="a small smoke run (8 devices, a small grid, few requests, two skews, two loads)")
+    p.add_argument("--no-long-prompt-lane", action="store_true",
+                   help="ASAP without its long-prompt lane (ablation; asap_comm/sim/lane.py)")
     args = p.parse_args(argv)
+    LANE["long_prompt_lane"] = not args.no_long_prompt_lane
     try:
         target = percentile_target(args.slo_percentile)
     except ValueError as e:

@@ -18,7 +18,7 @@ waits on one queued behind it: no deadlock).
 **Which prompts** (:meth:`Lane.wants`): the lane needs ``long_prompt_lane``, two groups or more and a prompt of
 two chunks or more; then ``lane_threshold`` (an int) takes prompts longer than that many tokens; with
 ``lane_threshold=None`` a run that knows its SLO (``simulate(..., slo_s=)``) takes a prompt whose predicted
-TTFT alone on one group (attention, dense and expert compute of its chunks in order; no queueing) exceeds
+TTFT alone on one group (compute and MoE round trips of its chunks in order; no queueing) exceeds
 ``LANE_SLO_FRACTION`` of the SLO, and one that does not takes every prompt of more than one chunk.
 
 **Design study alternatives** (``lane_study.py``; :func:`design` switches, default ``"pipe"``): ``"cp"`` is
@@ -156,8 +156,9 @@ class Lane:
 
     def predicted_s(self, chunks: list) -> float:
         """TTFT of the chunks alone on one group, in order: attention, dense, router, shared and expert compute
-        of every layer (no queueing, no link latencies): the lane's predicate, not a simulation."""
-        sim, cost, tp = self.sim, self.sim.cost, self.sim.tp
+        of every layer and each MoE layer's dispatch, combine and expert-batch deadline (no queueing, no link contention): the lane's
+        predicate, not a simulation."""
+        sim, cost, tp, cfg = self.sim, self.sim.cost, self.sim.tp, self.sim.cfg
         t = 0.0
         for c in chunks:
             Td = -(-c.length // tp)
@@ -166,8 +167,11 @@ class Lane:
                 for w, moe in layers:
                     if moe:
                         ex = cost.experts_s(_pairs(c.length, sim.shapes, sim.local))
+                        rows = sim._rows(Td)
+                        if cfg.expert_batching and sim._rows(c.length) < cfg.expert_token_budget:
+                            t += cfg.expert_deadline_s  # alone, the expert batch waits for its deadline
                         t += w * ((attn + cost.router_s(Td) + cost.shared_experts_s(Td)) * sim.k_att
-                                  + ex * sim.k_exp)
+                                  + ex * sim.k_exp + cost.dispatch_s(rows) + cost.combine_s(rows)) + sim.layer_overhead
                     else:
                         t += w * (attn + cost.dense_mlp_s(Td)) * sim.k_att
         return t

@@ -48,6 +48,7 @@ class _AsyncSim(_Common):
                                                        rt["async_layer_overhead_s"])
         self.slo_s = None  # the run's TTFT SLO when known (simulate(..., slo_s=)): the lane's predicate
         self.lane = Lane(self) if cfg.long_prompt_lane and A > 1 else None  # lane.py
+        self.fill_pending: set = set()  # idle groups that form their micro-batch pair at the end of this instant
 
     def arrive(self, r) -> None:
         if self.lane is not None and self.lane.arrive(r):
@@ -62,6 +63,16 @@ class _AsyncSim(_Common):
         return -(-tokens // self.tp)
 
     def _queued(self, rank: int) -> None:
+        if self.cfg.token_balanced and self.max_running - self.running[rank] >= 2:
+            # an idle group forms its balanced pair from every chunk that reaches it at this instant
+            if rank not in self.fill_pending:
+                self.fill_pending.add(rank)
+                self.engine.after(0.0, self._fill_pending, rank)
+            return
+        self._fill(rank)
+
+    def _fill_pending(self, rank: int) -> None:
+        self.fill_pending.discard(rank)
         self._fill(rank)
 
     def _fill(self, rank: int) -> None:
