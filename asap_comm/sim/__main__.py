@@ -279,7 +279,14 @@ def cmd_headline(argv) -> int:
     return main(argv)
 
 
+def cmd_lane_study(argv) -> int:
+    from .lane_study import main
+
+    return main(argv)
+
+
 COMMANDS = {"calibrate": cmd_calibrate, "run": cmd_run, "validate": cmd_validate, "headline": cmd_headline}
+COMMANDS["lane-study"] = cmd_lane_study  # ASAP's long-prompt lane: the design study (lane_study.py)
 
 
 def main(argv=None) -> int:

@@ -214,7 +214,7 @@ class Lane:
             self._try_cp()
 
     def _mb(self, req: _LaneRequest, j: int, share: int, rank: int):
-        sim, cost, tp = self.sim, self.sim.cost, self.sim.tp
+        cost, tp = self.sim.cost, self.sim.tp
         c = req.chunks[j]
         if req.design == "pipe":
             attn = cost.attention_s([(c.length, c.start)], tp) + cost.tp_all_reduce_s(c.length, tp)
