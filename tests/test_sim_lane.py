@@ -204,3 +204,28 @@ def test_sim_run_lane_flags(tmp_path):
     assert ok.returncode == 0, ok.stderr[-2000:]
     rt = json.loads((tmp_path / "ok" / "summary.json").read_text())["config"]["runtime"]
     assert rt["long_prompt_lane"] is False and rt["token_balanced"] is False
+
+
+def test_lane_study_sweep_shares_points_between_percentiles():
+    from asap_comm.sim.lane_study import _Sweep
+
+    calls = []
+
+    def run(rate):  # attainment falls with load: 1.0 up to 4 req/s, then 0.95 up to 8, then 0.5
+        calls.append(rate)
+        return 1.0 if rate <= 4 else 0.95 if rate <= 8 else 0.5
+
+    sw = _Sweep(run, 1.0, 1000.0)
+    p90 = sw.search(0.9, bisections=3)
+    n = len(calls)
+    p99 = sw.search(0.99, bisections=3)
+    assert 8000 <= p90["slo_compliant_throughput"] < 16000 and p90["saturated"]
+    assert 4000 <= p99["slo_compliant_throughput"] < 8000
+    assert len(calls) == len(set(calls))  # no load run twice
+    assert len(calls) - n < n  # the p99 search reused the p90 search's doublings
+
+
+def test_lane_study_rejects_unknown_deployments(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "asap_comm.sim", "lane-study", "--out", str(tmp_path),
+                        "--deployments", "48 dies"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "--deployments" in r.stderr and "32 dies" in r.stderr
