@@ -12,7 +12,9 @@ sender's link; on a shared CPU host a copy by the sender). Before the attention 
 chunks before it only). Chunks advance as a wavefront: TTFT about ``L + n - 1`` chunk-layer steps instead
 of ``n * L`` on one group. A group runs at most one lane chunk at a time, in one of its two ping-pong slots;
 the other keeps serving short prompts, and while the lane chunk waits for a signal the group computes the
-other slot's work. A chunk starts only once the chunks before it have started (so a waiting chunk never
+other slot's work. A group carries one lane prompt at a time: a long prompt whose least-loaded groups are
+not all free of lane work goes the usual way (all its chunks, in order, on one group), so long prompts never
+queue behind each other's lanes. A chunk starts only once the chunks before it have started (so a waiting chunk never
 waits on one queued behind it: no deadlock).
 
 **Which prompts** (:meth:`Lane.wants`): the lane needs ``long_prompt_lane``, two groups or more and a prompt of
@@ -44,6 +46,7 @@ __all__ = ["LANE_SLO_FRACTION", "DESIGNS", "design", "balance_pair", "kv_put_s",
 LANE_SLO_FRACTION = 0.5  # lane when the predicted TTFT alone on one group exceeds this share of the SLO
 DESIGNS = ("pipe", "cp")
 _DESIGN = ["pipe"]
+ADAPTIVE = [True]  # spread over the groups idle enough only (Lane.idle_enough); False: always g groups
 
 
 @contextlib.contextmanager
@@ -133,7 +136,7 @@ class Lane:
         self.design = _DESIGN[0]
         A = sim.A
         self.queue = [deque() for _ in range(A)]  # lane micro-batches waiting for a slot, per group
-        self.busy = [False] * A  # a group runs at most one lane micro-batch
+        self.busy = [0] * A  # lane micro-batches running per group (at most one)
         self.cp_waiting: list = []  # cp requests whose current chunk waits to start (gang)
         # the attention layers of each segment: (weight, is_moe) of its dense layers, then its MoE layer
         self.seg_layers, self.offset, k, cur = [], [], 0, []
@@ -153,6 +156,14 @@ class Lane:
     def groups_for(self, n_chunks: int) -> int:
         cfg = self.sim.cfg
         return min(cfg.lane_groups or self.sim.A, self.sim.A, n_chunks)
+
+    def idle_enough(self, chunks: list, g: int) -> int:
+        """How many of the least-loaded groups the prompt should spread over: the ``k <= g`` that minimises
+        its expected finish, the ``k``-th least outstanding work (``Placer``) plus its own work over ``k``;
+        1 where the other groups are busier than the prompt's gain (no lane)."""
+        work = sorted(self.sim.placer.outstanding)
+        own = sum(c.cost for c in chunks)
+        return min(range(1, g + 1), key=lambda k: (work[k - 1] + own / k, k))
 
     def predicted_s(self, chunks: list) -> float:
         """TTFT of the chunks alone on one group, in order: attention, dense, router, shared and expert compute
@@ -196,7 +207,14 @@ class Lane:
         if len(chunks) < 2 or not self.wants(r, chunks):
             return False
         g = self.groups_for(len(chunks))
+        if ADAPTIVE[0]:
+            g = self.idle_enough(chunks, g)
+            if g < 2:
+                return False
         ranks = sim.placer.place_group(r.request_id, chunks, g)
+        if any(self.busy[k] or self.queue[k] or any(k in q.ranks for q in self.cp_waiting) for k in ranks):
+            sim.placer.complete(r.request_id)  # a lane already holds one of them: the usual way
+            return False
         sim.records[r.request_id].start_s = sim.engine.now
         req = _LaneRequest(r.request_id, chunks, ranks, self.design, self.steps)
         self.used += 1
@@ -234,13 +252,18 @@ class Lane:
             return False
         return bool(self.queue[rank]) or any(rank in req.ranks for req in self.cp_waiting)
 
+    def _may_start(self, rank: int) -> bool:
+        """A free slot and no lane micro-batch running on ``rank``."""
+        sim = self.sim
+        return sim.running[rank] < sim.max_running and not self.busy[rank]
+
     def start(self, rank: int) -> None:
         """A slot of ``rank`` may be free: start its next startable lane micro-batch (pipe: one whose earlier
         chunks have all started; cp: a chunk whose groups all have a free slot)."""
         sim = self.sim
         if self.cp_waiting:
             self._try_cp()
-        if self.busy[rank] or sim.running[rank] >= sim.max_running or not self.queue[rank]:
+        if not self.queue[rank] or not self._may_start(rank):
             return
         for mb in self.queue[rank]:
             req, j, _ = mb.lane
@@ -257,7 +280,7 @@ class Lane:
                 sim._fill(nxt)
 
     def _run(self, mb) -> None:
-        self.busy[mb.rank] = True
+        self.busy[mb.rank] += 1
         self.sim.running[mb.rank] += 1
         self.segment(mb)
 
@@ -265,7 +288,7 @@ class Lane:
         """Start every waiting cp chunk whose groups all have a free slot (its shares start together)."""
         sim = self.sim
         for req in list(self.cp_waiting):
-            if all(not self.busy[r] and sim.running[r] < sim.max_running for r in req.ranks):
+            if all(self._may_start(r) for r in req.ranks):
                 self.cp_waiting.remove(req)
                 req.done, req.arrived, req.gate = 0, [0] * self.steps, True
                 for i, r in enumerate(req.ranks):
@@ -349,7 +372,7 @@ class Lane:
     def _done(self, mb) -> None:
         sim = self.sim
         req, j, _share = mb.lane
-        self.busy[mb.rank] = False
+        self.busy[mb.rank] -= 1
         sim.running[mb.rank] -= 1
         if req.design == "pipe":
             if j == len(req.chunks) - 1:
