@@ -46,6 +46,7 @@ __all__ = ["LANE_SLO_FRACTION", "DESIGNS", "design", "balance_pair", "kv_put_s",
 LANE_SLO_FRACTION = 0.5  # lane when the predicted TTFT alone on one group exceeds this share of the SLO
 DESIGNS = ("pipe", "cp")
 _DESIGN = ["pipe"]
+LANE_SPLIT = [1]  # study knob: lane chunks of chunk_len / this (1: the runtime's chunks)
 ADAPTIVE = [True]  # spread over the groups idle enough only (Lane.idle_enough); False: always g groups
 
 
@@ -215,6 +216,8 @@ class Lane:
         if any(self.busy[k] or self.queue[k] or any(k in q.ranks for q in self.cp_waiting) for k in ranks):
             sim.placer.complete(r.request_id)  # a lane already holds one of them: the usual way
             return False
+        if LANE_SPLIT[0] > 1 and self.design == "pipe":  # study knob: finer lane chunks (chunk_len / LANE_SPLIT)
+            chunks = split_prompt(r.request_id, r.prompt_len, max(1, sim.cfg.effective_chunk_len // LANE_SPLIT[0]))
         sim.records[r.request_id].start_s = sim.engine.now
         req = _LaneRequest(r.request_id, chunks, ranks, self.design, self.steps)
         self.used += 1
@@ -286,7 +289,6 @@ class Lane:
 
     def _try_cp(self) -> None:
         """Start every waiting cp chunk whose groups all have a free slot (its shares start together)."""
-        sim = self.sim
         for req in list(self.cp_waiting):
             if all(self._may_start(r) for r in req.ranks):
                 self.cp_waiting.remove(req)

@@ -7,6 +7,8 @@ Designs, each an ASAP deployment with the same devices (``lane.py`` has the mode
   to the later chunks' groups) with token-balanced micro-batch pairs: what the runtime builds;
 * **C** context parallelism across attention groups (each chunk shared by the groups, a KV all-gather and a
   group-local barrier every layer, chunks in order) with token-balanced pairs;
+* **B4** B with lane chunks of ``chunk_len / 4`` tokens (a study knob, ``lane.LANE_SPLIT``: finer wavefront
+  steps, shorter jobs beside the short prompts' micro-batches);
 * **D** token-balanced micro-batch pairs alone.
 
 For each deployment (910C profile, deepseek-v3; 32 dies: ASAP 2 x TP8 + 16 expert dies against the baseline
@@ -25,6 +27,7 @@ load search per design serves both percentiles (the points are shared; each perc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -45,12 +48,24 @@ __all__ = ["DESIGNS", "DEPLOYMENTS", "main"]
 
 SOLO = 63800  # tokens: the afd-plugin study's solo prompt (63.8k)
 AFD_SLO_S, AFD_SOLO_BASELINE_S = 50.0, 31.75  # vLLM afd-plugin issue 170: p99 TTFT SLO; baseline solo 63.8k TTFT
-DESIGNS = (  # (key, label, RuntimeConfig fields, lane design)
-    ("A", "no lane", {"long_prompt_lane": False, "token_balanced": False}, "pipe"),
-    ("B", "sequence-pipelined lane + token-balanced", {"long_prompt_lane": True, "token_balanced": True}, "pipe"),
-    ("C", "CP across attention groups + token-balanced", {"long_prompt_lane": True, "token_balanced": True}, "cp"),
-    ("D", "token-balanced alone", {"long_prompt_lane": False, "token_balanced": True}, "pipe"),
+DESIGNS = (  # (key, label, RuntimeConfig fields, lane design, lane chunks of chunk_len / this)
+    ("A", "no lane", {"long_prompt_lane": False, "token_balanced": False}, "pipe", 1),
+    ("B", "sequence-pipelined lane + token-balanced", {"long_prompt_lane": True, "token_balanced": True}, "pipe", 1),
+    ("B4", "B with lane chunks of chunk_len / 4", {"long_prompt_lane": True, "token_balanced": True}, "pipe", 4),
+    ("C", "CP across attention groups + token-balanced", {"long_prompt_lane": True, "token_balanced": True}, "cp", 1),
+    ("D", "token-balanced alone", {"long_prompt_lane": False, "token_balanced": True}, "pipe", 1),
 )
+
+
+@contextlib.contextmanager
+def _design(d: str, split: int):
+    old = lane.LANE_SPLIT[0]
+    lane.LANE_SPLIT[0] = split
+    try:
+        with lane.design(d):
+            yield
+    finally:
+        lane.LANE_SPLIT[0] = old
 # name: (ASAP attention groups, their TP, expert dies; baseline DP groups, their TP)
 DEPLOYMENTS = {"32 dies": (2, 8, 16, 4, 8), "64 dies": (4, 8, 32, 8, 8)}
 SYNC_CANDIDATES = ((8192, 16384), (16384, 32768), (16384, None))  # (chunk, CP threshold; None: no CP)
@@ -125,13 +140,14 @@ def study(cost, shapes, trace_path: str, n: int, bisections: int, deployments, p
         apar = Parallelism(attention_tp=tp)
         syncs = [(f"DP+EP {W} x TP{stp}, {'no CP' if cp is None else f'CP > {cp}'}, chunk {ch}, overlap", _cfg(A, E, ch),
                   Parallelism(sync_tp=stp, cp_threshold=cp, sync_overlap=True)) for ch, cp in SYNC_CANDIDATES]
-        asyncs = [(key, label, dataclasses.replace(_cfg(A, E, 8192), **fields), d) for key, label, fields, d in DESIGNS]
+        asyncs = [(key, label, dataclasses.replace(_cfg(A, E, 8192), **fields), (d, sp))
+                  for key, label, fields, d, sp in DESIGNS]
         dep = {"asap": f"ASAP {A} x TP{tp} + {E} expert dies, chunk 8192", "baseline_candidates": [s[0] for s in syncs],
                "solo_63k_ttft_s": {}, "traces": {}}
         for label, scfg, spar in syncs:
             dep["solo_63k_ttft_s"][label] = _solo("sync", cost, shapes, scfg, W, spar)
         for key, label, acfg, d in asyncs:
-            with lane.design(d):
+            with _design(*d):
                 dep["solo_63k_ttft_s"][key] = _solo("async", cost, shapes, acfg, None, apar)
         say(f"{dname}: solo 63.8k TTFT " + "; ".join(f"{k} {v:.2f} s" for k, v in dep["solo_63k_ttft_s"].items()))
         # their baseline ran without context parallelism: its solo TTFT sets our time scale against theirs
@@ -149,9 +165,9 @@ def study(cost, shapes, trace_path: str, n: int, bisections: int, deployments, p
             mean = sum(r.prompt_len for r in trace) / len(trace)
             row = {"slo_s": slo, "slo_rule": rule, "num_requests": len(trace), "mean_prompt": mean, "results": {}}
 
-            def runner(mode, cfg, par, sync_ranks, d="pipe"):
+            def runner(mode, cfg, par, sync_ranks, d=("pipe", 1)):
                 def run(rate):
-                    with lane.design(d):
+                    with _design(*d):
                         s, _ = run_point(mode, trace, rate, cost, shapes, cfg, slo, sync_ranks=sync_ranks, par=par)
                     return s["slo_attainment"]
                 return run
@@ -232,7 +248,8 @@ def main(argv=None) -> int:
     res = study(cost, shapes, path, args.num_requests, args.bisections, deps)
     res["config"] = {"profile": cost.name, "model": shapes.name, "trace": Path(path).name,
                      "num_requests": args.num_requests, "bisections": args.bisections,
-                     "designs": {k: {"label": lab, "fields": f, "lane_design": d} for k, lab, f, d in DESIGNS},
+                     "designs": {k: {"label": lab, "fields": f, "lane_design": d, "lane_chunk_divisor": sp}
+                                 for k, lab, f, d, sp in DESIGNS},
                      "command": "python -m asap_comm.sim lane-study " + " ".join(argv or sys.argv[2:])}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
