@@ -152,6 +152,7 @@ class Lane:
             k += len(layers)
         self.steps = k
         self.used = 0  # requests that took the lane
+        self._predicted: dict = {}  # (prompt length, chunks) -> predicted_s
 
     # ------------------------------------------------------------------ admission
     def groups_for(self, n_chunks: int) -> int:
@@ -197,7 +198,10 @@ class Lane:
         slo = getattr(self.sim, "slo_s", None)
         if slo is None:
             return True
-        return self.predicted_s(chunks) > LANE_SLO_FRACTION * slo
+        key = (r.prompt_len, len(chunks))
+        if key not in self._predicted:
+            self._predicted[key] = self.predicted_s(chunks)
+        return self._predicted[key] > LANE_SLO_FRACTION * slo
 
     def arrive(self, r) -> bool:
         """Admit ``r`` to the lane if it qualifies (True), else leave it to the usual front end (False)."""

@@ -184,7 +184,8 @@ def study(cost, shapes, trace_path: str, n: int, bisections: int, deployments, p
                     + f" ({len(sw.points)} runs)")
             for pct in ("p90", "p99"):
                 res = row["results"][pct]
-                base = max((res[s[0]]["slo_compliant_throughput"] or 0.0, s[0]) for s in syncs)
+                base = max((res[s[0]]["slo_compliant_throughput"] or 0.0, -i, s[0]) for i, s in enumerate(syncs))
+                base = (base[0], base[2] if base[0] else None)  # None: no baseline meets the SLO at any load
                 row.setdefault("best_baseline", {})[pct] = base[1]
                 row.setdefault("ratio", {})[pct] = {
                     key: (res[key]["slo_compliant_throughput"] / base[0]
@@ -215,11 +216,23 @@ def table(res: dict) -> str:
                              f"{dep['solo_63k_ttft_s'][key]:.2f} | " + " | ".join(cells) + " |")
             for pct in ("p90", "p99"):
                 b = row["best_baseline"][pct]
+                if b is None:
+                    lines.append(f"| {dname} | {tname} | | best baseline at {pct}: none meets the SLO at any load | | "
+                                 + ("- | | | |" if pct == "p90" else " | | - | |"))
+                    continue
                 r = row["results"][pct][b]
                 lines.append(f"| {dname} | {tname} | | best baseline at {pct}: {b} | "
                              f"{dep['solo_63k_ttft_s'][b]:.2f} | " + (f"{_k(r)} | 1.00x | | |" if pct == "p90"
                                                                      else f" | | {_k(r)} | 1.00x |"))
     return "\n".join(lines)
+
+
+def write_readme(out: Path, res: dict, notes: str = "") -> str:
+    t = table(res)
+    (out / "README.md").write_text("# Long-prompt lane: design study (simulator)\n\n" + (__doc__.split("\n\n", 1)[1])
+                                   + f"\n\nCommand: `{res['config']['command']}` ({res['wall_s']:.0f} s).\n\n" + t
+                                   + "\n" + notes)
+    return t
 
 
 def main(argv=None) -> int:
@@ -254,10 +267,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "lane_study.json").write_text(json.dumps(res, indent=2, default=str))
-    t = table(res)
-    (out / "README.md").write_text("# Long-prompt lane: design study (simulator)\n\n"
-                                   + (__doc__.split("\n\n", 1)[1]) + "\n\n" + t + "\n")
-    print(t)
+    print(write_readme(out, res))
     print(f"artifacts in {out}/ ({res['wall_s']:.0f} s)")
     return 0
 
