@@ -21,7 +21,10 @@ waits on one queued behind it: no deadlock).
 two chunks or more; then ``lane_threshold`` (an int) takes prompts longer than that many tokens; with
 ``lane_threshold=None`` a run that knows its SLO (``simulate(..., slo_s=)``) takes a prompt whose predicted
 TTFT alone on one group (compute and MoE round trips of its chunks in order; no queueing) exceeds
-``LANE_SLO_FRACTION`` of the SLO, and one that does not takes every prompt of more than one chunk.
+``LANE_SLO_FRACTION`` of the SLO, and one that does not takes every prompt of more than one chunk. It spreads
+over the ``k <= g`` least-loaded groups that minimise its expected finish (:meth:`Lane.idle_enough`: the
+``k``-th least outstanding work plus its own over ``k``; ``k = 1``: no lane), and only if none of them holds
+a lane already.
 
 **Design study alternatives** (``lane_study.py``; :func:`design` switches, default ``"pipe"``): ``"cp"`` is
 context parallelism across attention groups per layer: each chunk's tokens are shared by the ``g`` groups
