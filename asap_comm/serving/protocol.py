@@ -117,6 +117,15 @@ class RuntimeConfig:
     # the placer's per-token work in query-key pairs (policies.attention_cost); None: policies.LINEAR_WEIGHT (512).
     # The simulator and the emulator set it from their cost model (CostModel.placer_linear_weight)
     placer_linear_weight: "float | None" = None
+    # the long-prompt lane (issue 21): a long prompt's chunks spread over up to lane_groups attention groups (0: all)
+    # as a wavefront, each layer's KV latents of a chunk put with a signal to the later chunks' groups; used for a
+    # prompt longer than lane_threshold tokens (None: any prompt of more than one chunk, or in the simulator, one
+    # whose predicted TTFT on one group exceeds a fraction of the SLO when the SLO is known)
+    long_prompt_lane: bool = True
+    lane_threshold: "int | None" = None
+    lane_groups: int = 0
+    # the two ping-pong micro-batches formed together get near-equal tokens (whole chunks, largest first)
+    token_balanced: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_attention_ranks", "num_expert_ranks", "token_budget", "max_prompt_len",
@@ -131,6 +140,15 @@ class RuntimeConfig:
             raise ValueError(f"RuntimeConfig: cp_threshold={c!r} must be None or an int >= 1")
         if self.placer_linear_weight is not None:
             check_linear_weight("RuntimeConfig: placer_linear_weight", self.placer_linear_weight)
+        for name in ("long_prompt_lane", "token_balanced"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RuntimeConfig: {name}={getattr(self, name)!r} must be a bool")
+        t = self.lane_threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"RuntimeConfig: lane_threshold={t!r} must be None or an int >= 1")
+        g = self.lane_groups
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            raise ValueError(f"RuntimeConfig: lane_groups={g!r} must be an int >= 0 (0: all attention groups)")
         if self.sync_collectives not in ("gloo", "shm"):
             raise ValueError(f"RuntimeConfig: sync_collectives={self.sync_collectives!r} must be 'gloo' or 'shm'")
 

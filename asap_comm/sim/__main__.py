@@ -102,6 +102,32 @@ def _runtime_args(p: argparse.ArgumentParser, *, a, e, budget, chunk, max_len, e
                    help="seconds an expert rank waits for more rows" + dflt(deadline, by_profile("expert_deadline")))
     for opt in ("barrier-free", "ping-pong", "load-aware", "expert-batching"):
         p.add_argument(f"--no-{opt}", action="store_true", help=f"turn optimization '{opt}' off (ablation)")
+    lane_args(p)
+
+
+def lane_args(p: argparse.ArgumentParser) -> None:
+    """ASAP's long-prompt lane and token-balanced micro-batch pairs (``asap_comm/sim/lane.py``)."""
+    p.add_argument("--no-long-prompt-lane", action="store_true",
+                   help="turn ASAP's long-prompt lane off (ablation; lane.py)")
+    p.add_argument("--lane-threshold", type=int, default=None, metavar="TOKENS",
+                   help="lane for prompts longer than this (default: predicted TTFT on one group vs the SLO)")
+    p.add_argument("--lane-groups", type=int, default=0, metavar="G",
+                   help="attention groups a lane prompt spreads over (default 0: all)")
+    p.add_argument("--no-token-balanced", action="store_true",
+                   help="fill the first ping-pong micro-batch up to the budget instead of balancing the pair")
+
+
+def lane_config(p: argparse.ArgumentParser, args, cfg: RuntimeConfig) -> RuntimeConfig:
+    """``cfg`` with the lane flags of :func:`lane_args`; a bad value is a usage error naming the flag."""
+    import dataclasses
+
+    try:
+        return dataclasses.replace(cfg, long_prompt_lane=not args.no_long_prompt_lane,
+                                   lane_threshold=args.lane_threshold, lane_groups=args.lane_groups,
+                                   token_balanced=not args.no_token_balanced)
+    except ValueError as e:
+        p.error(str(e).replace("RuntimeConfig: lane_threshold", "--lane-threshold")
+                .replace("RuntimeConfig: lane_groups", "--lane-groups"))
 
 
 def _runtime_config(args) -> RuntimeConfig:
@@ -223,7 +249,7 @@ def cmd_run(argv) -> int:
     if max(par.attention_tp, par.sync_tp) > 1 and cost.cores is not None:
         p.error(f"--attention-tp / --sync-tp above 1 need a profile of dedicated devices; {cost.name!r} shares "
                 f"{cost.cores} CPU cores between its ranks")
-    cfg = _runtime_config(args)
+    cfg = lane_config(p, args, _runtime_config(args))
     trace = _trace(args, cfg.max_prompt_len)
     try:
         slo = unloaded_slo(trace, cost, shapes, cfg, sync_ranks=W, par=par) if slo_s is None else slo_s
@@ -364,8 +390,15 @@ def cmd_skew(argv) -> int:
     return main(argv)
 
 
+def cmd_lane_study(argv) -> int:
+    from .lane_study import main
+
+    return main(argv)
+
+
 COMMANDS = {"calibrate": cmd_calibrate, "run": cmd_run, "validate": cmd_validate, "headline": cmd_headline,
             "memory": cmd_memory, "skew": cmd_skew}
+COMMANDS["lane-study"] = cmd_lane_study  # ASAP's long-prompt lane: the design study (lane_study.py)
 
 
 def main(argv=None) -> int:

@@ -86,11 +86,14 @@ MOONCAKE_MEDIAN, MOONCAKE_P90 = 6909, 27367  # summarize_trace of shared/traces/
 PER_DIE_EXPERTS = 16  # the per-die reference split: devices - 16 attention + 16 expert devices
 
 
+LANE = {"long_prompt_lane": True}  # --no-long-prompt-lane sets it off for every ASAP configuration of the run
+
+
 def headline_config(attention: int = 32, expert: int = 32, chunk: int = 16384, budget: int = 16384,
                     expert_budget: int = 32768, expert_deadline: float = 0.001) -> RuntimeConfig:
     return RuntimeConfig(num_attention_ranks=attention, num_expert_ranks=expert, token_budget=budget,
                          chunk_len=chunk, max_prompt_len=131072, expert_token_budget=expert_budget,
-                         expert_deadline_s=expert_deadline)
+                         expert_deadline_s=expert_deadline, long_prompt_lane=LANE["long_prompt_lane"])
 
 
 def mooncake_trace(n: int) -> tuple[list, str]:
@@ -496,7 +499,10 @@ def main(argv=None) -> int:
                    help="weight dtype, overriding each profile's (int8: W8A8; default: the profile's)")
     p.add_argument("--ignore-memory", action="store_true",
                    help="keep configurations whose dies cannot hold them (sensitivity studies; recorded)")
+    p.add_argument("--no-long-prompt-lane", action="store_true",
+                   help="ASAP without its long-prompt lane (ablation; asap_comm/sim/lane.py)")
     args = p.parse_args(argv)
+    LANE["long_prompt_lane"] = not args.no_long_prompt_lane
     routing = parse_routing_arg(p, args.routing)
     try:
         target = percentile_target(args.slo_percentile)

@@ -106,7 +106,7 @@ class SimResult:
 
 def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConfig(), *,
              sync_ranks: int | None = None, spans: bool = False, par: Parallelism | None = None,
-             layers=None, routing=None) -> SimResult:
+             layers=None, routing=None, slo_s: "float | None" = None) -> SimResult:
     """Simulate ``requests`` (``asap_comm.serving.traces.Request``: id, arrival, prompt length).
 
     ``mode``: ``"async"`` (``cfg.num_attention_ranks`` attention ranks of ``par.attention_tp`` devices each +
@@ -118,6 +118,8 @@ def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConf
     simulates that structure (see ``emulate.simulate_emulated``).
     ``routing``: a routing distribution (``routing.py``: ``"balanced"``, ``"zipf:S"``, ``"histogram:PATH"`` or a
     ``Routing``); None: the one the cost model carries (``routing.routed_cost``), balanced by default.
+    ``slo_s``: the run's TTFT SLO, when known: ASAP's long-prompt lane takes a prompt whose predicted TTFT
+    exceeds a fraction of it (``lane.py``; ``cfg.lane_threshold`` overrides).
     Returns records with the runtime's fields, so ``summarize_run`` applies.
     """
     if mode not in ("async", "sync"):
@@ -139,6 +141,10 @@ def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConf
     t0 = time.perf_counter()
     if mode == "async":
         sim = _AsyncSim(cost, shapes, cfg, requests, spans, par, layers)
+        if slo_s is not None:
+            if not (isinstance(slo_s, (int, float)) and not isinstance(slo_s, bool) and slo_s > 0):
+                raise ValueError(f"simulate: slo_s={slo_s!r} must be None or a number of seconds > 0")
+            sim.slo_s = float(slo_s)
     else:
         W = cfg.num_attention_ranks + cfg.num_expert_ranks if sync_ranks is None else sync_ranks
         if isinstance(W, bool) or not isinstance(W, int) or W < 1:

@@ -6,7 +6,8 @@ import math
 
 from ..serving.policies import ExpertBatcher, MicroBatcher, Placer
 from .engine import Engine, Rank
-from .simulate_common import Parallelism, _Common, rows_per_rank_fraction
+from .lane import Lane, balance_pair
+from .simulate_common import Parallelism, _Common, _pairs, rows_per_rank_fraction
 
 
 # ----------------------------------------------------------------------------- ASAP
@@ -52,6 +53,14 @@ class _AsyncSim(_Common):
         rt = self.cost.runtime
         self.k_att, self.k_exp, self.layer_overhead = (rt["async_attention"], rt["async_expert"],
                                                        rt["async_layer_overhead_s"])
+        self.slo_s = None  # the run's TTFT SLO when known (simulate(..., slo_s=)): the lane's predicate
+        self.lane = Lane(self) if cfg.long_prompt_lane and A > 1 else None  # lane.py
+        self.fill_pending: set = set()  # idle groups that form their micro-batch pair at the end of this instant
+
+    def arrive(self, r) -> None:
+        if self.lane is not None and self.lane.arrive(r):
+            return
+        super().arrive(r)
 
     def _rows(self, tokens: int) -> int:
         return max(1, round(tokens * self.frac)) if tokens else 0
@@ -61,22 +70,48 @@ class _AsyncSim(_Common):
         return -(-tokens // self.tp)
 
     def _queued(self, rank: int) -> None:
+        if self.cfg.token_balanced and self.max_running - self.running[rank] >= 2:
+            # an idle group forms its balanced pair from every chunk that reaches it at this instant
+            if rank not in self.fill_pending:
+                self.fill_pending.add(rank)
+                self.engine.after(0.0, self._fill_pending, rank)
+            return
+        self._fill(rank)
+
+    def _fill_pending(self, rank: int) -> None:
+        self.fill_pending.discard(rank)
         self._fill(rank)
 
     def _fill(self, rank: int) -> None:
-        while self.running[rank] < self.max_running:
+        limit = self.max_running
+        if self.lane is not None:  # a lane micro-batch first; a slot kept for one that waits to start
+            self.lane.start(rank)
+            limit -= self.lane.reserved(rank)
+        if self.cfg.token_balanced and limit - self.running[rank] >= 2:  # the pair formed together, balanced
+            a = self.batchers[rank].next_batch()
+            b = self.batchers[rank].next_batch() if a else []
+            for batch in balance_pair(a, b, self.cfg.token_budget):
+                if batch:
+                    self._start_batch(rank, batch)
+        while self.running[rank] < limit:
             batch = self.batchers[rank].next_batch()
             if not batch:
                 return
-            self.running[rank] += 1
-            attn = self.cost.attention_s([(c.length, c.start) for c in batch], self.tp)
-            # a TP group's layer also pays its reduce-scatter + all-gather (0 when tp=1)
-            attn += self.cost.tp_all_reduce_s(sum(c.length for c in batch), self.tp)
-            mb = _MicroBatch(rank, batch, attn)
-            self._segment(mb, first=True)
+            self._start_batch(rank, batch)
+
+    def _start_batch(self, rank: int, batch: list) -> None:
+        self.running[rank] += 1
+        attn = self.cost.attention_s([(c.length, c.start) for c in batch], self.tp)
+        # a TP group's layer also pays its reduce-scatter + all-gather (0 when tp=1)
+        attn += self.cost.tp_all_reduce_s(sum(c.length for c in batch), self.tp)
+        mb = _MicroBatch(rank, batch, attn)
+        self._segment(mb, first=True)
 
     def _segment(self, mb: _MicroBatch, first: bool = False) -> None:
         """Queue the attention-side work up to the next dispatch (or the end) of ``mb``."""
+        if hasattr(mb, "lane"):
+            self.lane.segment(mb)
+            return
         cost, T = self.cost, mb.tokens
         Td = self._per_device(T)
         dense, moe = self.segs[mb.seg]

@@ -114,7 +114,8 @@ def unloaded_slo(trace, cost, shapes, cfg: RuntimeConfig, *, factor: float = 3.0
 def run_point(mode: str, trace, rate: float, cost, shapes, cfg, slo: float, *, sync_ranks=None,
               spans: bool = False, par: Parallelism | None = None):
     """One simulated run at ``rate`` requests/s: (summary dict with the runtime's keys + extras, SimResult)."""
-    res = simulate(mode, at_rate(trace, rate), cost, shapes, cfg, sync_ranks=sync_ranks, spans=spans, par=par)
+    res = simulate(mode, at_rate(trace, rate), cost, shapes, cfg, sync_ranks=sync_ranks, spans=spans, par=par,
+                   slo_s=slo)
     s = summarize_run(res.records, slo).as_dict()
     util = [r["utilisation"] for r in res.ranks for _ in range(r["stands_for"])]
     s.update(rate_req_s=rate, offered_tokens_per_s=rate * mean_len(trace),

@@ -1,0 +1,231 @@
+"""ASAP's long-prompt lane and token-balanced micro-batch pairs in the simulator (asap_comm/sim/lane.py).
+
+``sim_lane_golden.json`` holds the completion times of a ToyCost run simulated by the code before the lane
+existed (commit 6cea818); with the lane and the balancing off the simulator must reproduce them exactly.
+"""
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from asap_comm.serving.policies import Chunk
+from asap_comm.serving.protocol import RuntimeConfig
+from asap_comm.serving.traces import Request
+from asap_comm.sim import lane
+from asap_comm.sim.lane import balance_pair, kv_put_s
+from asap_comm.sim.simulate import simulate
+from asap_comm.sim.simulate_async import _AsyncSim
+from sim_fakes import SHAPES, ToyCost
+
+ROOT = Path(__file__).resolve().parents[1]
+# 16 layers (one dense, 15 MoE): enough layers for a wavefront of a few chunks to pay off
+DEEP = SimpleNamespace(num_experts=4, top_k=2, hidden=8, heads=4, moe_layers=(False,) + (True,) * 15)
+
+
+def _cfg(A: int, **kw) -> RuntimeConfig:
+    base = dict(num_attention_ranks=A, num_expert_ranks=2, token_budget=256, chunk_len=256, max_prompt_len=4096)
+    return RuntimeConfig(**{**base, **kw})
+
+
+def _ttft(reqs, cfg, shapes=DEEP, **kw) -> list:
+    recs = simulate("async", reqs, ToyCost(), shapes, cfg, **kw).records
+    assert all(r.error is None for r in recs), [r.error for r in recs]
+    return [r.ttft_s for r in recs]
+
+
+def test_lane_off_reproduces_the_simulator_before_the_lane():
+    golden = json.loads((ROOT / "tests" / "sim_lane_golden.json").read_text())["toy"]
+    cfg = RuntimeConfig(num_attention_ranks=3, num_expert_ranks=2, token_budget=64, chunk_len=64, max_prompt_len=512,
+                        long_prompt_lane=False, token_balanced=False)
+    reqs = [Request(i, 0.0002 * i, [40, 300, 64, 500, 10, 130, 200, 77][i % 8]) for i in range(24)]
+    res = simulate("async", reqs, ToyCost(), SHAPES, cfg)
+    assert [r.done_s for r in res.records] == golden
+    # and the lane on, on the same trace, changes them (the prompts of several chunks take it)
+    on = simulate("async", reqs, ToyCost(), SHAPES, dataclasses.replace(cfg, long_prompt_lane=True))
+    assert [r.done_s for r in on.records] != golden
+
+
+@pytest.mark.parametrize("A", [2, 4])
+def test_lane_shortens_a_solo_long_prompt_by_about_the_groups(A):
+    cfg = _cfg(A)
+    off = _ttft([Request(0, 0.0, 2048)], dataclasses.replace(cfg, long_prompt_lane=False))[0]
+    on = _ttft([Request(0, 0.0, 2048)], cfg)[0]
+    # 8 chunks over A groups, 16 layers: never better than A groups' worth, at least 70% of it
+    assert 0.7 * A <= off / on <= A, (off, on)
+    # lane_groups caps the spread: 2 groups of 4 give the 2-group speed-up
+    two = _ttft([Request(0, 0.0, 2048)], dataclasses.replace(cfg, lane_groups=2))[0]
+    assert 1.4 <= off / two <= 2.0
+    # a threshold above the prompt: no lane, the same TTFT as off
+    assert _ttft([Request(0, 0.0, 2048)], dataclasses.replace(cfg, lane_threshold=4096))[0] == off
+
+
+def test_lane_on_the_910c_profile_shortens_a_63k_prompt():
+    from asap_comm.sim.costs import CostModel
+    from asap_comm.sim.shapes import ModelShapes
+    from asap_comm.sim.simulate import Parallelism
+
+    cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.load("deepseek-v3")
+    cfg = RuntimeConfig(num_attention_ranks=4, num_expert_ranks=32, token_budget=16384, chunk_len=8192,
+                        max_prompt_len=131072, expert_token_budget=32768)
+    par = Parallelism(attention_tp=8)
+    t = {on: simulate("async", [Request(0, 0.0, 63800)], cost, shapes, dataclasses.replace(cfg, long_prompt_lane=on),
+                      par=par).records[0].ttft_s for on in (False, True)}
+    assert 2.0 <= t[False] / t[True] <= 4.0, t
+
+
+def test_a_short_prompt_alone_is_unchanged():
+    cfg = _cfg(4)
+    for n in (1, 100, 256):  # one chunk: never the lane
+        assert _ttft([Request(0, 0.0, n)], cfg) == _ttft([Request(0, 0.0, n)], dataclasses.replace(
+            cfg, long_prompt_lane=False, token_balanced=False))
+
+
+def test_short_prompts_during_a_long_one_are_not_stalled():
+    cfg = _cfg(2)
+    alone = _ttft([Request(1, 0.0, 100)], cfg)[0]
+    # one short prompt in the middle of a long one: without the lane it has the idle group to itself; with it,
+    # it shares a group with one lane chunk (the other ping-pong slot), never waits for the long prompt
+    reqs = [Request(0, 0.0, 2048), Request(1, 0.1, 100)]
+    off = _ttft(reqs, dataclasses.replace(cfg, long_prompt_lane=False))
+    on = _ttft(reqs, cfg)
+    assert on[0] < 0.75 * off[0]
+    assert off[1] == pytest.approx(alone, rel=0.05)
+    assert on[1] <= off[1] + 1.25 * alone, (on, off, alone)
+    assert on[1] < 0.5 * (on[0] - 0.1)  # far from waiting for what was left of the long prompt
+    # a stream of short prompts through a long one, 4 groups: the slowest short one within one short TTFT
+    reqs = [Request(0, 0.0, 2048)] + [Request(i, 0.001 * i, 100) for i in range(1, 30)]
+    off = _ttft(reqs, dataclasses.replace(_cfg(4), long_prompt_lane=False))
+    on = _ttft(reqs, _cfg(4))
+    assert max(on[1:]) <= max(off[1:]) + alone, (max(on[1:]), max(off[1:]))
+
+
+def test_every_request_completes_under_load_in_both_designs():
+    lens = [3000, 90, 700, 2048, 40, 1500, 256, 4096, 300]
+    reqs = [Request(i, 0.003 * i, lens[i % len(lens)]) for i in range(45)]
+    for name in lane.DESIGNS:
+        with lane.design(name):
+            for A in (2, 3, 4):
+                for pp in (True, False):
+                    t = _ttft(reqs, _cfg(A, ping_pong=pp))
+                    assert all(x is not None and x > 0 for x in t), (name, A, pp)
+
+
+def test_cp_design_shortens_a_solo_prompt_and_pays_its_barriers():
+    cfg = _cfg(2)
+    off = _ttft([Request(0, 0.0, 2048)], dataclasses.replace(cfg, long_prompt_lane=False))[0]
+    with lane.design("cp"):
+        cp = _ttft([Request(0, 0.0, 2048)], cfg)[0]
+    assert cp < off
+    with pytest.raises(ValueError, match="lane.design"):
+        with lane.design("ring"):
+            pass
+
+
+def test_lane_with_a_known_slo_takes_only_prompts_predicted_too_slow():
+    cfg = _cfg(2)
+    off = _ttft([Request(0, 0.0, 2048)], dataclasses.replace(cfg, long_prompt_lane=False))[0]
+    on = _ttft([Request(0, 0.0, 2048)], cfg)[0]
+    # an SLO far above the prompt's TTFT: it stays on one group; one below it: the lane
+    assert _ttft([Request(0, 0.0, 2048)], cfg, slo_s=100 * off)[0] == off
+    assert _ttft([Request(0, 0.0, 2048)], cfg, slo_s=off)[0] == on
+    with pytest.raises(ValueError, match="slo_s"):
+        simulate("async", [Request(0, 0.0, 10)], ToyCost(), DEEP, cfg, slo_s=-1.0)
+
+
+def test_balance_pair_counts():
+    def ch(rid, n):
+        return Chunk(rid, 0, 0, n, 1)
+
+    a, b = [ch(0, 200), ch(1, 30), ch(2, 20)], [ch(3, 150), ch(4, 100)]
+    x, y = balance_pair(a, b, 256)
+    assert sorted(c.request_id for c in x + y) == [0, 1, 2, 3, 4]
+    tx, ty = sum(c.length for c in x), sum(c.length for c in y)
+    assert abs(tx - ty) <= 30 and max(tx, ty) <= 256, (tx, ty)
+    # a first micro-batch filled to the budget and a small second one become two halves
+    x, y = balance_pair([ch(0, 128), ch(1, 128)], [ch(2, 16)], 256)
+    assert sorted([sum(c.length for c in x), sum(c.length for c in y)]) == [128, 144]
+    # a split that cannot keep the budget: unchanged
+    a, b = [ch(0, 250)], [ch(1, 200), ch(2, 50)]
+    assert balance_pair(a, b, 250) in ((a, b), ([ch(0, 250)], [ch(1, 200), ch(2, 50)]))
+    assert balance_pair([ch(0, 5)], [], 256) == ([ch(0, 5)], [])
+
+
+def test_token_balanced_micro_batches_in_the_simulator(monkeypatch):
+    formed = []
+    orig = _AsyncSim._start_batch
+
+    def spy(self, rank, batch):
+        formed.append(sorted(c.length for c in batch))
+        return orig(self, rank, batch)
+
+    monkeypatch.setattr(_AsyncSim, "_start_batch", spy)
+    # four requests at once on an idle group
+    reqs = [Request(0, 0.0, 128), Request(1, 0.0, 100), Request(2, 0.0, 28), Request(3, 0.0, 16)]
+    cfg = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=256, chunk_len=256, max_prompt_len=256)
+    simulate("async", reqs, ToyCost(), SHAPES, dataclasses.replace(cfg, token_balanced=False))
+    assert formed[:2] == [[128], [100]]  # first come: the two slots go to the first two chunks delivered
+    formed.clear()
+    simulate("async", reqs, ToyCost(), SHAPES, cfg)
+    # the pair is formed from all four: 128 + 100 + 28 under the budget and 16, re-split into 128 | 100 + 28 + 16
+    assert sorted(sum(b) for b in formed[:2]) == [128, 144], formed
+    assert sum(len(b) for b in formed) == 4  # every chunk once, in two micro-batches
+
+
+def test_kv_put_scales_with_tokens_and_receivers():
+    from asap_comm.sim.costs import CostModel
+    from asap_comm.sim.shapes import ModelShapes
+
+    cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.load("deepseek-v3")
+    lat = cost.profile.p2p["latency_s"]
+    one, two = kv_put_s(cost, shapes, 4096, 1), kv_put_s(cost, shapes, 4096, 2)
+    assert one > lat and two - lat == pytest.approx(2 * (one - lat))
+    assert kv_put_s(cost, shapes, 8192, 1) - lat == pytest.approx(2 * (one - lat))
+    assert kv_put_s(cost, shapes, 4096, 0) == 0.0
+
+
+@pytest.mark.parametrize("field,value", [("long_prompt_lane", 1), ("token_balanced", None), ("lane_threshold", 0),
+                                         ("lane_threshold", True), ("lane_groups", -1), ("lane_groups", 1.5)])
+def test_runtime_config_rejects_bad_lane_settings(field, value):
+    with pytest.raises(ValueError, match=field):
+        RuntimeConfig(**{field: value})
+
+
+def test_sim_run_lane_flags(tmp_path):
+    base = [sys.executable, "-m", "asap_comm.sim", "run", "--num-requests", "20", "--rate", "50"]
+    bad = subprocess.run(base + ["--out", str(tmp_path / "bad"), "--lane-threshold", "0"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "--lane-threshold" in bad.stderr
+    ok = subprocess.run(base + ["--out", str(tmp_path / "ok"), "--no-long-prompt-lane", "--no-token-balanced",
+                                "--modes", "async"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    rt = json.loads((tmp_path / "ok" / "summary.json").read_text())["config"]["runtime"]
+    assert rt["long_prompt_lane"] is False and rt["token_balanced"] is False
+
+
+def test_lane_study_sweep_shares_points_between_percentiles():
+    from asap_comm.sim.lane_study import _Sweep
+
+    calls = []
+
+    def run(rate):  # attainment falls with load: 1.0 up to 4 req/s, then 0.95 up to 8, then 0.5
+        calls.append(rate)
+        return 1.0 if rate <= 4 else 0.95 if rate <= 8 else 0.5
+
+    sw = _Sweep(run, 1.0, 1000.0)
+    p90 = sw.search(0.9, bisections=3)
+    n = len(calls)
+    p99 = sw.search(0.99, bisections=3)
+    assert 8000 <= p90["slo_compliant_throughput"] < 16000 and p90["saturated"]
+    assert 4000 <= p99["slo_compliant_throughput"] < 8000
+    assert len(calls) == len(set(calls))  # no load run twice
+    assert len(calls) - n < n  # the p99 search reused the p90 search's doublings
+
+
+def test_lane_study_rejects_unknown_deployments(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "asap_comm.sim", "lane-study", "--out", str(tmp_path),
+                        "--deployments", "48 dies"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "--deployments" in r.stderr and "32 dies" in r.stderr
