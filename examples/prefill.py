@@ -70,7 +70,8 @@ from asap_models import StageFactory
 
 def model_info(cfg) -> ModelInfo:
     return ModelInfo(cfg.num_hidden_layers, tuple(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
-                     cfg.hidden_size, cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok)
+                     cfg.hidden_size, cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                     kv_row_width=cfg.kv_lora_rank + cfg.qk_rope_head_dim)
 
 
 def make_requests(args, vocab: int) -> list:

@@ -141,6 +141,23 @@ class Placer:
         self._held[request_id] = (ranks, work)
         return ranks
 
+    def place_lane(self, request_id: int, chunks: list, groups: int) -> list[int]:
+        """The long-prompt lane (``lane.py``): the ``groups`` least-loaded ranks (ties to the lowest rank) share a
+        request's chunks round-robin, chunk ``j`` on ``ranks[j % groups]``, and its cost counts there. Returns
+        the ranks, least loaded first."""
+        self._check_new("place_lane", request_id)
+        g = _int("Placer.place_lane", "groups", groups, 1)
+        if g > self.num_ranks:
+            raise ValueError(f"Placer.place_lane: groups={g} is more than the {self.num_ranks} ranks")
+        ranks = sorted(range(self.num_ranks), key=lambda r: (self._work[r], r))[:g]
+        works = [0.0] * g
+        for j, c in enumerate(chunks):
+            works[j % g] += c.cost
+        for r, w in zip(ranks, works):
+            self._work[r] += w
+        self._held[request_id] = (ranks, works)
+        return ranks
+
     def _check_new(self, fn: str, request_id: int) -> None:
         if request_id in self._held:
             raise ValueError(f"Placer.{fn}: request {request_id} is already placed on rank(s) "
@@ -152,8 +169,9 @@ class Placer:
         if held is None:
             raise ValueError(f"Placer.complete: request {request_id} is not placed")
         ranks, work = held
-        for r in ranks:
-            self._work[r] = max(0.0, self._work[r] - work)
+        works = work if isinstance(work, list) else [work] * len(ranks)
+        for r, w in zip(ranks, works):
+            self._work[r] = max(0.0, self._work[r] - w)
         return ranks[0]
 
 
@@ -173,12 +191,20 @@ class MicroBatcher:
         self._busy: dict[int, Chunk] = {}  # request -> its chunk in flight
         self._next_index: dict[int, int] = {}  # request -> index of its next chunk to run
         self._cancelled: set[int] = set()  # requests cancelled while a chunk of theirs was in flight
+        self._stride: dict[int, int] = {}  # long-prompt lane request -> its stride on this rank (solo chunks)
 
-    def add(self, chunk: Chunk) -> None:
-        """Queue a chunk (a request's chunks must be added in index order)."""
-        expected = self._next_index.get(chunk.request_id, 0)
-        queued = sum(1 for c in self._queue if c.request_id == chunk.request_id)
-        if chunk.index != expected + queued + (1 if chunk.request_id in self._busy else 0):
+    def add(self, chunk: Chunk, stride: int = 1) -> None:
+        """Queue a chunk (a request's chunks must be added in index order). ``stride > 1``: a long-prompt lane's
+        chunk; this rank runs every ``stride``-th chunk of the request from the first one added, and each
+        such chunk runs alone in its micro-batch."""
+        rid = chunk.request_id
+        queued = sum(1 for c in self._queue if c.request_id == rid)
+        if stride > 1 and rid not in self._next_index and not queued and rid not in self._busy:
+            self._next_index[rid] = chunk.index
+            self._stride[rid] = stride
+        step = self._stride.get(rid, 1)
+        expected = self._next_index.get(rid, 0)
+        if chunk.index != expected + step * (queued + (1 if rid in self._busy else 0)):
             raise ValueError(f"MicroBatcher.add: chunk {chunk.index} of request {chunk.request_id} is out of order")
         self._queue.append(chunk)
 
@@ -195,13 +221,14 @@ class MicroBatcher:
         for c in list(self._queue):
             if c.request_id in self._busy or c.request_id in taken_requests:
                 continue  # waits for its predecessor
-            if batch and tokens + c.length > self.token_budget:
+            solo = c.request_id in self._stride
+            if batch and (solo or tokens + c.length > self.token_budget):
                 taken_requests.add(c.request_id)  # its later chunks must wait for this one
                 continue  # does not fit; a smaller chunk of another request may
             batch.append(c)
             taken_requests.add(c.request_id)
             tokens += c.length
-            if tokens >= self.token_budget:
+            if tokens >= self.token_budget or solo:
                 break
         for c in batch:
             self._queue.remove(c)
@@ -218,6 +245,7 @@ class MicroBatcher:
             self._cancelled.add(request_id)
         else:
             self._next_index.pop(request_id, None)
+            self._stride.pop(request_id, None)
         return dropped
 
     def running(self, request_id: int) -> bool:
@@ -228,14 +256,15 @@ class MicroBatcher:
         """A chunk's micro-batch completed: the request's next chunk becomes eligible."""
         if self._busy.get(chunk.request_id) != chunk:
             raise ValueError(f"MicroBatcher.done: chunk {chunk.index} of request {chunk.request_id} is not in flight")
-        del self._busy[chunk.request_id]
-        if chunk.request_id in self._cancelled:
-            self._cancelled.discard(chunk.request_id)
-            self._next_index.pop(chunk.request_id, None)
-        elif chunk.last:
-            self._next_index.pop(chunk.request_id, None)
+        rid = chunk.request_id
+        del self._busy[rid]
+        step = self._stride.get(rid, 1)
+        if rid in self._cancelled or chunk.index + step >= chunk.num_chunks:  # cancelled, or this rank's last
+            self._cancelled.discard(rid)
+            self._next_index.pop(rid, None)
+            self._stride.pop(rid, None)
         else:
-            self._next_index[chunk.request_id] = chunk.index + 1
+            self._next_index[rid] = chunk.index + step
 
 
 @dataclass

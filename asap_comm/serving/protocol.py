@@ -89,6 +89,7 @@ class ModelInfo:
     num_experts: int
     top_k: int
     dtype: torch.dtype = torch.float32
+    kv_row_width: int = 0  # values per token of one layer's KV cache (MLA: kv_lora_rank + qk_rope); 0: no lane
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,14 @@ class RuntimeConfig:
     # run_sync only, on emulated devices (asap_comm.sim.emulate): prompts longer than this many tokens run with
     # context parallelism over ceil(prompt / cp_threshold) DP groups (None: never; see sync.py)
     cp_threshold: "int | None" = None
+    # the long-prompt lane (serving/lane.py; acts only with load_aware and num_attention_ranks >= 2): a prompt of
+    # more than one chunk, longer than lane_threshold tokens (None: any prompt of at least 2 chunks), runs its
+    # chunks round-robin on up to lane_groups attention ranks (0: all), each layer's KV latents of a chunk put
+    # one-sidedly into the later chunks' ranks
+    long_prompt_lane: bool = True
+    lane_threshold: "int | None" = None
+    lane_groups: int = 0
+    token_balanced: bool = True  # an attention rank's two ping-pong micro-batches balanced in tokens
 
     def __post_init__(self) -> None:
         for name in ("num_attention_ranks", "num_expert_ranks", "token_budget", "max_prompt_len",
@@ -126,6 +135,15 @@ class RuntimeConfig:
         c = self.cp_threshold
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"RuntimeConfig: cp_threshold={c!r} must be None or an int >= 1")
+        t = self.lane_threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
+            raise ValueError(f"RuntimeConfig: lane_threshold={t!r} must be None or an int >= 0")
+        g = self.lane_groups
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0 or g == 1:
+            raise ValueError(f"RuntimeConfig: lane_groups={g!r} must be 0 (all attention ranks) or an int >= 2")
+        for name in ("long_prompt_lane", "token_balanced"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RuntimeConfig: {name}={getattr(self, name)!r} must be a bool")
         if self.sync_collectives not in ("gloo", "shm"):
             raise ValueError(f"RuntimeConfig: sync_collectives={self.sync_collectives!r} must be 'gloo' or 'shm'")
 
@@ -227,9 +245,12 @@ class Channels:
     moe: object = None  # async: this PE's AttentionEnd / ExpertEnd (None on the front end)
     lockstep: object = None  # async, barrier_free=False: the lock-step ablation's step counters
     shm: object = None  # sync, sync_collectives="shm": this worker's ShmCollectives (None on the front end)
+    lane: object = None  # async with the long-prompt lane: this PE's lane.LaneBuffers
 
 
 def request_mailbox(comm, cfg: RuntimeConfig, info: ModelInfo, num_targets: int):
     """Collective: requests (front end -> ranks) and results (ranks -> front end) share one mailbox."""
-    slot = max(8 * (cfg.max_chunk_tokens + HDR), 4 * (info.hidden + 1), 256)
+    # a lane chunk carries lane.LANE_WORDS + A more words (its lane's sequence number, prompt length and ranks)
+    lane = 3 + cfg.num_attention_ranks if cfg.long_prompt_lane else 0
+    slot = max(8 * (cfg.max_chunk_tokens + HDR + lane), 4 * (info.hidden + 1), 256)
     return comm.mailbox(slot, 8 * (num_targets + 4))

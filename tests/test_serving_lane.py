@@ -1,0 +1,194 @@
+"""The long-prompt lane of the asynchronous runtime (asap_comm/serving/lane.py): a long prompt's chunks pipelined
+over several attention ranks, each layer's KV latents put one-sidedly to the later chunks' ranks. Outputs equal
+the single-process reference; the chunks really run on several ranks; short prompts are not held up; a killed
+rank fails the run cleanly; and the policies' pieces (placement, micro-batcher stride, config checks)."""
+import os
+import signal
+
+import pytest
+import torch
+
+from asap_comm.serving.frontend import FrontEnd
+from asap_comm.serving.lane import FrontLane, lane_active
+from asap_comm.serving.policies import Chunk, MicroBatcher, Placer, split_prompt
+from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async
+
+from serving_utils import CFG, INFO, TinyFactory, check_against_reference, make_trace
+from models import random_init
+
+
+def _prompt(rid: int, n: int, arrival: float = 0.0, seed: int = 0) -> PromptRequest:
+    g = torch.Generator().manual_seed(1000 + seed + rid)
+    return PromptRequest(rid, arrival, torch.randint(0, CFG.vocab_size, (n,), generator=g))
+
+
+def _lane_pes(result, rid: int) -> set:
+    """The attention ranks that put KV latents of request ``rid`` (from the timeline)."""
+    return {sp[0] for sp in result.spans if sp[2].startswith("lane kv") and f" req {rid} " in sp[2]}
+
+
+def _cfg(**kw) -> RuntimeConfig:
+    base = dict(num_attention_ranks=3, num_expert_ranks=2, token_budget=32, chunk_len=16, max_prompt_len=128,
+                timeout_s=90)
+    base.update(kw)
+    return RuntimeConfig(**base)
+
+
+# ----------------------------------------------------------------------------- policies (no processes)
+def test_place_lane_round_robin_costs_and_complete():
+    p = Placer(3)
+    p.place(7, split_prompt(7, 10, None))  # rank 0 busy
+    chunks = split_prompt(1, 64, 16)
+    ranks = p.place_lane(1, chunks, 2)
+    assert ranks == [1, 2]  # the two least loaded, least loaded first
+    w = p.outstanding
+    assert w[1] == pytest.approx(chunks[0].cost + chunks[2].cost)
+    assert w[2] == pytest.approx(chunks[1].cost + chunks[3].cost)
+    assert p.complete(1) == 1 and p.outstanding[1:] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="groups=4 is more than the 3 ranks"):
+        p.place_lane(2, chunks, 4)
+
+
+def test_micro_batcher_stride_runs_a_ranks_lane_chunks_alone_and_in_order():
+    b = MicroBatcher(64)
+    chunks = split_prompt(5, 80, 16)  # 5 chunks; this rank runs 1 and 3 (stride 2)
+    b.add(chunks[1], stride=2)
+    b.add(Chunk(9, 0, 0, 4, 1))
+    with pytest.raises(ValueError, match="out of order"):
+        b.add(chunks[2], stride=2)
+    b.add(chunks[3], stride=2)
+    assert b.next_batch() == [chunks[1]]  # alone although the budget has room
+    assert b.next_batch() == [Chunk(9, 0, 0, 4, 1)]  # chunk 3 waits for chunk 1
+    b.done(chunks[1])
+    assert b.next_batch() == [chunks[3]]
+    b.done(chunks[3])  # the rank's last chunk of the request: forgotten
+    assert b.running(5) is False and len(b) == 0
+    b.add(split_prompt(5, 80, 16)[0])  # the id may come back as an ordinary request
+
+
+def test_runtime_config_lane_fields_are_checked():
+    with pytest.raises(ValueError, match="lane_groups=1"):
+        RuntimeConfig(lane_groups=1)
+    with pytest.raises(ValueError, match="lane_threshold=-1"):
+        RuntimeConfig(lane_threshold=-1)
+    with pytest.raises(ValueError, match="long_prompt_lane=1"):
+        RuntimeConfig(long_prompt_lane=1)
+    assert lane_active(_cfg(), INFO)
+    assert not lane_active(_cfg(long_prompt_lane=False), INFO)
+    assert not lane_active(_cfg(load_aware=False), INFO)
+    assert not lane_active(_cfg(num_attention_ranks=1), INFO)
+
+
+def test_front_lane_predicate_and_slots():
+    fl = FrontLane(_cfg(lane_threshold=40, lane_groups=2), INFO, 3)
+    assert fl.groups_for(16, 1) == 0  # one chunk
+    assert fl.groups_for(40, 3) == 0  # not longer than the threshold
+    assert fl.groups_for(41, 3) == 2  # lane_groups
+    fl2 = FrontLane(_cfg(), INFO, 3)
+    assert fl2.groups_for(17, 2) == 2 and fl2.groups_for(100, 7) == 3
+    for rid in range(len(fl2.free)):  # every slot taken: the next long prompt runs the normal way
+        fl2.open(rid, 100, [0, 1, 2])
+    assert fl2.groups_for(100, 7) == 0
+    fl2.close(0)
+    assert fl2.groups_for(100, 7) == 3
+
+
+# ----------------------------------------------------------------------------- the runtime
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_lane_outputs_equal_the_reference_and_chunks_run_on_several_ranks(ranks):
+    long_ = [_prompt(0, 100), _prompt(1, 61, 0.05)]
+    requests = long_ + make_trace(8, seed=3, max_len=40, spread_s=0.2)
+    requests = [PromptRequest(i, r.arrival_s, r.token_ids) for i, r in enumerate(requests)]
+    result = run_async(TinyFactory(), INFO, requests, _cfg(num_attention_ranks=ranks, lane_threshold=50))
+    assert [r.error for r in result.records] == [None] * len(requests)
+    assert check_against_reference(requests, result) == []
+    # 100 tokens in 7 chunks round-robin: every rank sends KV; the short ones (<= 50 tokens) take no lane
+    assert len(_lane_pes(result, 0)) == ranks
+    assert len(_lane_pes(result, 1)) >= 2
+    assert not any(_lane_pes(result, i) for i in range(2, len(requests)))
+
+
+@pytest.mark.slow
+def test_lane_off_is_the_old_runtime():
+    requests = [_prompt(0, 100)] + [PromptRequest(i + 1, r.arrival_s, r.token_ids)
+                                    for i, r in enumerate(make_trace(5, seed=4))]
+    result = run_async(TinyFactory(), INFO, requests, _cfg(long_prompt_lane=False))
+    assert check_against_reference(requests, result) == []
+    assert not [sp for sp in result.spans if sp[2].startswith("lane kv")]
+
+
+@pytest.mark.slow
+def test_short_prompts_complete_while_a_lane_prompt_runs():
+    # a 120-token prompt (8 chunks) over 2 ranks, then short prompts just after it: each short one finishes
+    # before the long one (they run in the other ping-pong slot while its chunks wait for KV)
+    requests = [_prompt(0, 120)] + [_prompt(i, 6, 0.001 * i) for i in range(1, 5)]
+    result = run_async(TinyFactory(), INFO, requests,
+                       _cfg(num_attention_ranks=2, num_expert_ranks=1, max_prompt_len=128))
+    assert check_against_reference(requests, result) == []
+    done = {r.request_id: r.done_s for r in result.records}
+    assert len(_lane_pes(result, 0)) == 2
+    assert all(done[i] < done[0] for i in range(1, 5)), done
+
+
+class _DyingAttention(TinyFactory):
+    """The first attention rank to attend past position 48 (a lane chunk of the long prompt, after it imported
+    the earlier chunks' latents) dies there, in the middle of the lane."""
+
+    def __call__(self, role: str, experts: list):
+        model = super().__call__(role, experts)
+        if role != "attention":
+            return model
+        inner = model.attention_stage
+
+        def attention_stage(layer, hidden, cache=None):
+            if cache is not None and cache.length(layer) >= 48:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return inner(layer, hidden, cache)
+
+        model.attention_stage = attention_stage
+        return model
+
+
+@pytest.mark.slow
+def test_killed_rank_mid_lane_fails_the_run_without_hanging():
+    requests = [_prompt(0, 100), _prompt(1, 5, 0.01)]
+    result = run_async(_DyingAttention(), INFO, requests, _cfg(num_attention_ranks=2, timeout_s=60))
+    rec = {r.request_id: r for r in result.records}
+    assert rec[0].error and 0 not in result.outputs, rec[0]
+
+
+def test_front_end_lane_messages_reach_every_lane_rank():
+    """The front end's admission of a lane prompt: chunk j queued to ranks[j % g], lane words before the tokens,
+    the last chunk's rank recorded; cancel frees the slot and tells every lane rank (no processes: a stub
+    mailbox)."""
+    class _Comm:
+        world_size, rank = 4, 3
+
+        def peer_state(self, pe):
+            return "alive"
+
+    cfg = _cfg(num_attention_ranks=3)
+    fe = FrontEnd(_Comm(), cfg, INFO, None, 3, "async")
+    toks = torch.arange(100) % CFG.vocab_size
+    rank = fe.admit(0, toks)
+    sent = [[e[1] for e in q] for q in fe.pending]
+    assert [len(s) for s in sent] == [3, 2, 2]  # 7 chunks round-robin over 3 ranks (all idle: 0, 1, 2)
+    assert rank == 0  # chunk 6 on ranks[6 % 3]
+    p = sent[1][0]
+    assert int(p[4]) < 0 and p[5:8].tolist() == [1, 100, 3] and p[8:11].tolist() == [0, 1, 2]
+    assert torch.equal(p[11:], toks[15:30])  # chunk 1: tokens 15..29 (7 balanced chunks of 14-15)
+    free = len(fe.lane.free)
+    assert fe.cancel(0)
+    assert len(fe.lane.free) == free + 1 and not any(fe.pending)  # nothing was sent: no cancel message
+    ref = random_init(CFG, seed=0)  # kv rows round trip through the model hooks
+    cache = ref.new_cache()
+    ref.prefill(toks[:20], cache)
+    rows = ref.kv_rows(cache, 1, 5, 20)
+    other = ref.new_cache()
+    ref.append_kv_rows(other, 1, ref.kv_rows(cache, 1, 0, 5))
+    ref.append_kv_rows(other, 1, rows)
+    assert torch.equal(ref.kv_rows(other, 1, 0, 20), ref.kv_rows(cache, 1, 0, 20))
+    with pytest.raises(ValueError, match="not all cached"):
+        ref.kv_rows(cache, 1, 0, 21)
