@@ -66,6 +66,25 @@ def test_micro_batcher_stride_runs_a_ranks_lane_chunks_alone_and_in_order():
     b.add(split_prompt(5, 80, 16)[0])  # the id may come back as an ordinary request
 
 
+def test_token_balanced_micro_batches_split_tokens_evenly():
+    b = MicroBatcher(32)
+    for rid, n in enumerate([20, 12, 10, 8, 6]):  # FIFO fill would give [20, 12] and [10, 8, 6]
+        b.add(Chunk(rid, 0, 0, n, 1))
+    one, two = b.next_batches(2)
+    sizes = sorted([sum(c.length for c in one), sum(c.length for c in two)])
+    assert sizes == [28, 28] and {c.request_id for c in one + two} == set(range(5))
+    assert all(sum(c.length for c in x) <= 32 for x in (one, two))
+    lane = split_prompt(9, 64, 16)
+    b.add(lane[0], stride=2)
+    b.add(Chunk(10, 0, 0, 5, 1))
+    b.add(Chunk(11, 0, 0, 4, 1))
+    x, y = b.next_batches(2)
+    assert x == [lane[0]] and [c.request_id for c in y] == [10, 11]  # the lane chunk alone
+    assert b.next_batches(2) == []
+    with pytest.raises(ValueError, match="count"):
+        b.next_batches(0)
+
+
 def test_runtime_config_lane_fields_are_checked():
     with pytest.raises(ValueError, match="lane_groups=1"):
         RuntimeConfig(lane_groups=1)

@@ -171,6 +171,9 @@ class _AttentionRank(ChunkTaker):
             self.stats.publish()
             while (m := self.box.poll()) is not None:
                 stopped |= not self._take(m)
+            if not running and max_running == 2 and self.cfg.token_balanced:  # both ping-pong slots free
+                for batch in self.batcher.next_batches(2):
+                    running.append([self._microbatch(batch), None, -1])
             while len(running) < max_running:
                 batch = self.batcher.next_batch()
                 if not batch:

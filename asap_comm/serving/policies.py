@@ -235,6 +235,41 @@ class MicroBatcher:
             self._busy[c.request_id] = c
         return batch
 
+    def next_batches(self, count: int) -> list[list[Chunk]]:
+        """Token-balanced micro-batches (``RuntimeConfig.token_balanced``), up to ``count`` at once: the eligible
+        chunks in FIFO order up to ``count * token_budget`` tokens (one chunk per request, as :meth:`next_batch`),
+        assigned whole, largest first, to the micro-batch with the fewest tokens that has room (a chunk longer
+        than the budget only to an empty one; a lane chunk alone). The non-empty ones, fullest first."""
+        _int("MicroBatcher.next_batches", "count", count, 1)
+        picked, total, seen = [], 0, set()
+        for c in self._queue:
+            if c.request_id in self._busy or c.request_id in seen:
+                continue
+            seen.add(c.request_id)
+            if picked and total + c.length > count * self.token_budget:
+                continue
+            picked.append(c)
+            total += c.length
+        bins: list = [[] for _ in range(count)]
+        load, solo = [0] * count, [False] * count
+        for c in sorted(picked, key=lambda c: -c.length):
+            alone = c.request_id in self._stride
+            fits = [b for b in range(count) if not solo[b] and (not bins[b] or (
+                not alone and load[b] + c.length <= self.token_budget))]
+            if not fits:
+                continue
+            b = min(fits, key=lambda b: (load[b], b))
+            bins[b].append(c)
+            load[b] += c.length
+            solo[b] = alone
+        out = sorted((b for b in bins if b), key=lambda b: -sum(c.length for c in b))
+        for batch in out:
+            batch.sort(key=lambda c: self._queue.index(c))  # FIFO inside a micro-batch
+            for c in batch:
+                self._queue.remove(c)
+                self._busy[c.request_id] = c
+        return out
+
     def cancel(self, request_id: int) -> list[Chunk]:
         """Drop a request's queued chunks (returned); a chunk of it in flight stays until :meth:`done`,
         after which the request is forgotten."""
