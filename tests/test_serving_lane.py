@@ -103,6 +103,7 @@ def test_front_lane_predicate_and_slots():
     assert fl.groups_for(16, 1) == 0  # one chunk
     assert fl.groups_for(40, 3) == 0  # not longer than the threshold
     assert fl.groups_for(41, 3) == 2  # lane_groups
+    assert FrontLane(_cfg(), INFO, 3, enabled=False).groups_for(100, 7) == 0  # the baseline's front end
     fl2 = FrontLane(_cfg(), INFO, 3)
     assert fl2.groups_for(17, 2) == 2 and fl2.groups_for(100, 7) == 3
     for rid in range(len(fl2.free)):  # every slot taken: the next long prompt runs the normal way

@@ -107,7 +107,7 @@ class FrontEnd:
         self.queued_tokens = 0
         self.watch = DeathWatch(comm, range(comm.world_size))
         self._cp = cfg.cp_threshold if label == "sync" else None
-        self.lane = FrontLane(cfg, info, num_targets if label == "async" else 1)  # the long-prompt lane (lane.py)
+        self.lane = FrontLane(cfg, info, num_targets, enabled=label == "async")  # the long-prompt lane (lane.py)
 
     def admit(self, request_id: int, token_ids: torch.Tensor, check_bound: bool = True) -> int:
         """Admit a request or raise :class:`Rejected`; returns the rank it was placed on. A request is over

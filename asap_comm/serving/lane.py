@@ -73,9 +73,10 @@ class LaneBuffers:
 class FrontLane:
     """The front end's side: which prompt takes the lane, its slot, ranks and chunk messages' lane words."""
 
-    def __init__(self, cfg, info, num_targets: int) -> None:
+    def __init__(self, cfg, info, num_targets: int, *, enabled: bool = True) -> None:
+        """``enabled=False``: never (the baseline's front end)."""
         self.cfg, self.W = cfg, num_targets
-        self.active = lane_active(cfg, info)
+        self.active = enabled and num_targets >= 2 and lane_active(cfg, info)
         self.free = list(range(lane_slots(cfg))) if self.active else []
         self.seq = 0
         self.slot_of: dict = {}  # request -> its slot
