@@ -156,8 +156,10 @@ class _AttentionRank(ChunkTaker):
                 self.lane.drop(c.request_id)
                 self.batcher.done(c)
             return
+        dropped = lane is not None and chunks[0].request_id in self.cancelled
         finish_chunks(model, self.box, self.front, chunks, hs, self.caches, self.batcher, self.cancelled)
-        if lane is not None and lane.finished(chunks[0]):  # this rank's last chunk of the request
+        if lane is not None and (lane.finished(chunks[0]) or dropped):  # this rank's last chunk, or cancelled
+            lane.drop(chunks[0].request_id)
             self.caches.pop(chunks[0].request_id, None)
         self._busy("attn tail", t[0])
 
