@@ -4,6 +4,7 @@ the single-process reference; the chunks really run on several ranks; short prom
 rank fails the run cleanly; and the policies' pieces (placement, micro-batcher stride, config checks)."""
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -212,3 +213,74 @@ def test_front_end_lane_messages_reach_every_lane_rank():
     assert torch.equal(ref.kv_rows(other, 1, 0, 20), ref.kv_rows(cache, 1, 0, 20))
     with pytest.raises(ValueError, match="not all cached"):
         ref.kv_rows(cache, 1, 0, 21)
+
+
+class _SlowAttention(TinyFactory):
+    """Attention stages that take 10 ms each: a lane prompt is still running when the front end cancels it."""
+
+    def __call__(self, role: str, experts: list):
+        model = super().__call__(role, experts)
+        if role == "attention":
+            inner = model.attention_stage
+
+            def attention_stage(layer, hidden, cache=None):
+                time.sleep(0.01)
+                return inner(layer, hidden, cache)
+
+            model.attention_stage = attention_stage
+        return model
+
+
+class _CancelFront:
+    """A front-end role: two lane prompts, cancel the first mid-lane, a third reuses its slot; then short ones."""
+
+    def __init__(self, prompts: dict) -> None:
+        self.prompts = prompts
+
+    def __call__(self, comm, cfg, info, ch, num_targets, label, role_of):
+        fe = FrontEnd(comm, cfg, info, ch.box, num_targets, label)
+        fe.wait_ready(ch.stats, 60)
+        out, slots = {}, []
+
+        def pump_until(pred, limit_s=60.0):
+            end = time.monotonic() + limit_s
+            while not pred():
+                for c in fe.pump(0.005):
+                    out[c.request_id] = (c.token, c.hidden)
+                assert time.monotonic() < end, f"front end: no progress ({sorted(out)})"
+
+        fe.admit(0, self.prompts[0])
+        fe.admit(1, self.prompts[1])
+        slots.append(dict(fe.lane.slot_of))
+        pump_until(lambda: not fe.has_unsent)
+        t = time.monotonic()
+        pump_until(lambda: time.monotonic() - t > 0.15)  # request 0's chunks are running on both ranks
+        assert fe.cancel(0)
+        fe.admit(2, self.prompts[2])  # takes request 0's slot
+        slots.append(dict(fe.lane.slot_of))
+        for rid in (3, 4):
+            fe.admit(rid, self.prompts[rid])
+        pump_until(lambda: all(r in out for r in (1, 2, 3, 4)))
+        pump_until(lambda: time.monotonic() - t > 0.3)  # a late result of request 0 would be dropped here
+        fe.stop()
+        return out, slots
+
+
+@pytest.mark.slow
+def test_cancel_mid_lane_then_reuse_its_slot():
+    from asap_comm.launch import launch
+    from asap_comm.serving.group import GroupSpec, group_main
+
+    prompts = {0: _prompt(0, 120).token_ids, 1: _prompt(1, 90).token_ids, 2: _prompt(2, 100).token_ids,
+               3: _prompt(3, 5).token_ids, 4: _prompt(4, 9).token_ids}
+    cfg = _cfg(num_attention_ranks=2, num_expert_ranks=1, timeout_s=90)
+    spec = GroupSpec("async", cfg, INFO, _SlowAttention(), _CancelFront(prompts))
+    results = launch(group_main, spec.world_size, spec, timeout=120)
+    out, slots = results[-1][1]
+    assert slots[0][0] == slots[1][2], slots  # request 2 reused the cancelled request's slot
+    assert 0 not in out and sorted(out) == [1, 2, 3, 4]
+    reqs = [PromptRequest(r, 0.0, prompts[r]) for r in (1, 2, 3, 4)]
+
+    class _R:
+        outputs = out
+    assert check_against_reference(reqs, _R()) == []
