@@ -132,6 +132,19 @@ def test_lane_outputs_equal_the_reference_and_chunks_run_on_several_ranks(ranks)
 
 
 @pytest.mark.slow
+def test_lane_prompts_sharing_ranks_with_one_micro_batch_per_rank():
+    # one micro-batch per rank (ping-pong off) and three lane prompts at once over the same 2 ranks: each rank's
+    # only slot is held by a chunk that may wait for the other rank; they all complete (a lane chunk starts only
+    # once its predecessor started, LaneRank.can_start; this load also completes without that rule, so it guards
+    # the mixed load, not the rule itself)
+    requests = [_prompt(i, 70 + 13 * i, 0.0) for i in range(3)]
+    result = run_async(TinyFactory(), INFO, requests, _cfg(num_attention_ranks=2, ping_pong=False, timeout_s=60))
+    assert [r.error for r in result.records] == [None] * 3
+    assert check_against_reference(requests, result) == []
+    assert all(len(_lane_pes(result, i)) == 2 for i in range(3))
+
+
+@pytest.mark.slow
 def test_lane_off_is_the_old_runtime():
     requests = [_prompt(0, 100)] + [PromptRequest(i + 1, r.arrival_s, r.token_ids)
                                     for i, r in enumerate(make_trace(5, seed=4))]
@@ -284,3 +297,34 @@ def test_cancel_mid_lane_then_reuse_its_slot():
     class _R:
         outputs = out
     assert check_against_reference(reqs, _R()) == []
+
+
+def test_can_start_waits_for_the_predecessors_layer_zero():
+    """LaneRank.can_start on a one-PE communicator: a lane chunk may start only once every earlier chunk computed
+    elsewhere put its layer 0 (signals hold the lane's sequence number)."""
+    import asap_comm
+    from asap_comm.serving.lane import LaneBuffers, LaneRank
+
+    cfg = _cfg(num_attention_ranks=3)
+    comm = asap_comm.init(0, 1, master_addr="127.0.0.1", master_port=0, timeout=5.0)
+    try:
+        buf = LaneBuffers(comm, cfg, INFO)
+        lr = LaneRank(comm, cfg, random_init(CFG, seed=0, experts=[]), buf, set(), [])
+        words = torch.tensor([7, 100, 3, 1, 2, 0], dtype=torch.int64)  # seq 7, 100 tokens, ranks [1, 2, 0]
+        chunks = split_prompt(4, 100, 16)
+        toks, stride = lr.take(chunks[2], -(1 + 3), torch.cat([words, torch.arange(14)]))
+        assert stride == 3 and toks.tolist() == list(range(14)) and lr.is_lane(4)
+        assert not lr.can_start(chunks[2])
+        comm.signal_op(buf.sig, buf.index(3, 0, 1), 7, "set", 0)
+        assert not lr.can_start(chunks[2])  # chunk 0 has not put layer 0
+        comm.signal_op(buf.sig, buf.index(3, 0, 0), 6, "set", 0)
+        assert not lr.can_start(chunks[2])  # an older lane's value in the same slot
+        comm.signal_op(buf.sig, buf.index(3, 0, 0), 7, "set", 0)
+        assert lr.can_start(chunks[2]) and lr.can_start(chunks[0])
+        assert not lr.can_start(chunks[5])
+        for k in (3, 4):
+            comm.signal_op(buf.sig, buf.index(3, 0, k), 7, "set", 0)
+        assert lr.can_start(chunks[5])  # chunks 3, 4 put layer 0; this rank (PE 0) ran chunk 2: no further back
+        assert lr.finished(chunks[2]) is False and lr.finished(chunks[5]) is True and not lr.is_lane(4)
+    finally:
+        comm.close()

@@ -173,11 +173,12 @@ class _AttentionRank(ChunkTaker):
             self.stats.publish()
             while (m := self.box.poll()) is not None:
                 stopped |= not self._take(m)
+            ready = None if self.lane is None else self.lane.can_start
             if not running and max_running == 2 and self.cfg.token_balanced:  # both ping-pong slots free
-                for batch in self.batcher.next_batches(2):
+                for batch in self.batcher.next_batches(2, ready):
                     running.append([self._microbatch(batch), None, -1])
             while len(running) < max_running:
-                batch = self.batcher.next_batch()
+                batch = self.batcher.next_batch(ready)
                 if not batch:
                     break
                 running.append([self._microbatch(batch), None, -1])
@@ -206,8 +207,9 @@ class _AttentionRank(ChunkTaker):
                 else:
                     self.exchange.wait(h, 0.002 if len(running) >= max_running else 0.0005)
             else:
-                try:  # with the lock-step ablation on, come back soon to join the others' steps
-                    stopped |= not self._take(self.box.recv(timeout=0.05 if self.lockstep is None else 0.0005))
+                try:  # with the lock-step ablation on (or a lane chunk waiting to start), come back soon
+                    soon = self.lockstep is not None or len(self.batcher) > 0
+                    stopped |= not self._take(self.box.recv(timeout=0.0005 if soon else 0.05))
                 except CommTimeoutError:
                     self.watch.check()
         if self.lockstep is not None:

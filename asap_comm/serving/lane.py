@@ -50,8 +50,8 @@ def lane_active(cfg, info) -> bool:
 
 
 def lane_slots(cfg) -> int:
-    """Lane slots per attention rank: as many long prompts may run in the lane at once."""
-    return min(4, cfg.num_attention_ranks)
+    """Lane slots per PE: as many long prompts may run in the lane at once."""
+    return 4
 
 
 def _max_chunks(cfg) -> int:
@@ -174,6 +174,22 @@ class LaneRank:
 
     def is_lane(self, rid: int) -> bool:
         return rid in self.lanes
+
+    def can_start(self, chunk) -> bool:
+        """Whether a chunk may start (``MicroBatcher.next_batch(ready=)``): not a lane chunk, or every earlier
+        chunk that another rank computes has put its layer 0. So a started lane chunk only ever waits for chunks
+        that have started too, down to chunk 0, which waits for nothing: two lane prompts sharing ranks cannot
+        hold each other's ranks in a cycle of waits."""
+        lane = self.lanes.get(chunk.request_id)
+        if lane is None or chunk.index == 0:
+            return True
+        g, me = len(lane.ranks), self.comm.rank
+        for k in range(chunk.index - 1, -1, -1):
+            if lane.ranks[k % g] == me:
+                return True  # this rank ran chunk k (and so every chunk before it had started)
+            if self.comm.signal_fetch(self.buf.sig, self.buf.index(lane.slot, 0, k)) != lane.seq:
+                return False
+        return True
 
     def before(self, chunk, cache, layer: int):
         """Generator, before the attention stage of ``layer`` of a lane chunk: wait for (yielding

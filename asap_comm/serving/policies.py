@@ -215,12 +215,17 @@ class MicroBatcher:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def next_batch(self) -> list[Chunk]:
-        """The next micro-batch (possibly empty): eligible chunks in FIFO order under the budget."""
+    def next_batch(self, ready=None) -> list[Chunk]:
+        """The next micro-batch (possibly empty): eligible chunks in FIFO order under the budget. ``ready(chunk)``
+        (optional): False keeps a chunk (and its request's later ones) queued for now (the long-prompt lane's
+        chunk whose predecessor has not started)."""
         batch, tokens, taken_requests = [], 0, set()
         for c in list(self._queue):
             if c.request_id in self._busy or c.request_id in taken_requests:
                 continue  # waits for its predecessor
+            if ready is not None and not ready(c):
+                taken_requests.add(c.request_id)
+                continue
             solo = c.request_id in self._stride
             if batch and (solo or tokens + c.length > self.token_budget):
                 taken_requests.add(c.request_id)  # its later chunks must wait for this one
@@ -235,17 +240,20 @@ class MicroBatcher:
             self._busy[c.request_id] = c
         return batch
 
-    def next_batches(self, count: int) -> list[list[Chunk]]:
+    def next_batches(self, count: int, ready=None) -> list[list[Chunk]]:
         """Token-balanced micro-batches (``RuntimeConfig.token_balanced``), up to ``count`` at once: the eligible
         chunks in FIFO order up to ``count * token_budget`` tokens (one chunk per request, as :meth:`next_batch`),
         assigned whole, largest first, to the micro-batch with the fewest tokens that has room (a chunk longer
-        than the budget only to an empty one; a lane chunk alone). The non-empty ones, fullest first."""
+        than the budget only to an empty one; a lane chunk alone). The non-empty ones, fullest first. ``ready``:
+        as :meth:`next_batch`."""
         _int("MicroBatcher.next_batches", "count", count, 1)
         picked, total, seen = [], 0, set()
         for c in self._queue:
             if c.request_id in self._busy or c.request_id in seen:
                 continue
             seen.add(c.request_id)
+            if ready is not None and not ready(c):
+                continue
             if picked and total + c.length > count * self.token_budget:
                 continue
             picked.append(c)
