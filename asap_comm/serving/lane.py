@@ -101,7 +101,7 @@ class FrontLane:
         """The request finished or was cancelled: its slot is free again."""
         slot = self.slot_of.pop(request_id, None)
         if slot is not None:
-            self.free.append(slot)
+            self.free.insert(0, slot)  # the next lane takes it first (the signals' sequence numbers tell lanes apart)
 
 
 class LaneAborted(Exception):
