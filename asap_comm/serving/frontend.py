@@ -131,7 +131,8 @@ class FrontEnd:
             word, extra = self.lane.open(request_id, n, ranks)
             now = time.monotonic()
             for j, c in enumerate(chunks):
-                payload = torch.cat([encode_chunk(c, extra, word), token_ids[c.start:c.start + c.length].to(torch.int64)])
+                toks = token_ids[c.start:c.start + c.length].to(torch.int64)
+                payload = torch.cat([encode_chunk(c, extra, word), toks])
                 self.pending[ranks[j % lane_g]].append((request_id, payload, request_id, now))
             self.inflight[request_id] = _Admitted(ranks[(len(chunks) - 1) % lane_g], n, 0, now, len(chunks),
                                                   len(chunks), lane=tuple(ranks))
