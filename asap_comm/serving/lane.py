@@ -63,7 +63,9 @@ class LaneBuffers:
 
     def __init__(self, comm, cfg, info) -> None:
         self.slots, self.layers, self.chunks = lane_slots(cfg), info.num_layers, _max_chunks(cfg)
-        self.kv = comm.zeros((self.slots, self.layers, cfg.max_prompt_len, info.kv_row_width), info.dtype)
+        # not zeroed: a row is read only after its signal says it was written, and pages nobody writes (the
+        # front end's, the expert ranks', a short run's) are never touched
+        self.kv = comm.empty((self.slots, self.layers, cfg.max_prompt_len, info.kv_row_width), info.dtype)
         self.sig = comm.signals(self.slots * self.layers * self.chunks)
 
     def index(self, slot: int, layer: int, chunk: int) -> int:
