@@ -18,7 +18,7 @@ import torch
 
 from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig, run_async
 from asap_comm.sim.emulate import EmulatedFactory, overrun_summary, read_stats
-from models.factory import StageFactory
+from models.factory import StageFactory  # this checkout's models (the lane's kv_rows hooks)
 
 
 def main(argv=None) -> int:

@@ -71,7 +71,15 @@ from asap_models import StageFactory
 def model_info(cfg) -> ModelInfo:
     return ModelInfo(cfg.num_hidden_layers, tuple(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
                      cfg.hidden_size, cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                     kv_row_width=cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+                     kv_row_width=_kv_row_width(cfg))
+
+
+def _kv_row_width(cfg) -> int:
+    """The KV row width the long-prompt lane needs, if the model package has the lane's cache hooks (an older
+    ``asap_models`` without ``DeepseekV3.kv_rows`` runs without the lane)."""
+    import asap_models
+
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim if hasattr(asap_models.DeepseekV3, "append_kv_rows") else 0
 
 
 def make_requests(args, vocab: int) -> list:
