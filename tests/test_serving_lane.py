@@ -245,7 +245,8 @@ class _SlowAttention(TinyFactory):
 
 
 class _CancelFront:
-    """A front-end role: two lane prompts, cancel the first mid-lane, a third reuses its slot; then short ones."""
+    """A front-end role: two lane prompts, cancel the first mid-lane, a third and short ones, then a fourth lane
+    prompt in a finished lane's slot."""
 
     def __init__(self, prompts: dict) -> None:
         self.prompts = prompts
@@ -269,30 +270,33 @@ class _CancelFront:
         t = time.monotonic()
         pump_until(lambda: time.monotonic() - t > 0.15)  # request 0's chunks are running on both ranks
         assert fe.cancel(0)
-        fe.admit(2, self.prompts[2])  # takes request 0's slot
+        fe.admit(2, self.prompts[2])  # a fresh slot: the cancelled one is reused last
         slots.append(dict(fe.lane.slot_of))
         for rid in (3, 4):
             fe.admit(rid, self.prompts[rid])
         pump_until(lambda: all(r in out for r in (1, 2, 3, 4)))
+        fe.admit(5, self.prompts[5])  # reuses request 1's or 2's slot (finished: reused first)
+        slots.append(dict(fe.lane.slot_of))
+        pump_until(lambda: 5 in out)
         pump_until(lambda: time.monotonic() - t > 0.3)  # a late result of request 0 would be dropped here
         fe.stop()
         return out, slots
 
 
 @pytest.mark.slow
-def test_cancel_mid_lane_then_reuse_its_slot():
+def test_cancel_mid_lane_then_reuse_a_finished_slot():
     from asap_comm.launch import launch
     from asap_comm.serving.group import GroupSpec, group_main
 
     prompts = {0: _prompt(0, 120).token_ids, 1: _prompt(1, 90).token_ids, 2: _prompt(2, 100).token_ids,
-               3: _prompt(3, 5).token_ids, 4: _prompt(4, 9).token_ids}
+               3: _prompt(3, 5).token_ids, 4: _prompt(4, 9).token_ids, 5: _prompt(5, 110).token_ids}
     cfg = _cfg(num_attention_ranks=2, num_expert_ranks=1, timeout_s=90)
     spec = GroupSpec("async", cfg, INFO, _SlowAttention(), _CancelFront(prompts))
     results = launch(group_main, spec.world_size, spec, timeout=120)
     out, slots = results[-1][1]
-    assert slots[0][0] == slots[1][2], slots  # request 2 reused the cancelled request's slot
-    assert 0 not in out and sorted(out) == [1, 2, 3, 4]
-    reqs = [PromptRequest(r, 0.0, prompts[r]) for r in (1, 2, 3, 4)]
+    assert slots[0][0] != slots[1][2] and slots[2][5] in (slots[0][1], slots[1][2]), slots  # a finished one
+    assert 0 not in out and sorted(out) == [1, 2, 3, 4, 5]
+    reqs = [PromptRequest(r, 0.0, prompts[r]) for r in (1, 2, 3, 4, 5)]
 
     class _R:
         outputs = out

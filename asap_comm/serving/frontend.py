@@ -180,6 +180,7 @@ class FrontEnd:
         a context-parallel request of the baseline, whose shared steps run to the end)."""
         if request_id not in self.inflight:
             return False
+        self.lane.close(request_id, cancelled=True)
         a = self._forget(request_id)
         for rank in a.lane or (a.rank,):  # a lane request: every rank of its lane
             self.pending[rank] = deque(e for e in self.pending[rank] if e[0] != request_id)

@@ -99,11 +99,17 @@ class FrontLane:
         words = torch.tensor([self.seq, n_tokens, len(ranks), *ranks], dtype=torch.int64)
         return -(1 + slot), words
 
-    def close(self, request_id: int) -> None:
-        """The request finished or was cancelled: its slot is free again."""
+    def close(self, request_id: int, cancelled: bool = False) -> None:
+        """The request finished (its result arrived: every put of its lane has landed, since the last chunk waited
+        for all of them) or was ``cancelled``: its slot is free again. A finished lane's slot is reused first; a
+        cancelled one's last, since a rank that has not yet seen the cancel may still put into it (the signals'
+        sequence numbers tell lanes apart, but a late put's rows could overwrite a new lane's)."""
         slot = self.slot_of.pop(request_id, None)
         if slot is not None:
-            self.free.insert(0, slot)  # the next lane takes it first (the signals' sequence numbers tell lanes apart)
+            if cancelled:
+                self.free.append(slot)
+            else:
+                self.free.insert(0, slot)
 
 
 class LaneAborted(Exception):
