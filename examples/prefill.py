@@ -75,7 +75,16 @@ from asap_models import StageFactory
 
 def model_info(cfg) -> ModelInfo:
     return ModelInfo(cfg.num_hidden_layers, tuple(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
-                     cfg.hidden_size, cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok)
+                     cfg.hidden_size, cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                     kv_row_width=_kv_row_width(cfg))
+
+
+def _kv_row_width(cfg) -> int:
+    """The KV row width the long-prompt lane needs, if the model package has the lane's cache hooks (an older
+    ``asap_models`` without ``DeepseekV3.kv_rows`` runs without the lane)."""
+    import asap_models
+
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim if hasattr(asap_models.DeepseekV3, "append_kv_rows") else 0
 
 
 def make_requests(args, vocab: int) -> list:
@@ -470,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
                       ("load-aware", "(3), load-aware placement (least outstanding work) and long-prompt splitting"),
                       ("expert-batching", "(4), expert-side batching (rows of a layer across attention ranks)")):
         p.add_argument(f"--no-{opt}", action="store_true", help=f"ablation: turn off ASAP's optimization {what}")
+    p.add_argument("--no-long-prompt-lane", action="store_true",
+                   help="ablation: turn off ASAP's long-prompt lane (a prompt of several chunks pipelined over the "
+                        "attention ranks, each layer's KV put to the later chunks' ranks)")
+    p.add_argument("--no-token-balanced", action="store_true",
+                   help="ablation: fill an attention rank's first ping-pong micro-batch up to the budget instead of "
+                        "balancing the two micro-batches' tokens")
     p.add_argument("--out", default="runs/prefill",
                    help="directory for summary.json, ttft.png and timeline_<mode>.json")
     return p
@@ -552,6 +567,7 @@ def main(argv=None) -> int:
                         max_prompt_len=args.max_prompt_len, barrier_free=not args.no_barrier_free,
                         ping_pong=not args.no_ping_pong, load_aware=not args.no_load_aware,
                         expert_batching=not args.no_expert_batching, progress=True,
+                        long_prompt_lane=not args.no_long_prompt_lane, token_balanced=not args.no_token_balanced,
                         sync_collectives=args.sync_collectives)
     if args.emulate:  # calibration requests take emulated (long) times: space them by the emulated prefill time
         single_process_s = max(single_process_s, _emulated_p90_s(args, factory, requests))

@@ -52,7 +52,8 @@ class StageFactory:
         return {"num_layers": c.num_hidden_layers,
                 "moe_layers": [c.is_moe_layer(i) for i in range(c.num_hidden_layers)],
                 "hidden": c.hidden_size, "vocab_size": c.vocab_size, "num_experts": c.n_routed_experts,
-                "top_k": c.num_experts_per_tok, "hf_config": c.to_hf_dict()}
+                "top_k": c.num_experts_per_tok, "kv_row_width": c.kv_lora_rank + c.qk_rope_head_dim,
+                "hf_config": c.to_hf_dict()}
 
     def __repr__(self) -> str:
         return f"StageFactory({self.model!r}, seed={self.seed})"

@@ -120,6 +120,29 @@ class DeepseekV3(nn.Module):
         """An empty per-request cache, for chunked prefill."""
         return KVCache(self.config.num_hidden_layers)
 
+    @property
+    def kv_row_width(self) -> int:
+        """Values per token of one layer's cache: the latent (kv_lora_rank) and the rope key (qk_rope_head_dim)."""
+        return self.config.kv_lora_rank + self.config.qk_rope_head_dim
+
+    def kv_rows(self, cache: KVCache, layer: int, start: int, end: int) -> torch.Tensor:
+        """Layer ``layer``'s cached latents of positions ``[start, end)`` as one ``[end - start, c + r]`` tensor
+        (a copy): what another process appends with :meth:`append_kv_rows` to continue the prefill."""
+        lc = cache.layers[layer]
+        if not 0 <= start <= end <= lc.length:
+            raise ValueError(f"kv_rows: positions [{start}, {end}) of layer {layer} are not all cached "
+                             f"({lc.length} tokens are)")
+        return torch.cat((lc.c[start:end], lc.k_rope[start:end]), dim=-1)
+
+    def append_kv_rows(self, cache: KVCache, layer: int, rows: torch.Tensor) -> None:
+        """Append ``rows`` (``[n, c + r]``, as :meth:`kv_rows` gives them; copied) to layer ``layer``'s cache: the
+        next tokens attend to them as if this process had prefilled them."""
+        w, c = self.kv_row_width, self.config.kv_lora_rank
+        if rows.dim() != 2 or rows.shape[1] != w:
+            raise ValueError(f"append_kv_rows: rows must be [n, {w}], got {tuple(rows.shape)}")
+        rows = rows.to(self.dtype).clone()
+        cache.layers[layer].append(rows[:, :c], rows[:, c:])
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [T] int64 -> hidden [T,H]."""
         self._need_attention_side("embed")

@@ -9,7 +9,8 @@ from models import preset, random_init
 
 CFG = preset("tiny")
 INFO = ModelInfo(CFG.num_hidden_layers, tuple(CFG.is_moe_layer(i) for i in range(CFG.num_hidden_layers)),
-                 CFG.hidden_size, CFG.vocab_size, CFG.n_routed_experts, CFG.num_experts_per_tok)
+                 CFG.hidden_size, CFG.vocab_size, CFG.n_routed_experts, CFG.num_experts_per_tok,
+                 kv_row_width=CFG.kv_lora_rank + CFG.qk_rope_head_dim)
 
 
 class TinyFactory:

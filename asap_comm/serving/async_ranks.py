@@ -18,8 +18,9 @@ from ..errors import TimeoutError as CommTimeoutError
 from ..moe import ExpertBatch, MoEPlan, apply_experts
 from .exchange import AsyncExchange
 from .hooks import model_hooks
+from .lane import LaneAborted, LaneRank, LaneWait
 from .patience import DeathWatch
-from .policies import ExpertBatcher, MicroBatcher
+from .policies import Chunk, ExpertBatcher, MicroBatcher
 from .protocol import Channels, ModelInfo, RuntimeConfig
 from .worker import ChunkTaker, finish_chunks, layer_loop
 
@@ -92,6 +93,21 @@ class _AttentionRank(ChunkTaker):
         self.caches: dict = {}  # request -> KV cache
         self.cancelled: set = set()  # requests cancelled while a chunk of theirs runs
         self.spans: list = []  # (pe, track, name, start on the host's monotonic clock, duration)
+        self.lane = None if ch.lane is None else LaneRank(comm, cfg, model, ch.lane, self.cancelled, self.spans)
+
+    def _queue_chunk(self, chunk, groups: int) -> None:
+        if groups < 0 and self.lane is not None:  # a long-prompt lane's chunk (lane.py)
+            key = (chunk.request_id, chunk.index)
+            self.tokens[key], stride = self.lane.take(chunk, groups, self.tokens[key])
+            chunk = Chunk(chunk.request_id, chunk.index, chunk.start, int(self.tokens[key].numel()), chunk.num_chunks)
+            self.batcher.add(chunk, stride=stride)
+        else:
+            self.batcher.add(chunk)
+
+    def _cancel(self, rid: int) -> None:
+        super()._cancel(rid)
+        if self.lane is not None and not self.batcher.running(rid):
+            self.lane.drop(rid)
 
     def _busy(self, name: str, start: float) -> None:
         dur = time.monotonic() - start
@@ -105,8 +121,18 @@ class _AttentionRank(ChunkTaker):
         hs = [model.embed(self.tokens.pop((c.request_id, c.index))) for c in chunks]
         t = [time.monotonic()]  # start of the current stretch of attention-side work
 
+        lane = self.lane if self.lane is not None and self.lane.is_lane(chunks[0].request_id) else None
+
         def attend(layer, hs):
-            return [model.attention_stage(layer, h, cache) for h, cache in zip(hs, caches)]
+            outs = [model.attention_stage(layer, h, cache) for h, cache in zip(hs, caches)]
+            if lane is not None:  # a lane chunk runs alone in its micro-batch
+                lane.after(chunks[0], caches[0], layer)
+            return outs
+
+        def before(layer):
+            self._busy(f"attn L{layer}", t[0])
+            yield from lane.before(chunks[0], caches[0], layer)
+            t[0] = time.monotonic()
 
         def moe(layer, mlp):
             routing = model.route(layer, mlp)
@@ -121,8 +147,20 @@ class _AttentionRank(ChunkTaker):
             t[0] = time.monotonic()
             return ex.receive(handle) + shared
 
-        hs = yield from layer_loop(self.info, hs, attend, moe, model.dense_mlp)
+        try:
+            hs = yield from layer_loop(self.info, hs, attend, moe, model.dense_mlp, None if lane is None else before)
+        except LaneAborted:  # its request was cancelled while it waited for KV: nothing to send
+            for c in chunks:
+                self.cancelled.discard(c.request_id)
+                self.caches.pop(c.request_id, None)
+                self.lane.drop(c.request_id)
+                self.batcher.done(c)
+            return
+        dropped = lane is not None and chunks[0].request_id in self.cancelled
         finish_chunks(model, self.box, self.front, chunks, hs, self.caches, self.batcher, self.cancelled)
+        if lane is not None and (lane.finished(chunks[0]) or dropped):  # this rank's last chunk, or cancelled
+            lane.drop(chunks[0].request_id)
+            self.caches.pop(chunks[0].request_id, None)
         self._busy("attn tail", t[0])
 
     def run(self) -> list:
@@ -135,8 +173,12 @@ class _AttentionRank(ChunkTaker):
             self.stats.publish()
             while (m := self.box.poll()) is not None:
                 stopped |= not self._take(m)
+            ready = None if self.lane is None else self.lane.can_start
+            if not running and max_running == 2 and self.cfg.token_balanced:  # both ping-pong slots free
+                for batch in self.batcher.next_batches(2, ready):
+                    running.append([self._microbatch(batch), None, -1])
             while len(running) < max_running:
-                batch = self.batcher.next_batch()
+                batch = self.batcher.next_batch(ready)
                 if not batch:
                     break
                 running.append([self._microbatch(batch), None, -1])
@@ -145,7 +187,7 @@ class _AttentionRank(ChunkTaker):
             progressed = False
             for entry in list(running):
                 gen, handle, _ = entry
-                if handle is None or self.exchange.ready(handle):
+                if handle is None or (handle.ready() if isinstance(handle, LaneWait) else self.exchange.ready(handle)):
                     try:
                         entry[1], entry[2], seq = next(gen), seq, seq + 1
                     except StopIteration:
@@ -159,10 +201,15 @@ class _AttentionRank(ChunkTaker):
                 # (it answers first as experts serve in arrival order; with room for another micro-batch,
                 # come back sooner to pick up new chunks from the mailbox)
                 h = min(running, key=lambda e: e[2])[1]
-                self.exchange.wait(h, 0.002 if len(running) >= max_running else 0.0005)
+                if isinstance(h, LaneWait):  # a lane chunk waits for earlier chunks' KV
+                    h.wait(0.0005)
+                    self.watch.check()
+                else:
+                    self.exchange.wait(h, 0.002 if len(running) >= max_running else 0.0005)
             else:
-                try:  # with the lock-step ablation on, come back soon to join the others' steps
-                    stopped |= not self._take(self.box.recv(timeout=0.05 if self.lockstep is None else 0.0005))
+                try:  # with the lock-step ablation on (or a lane chunk waiting to start), come back soon
+                    soon = self.lockstep is not None or len(self.batcher) > 0
+                    stopped |= not self._take(self.box.recv(timeout=0.0005 if soon else 0.05))
                 except CommTimeoutError:
                     self.watch.check()
         if self.lockstep is not None:

@@ -21,6 +21,7 @@ import torch
 from ..errors import PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
 from .metrics import RequestRecord
+from .lane import FrontLane
 from .patience import DeathWatch
 from .policies import Placer, split_prompt
 from .protocol import CANCEL, HDR, STOP, PromptRequest, decode_result, encode_cancel, encode_chunk, request_mailbox
@@ -79,6 +80,7 @@ class _Admitted:
     unsent: int  # chunks not yet in the rank's inbox
     chunks: int
     queue_s: "float | None" = None  # admission until its last chunk entered the inbox
+    lane: tuple = ()  # the long-prompt lane's ranks (chunk j on lane[j % len(lane)]; empty: not in the lane)
 
 
 class FrontEnd:
@@ -105,6 +107,7 @@ class FrontEnd:
         self.queued_tokens = 0
         self.watch = DeathWatch(comm, range(comm.world_size))
         self._cp = cfg.cp_threshold if label == "sync" else None
+        self.lane = FrontLane(cfg, info, num_targets, enabled=label == "async")  # the long-prompt lane (lane.py)
 
     def admit(self, request_id: int, token_ids: torch.Tensor, check_bound: bool = True) -> int:
         """Admit a request or raise :class:`Rejected`; returns the rank it was placed on. A request is over
@@ -122,6 +125,19 @@ class FrontEnd:
                                          f"the admission bound of {bound}")
         chunks = split_prompt(request_id, n, self.cfg.effective_chunk_len)
         cp, W = self._cp, self.W
+        lane_g = self.lane.groups_for(n, len(chunks))
+        if lane_g:  # the long-prompt lane: chunk j on ranks[j % g]; the last chunk's rank answers
+            ranks = self.placer.place_lane(request_id, chunks, lane_g)
+            word, extra = self.lane.open(request_id, n, ranks)
+            now = time.monotonic()
+            for j, c in enumerate(chunks):
+                toks = token_ids[c.start:c.start + c.length].to(torch.int64)
+                payload = torch.cat([encode_chunk(c, extra, word), toks])
+                self.pending[ranks[j % lane_g]].append((request_id, payload, request_id, now))
+            self.inflight[request_id] = _Admitted(ranks[(len(chunks) - 1) % lane_g], n, 0, now, len(chunks),
+                                                  len(chunks), lane=tuple(ranks))
+            self.queued_tokens += n
+            return self.inflight[request_id].rank
         if cp is not None and n > cp and W > 1:  # context parallelism: the least-loaded groups share it
             groups = self.placer.place_group(request_id, chunks, min(W, -(-n // cp)))
             rank, mask = groups[0], sum(1 << j for j in groups)
@@ -139,6 +155,7 @@ class FrontEnd:
         entry = self.inflight.pop(rid)
         self.queued_tokens -= entry.tokens
         self.placer.complete(rid)
+        self.lane.close(rid)
         return entry
 
     def wait_ready(self, stats, timeout_s: float) -> float:
@@ -163,11 +180,12 @@ class FrontEnd:
         a context-parallel request of the baseline, whose shared steps run to the end)."""
         if request_id not in self.inflight:
             return False
+        self.lane.close(request_id, cancelled=True)
         a = self._forget(request_id)
-        rank = a.rank
-        self.pending[rank] = deque(e for e in self.pending[rank] if e[0] != request_id)
-        if a.unsent < a.chunks and a.mask == 0:  # some chunks reached the rank
-            self.pending[rank].append((None, encode_cancel(request_id), CANCEL, time.monotonic()))
+        for rank in a.lane or (a.rank,):  # a lane request: every rank of its lane
+            self.pending[rank] = deque(e for e in self.pending[rank] if e[0] != request_id)
+            if a.unsent < a.chunks and a.mask == 0:  # some chunks reached the rank
+                self.pending[rank].append((None, encode_cancel(request_id), CANCEL, time.monotonic()))
         return True
 
     def stop(self, timeout: float = 5.0) -> None:

@@ -23,6 +23,7 @@ from ..moe import AttentionEnd, ExpertEnd, join_as_bystander
 from .async_ranks import attention_main, expert_main, moe_plan
 from .exchange import shm_collectives
 from .frontend import replay_report
+from .lane import LaneBuffers, lane_active
 from .protocol import STATS_COLUMNS, Channels, ModelInfo, RunResult, RuntimeConfig, WorkerStats, request_mailbox
 from .sync_worker import worker_main
 
@@ -70,7 +71,7 @@ def open_channels(comm, cfg: RuntimeConfig, info: ModelInfo, mode: str, plan=Non
     """
     front = comm.world_size - 1
     me = comm.rank
-    moe = lockstep = shm = None
+    moe = lockstep = shm = lane = None
     if mode == "async":
         A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
         if comm.world_size != A + E + 1:
@@ -86,6 +87,8 @@ def open_channels(comm, cfg: RuntimeConfig, info: ModelInfo, mode: str, plan=Non
         box = request_mailbox(comm, cfg, info, A)
         if not cfg.barrier_free:
             lockstep = comm.signals(A)
+        if lane_active(cfg, info):  # the long-prompt lane's KV slots (lane.py)
+            lane = LaneBuffers(comm, cfg, info)
     elif mode == "sync":
         W = front
         role = "worker" if me < W else "front"
@@ -96,7 +99,7 @@ def open_channels(comm, cfg: RuntimeConfig, info: ModelInfo, mode: str, plan=Non
         raise ValueError(f"open_channels: mode={mode!r} must be 'async' or 'sync'")
     table = comm.zeros((comm.world_size, STATS_COLUMNS), torch.float64)
     stats = WorkerStats(comm, table, front)
-    return Channels(role, box, stats, moe, lockstep, shm if role != "front" else None)
+    return Channels(role, box, stats, moe, lockstep, shm if role != "front" else None, lane)
 
 
 def role_of(cfg: RuntimeConfig, pe) -> str:

@@ -9,7 +9,9 @@ and the runtime calls the hooks through :func:`model_hooks` /
 
 * :class:`ModelHooks` (a model): ``hold_transfer`` (an async expert rank,
   after computing a batch), ``hold_collective`` (a baseline worker, after each
-  collective) hold for the modelled time and do nothing by default;
+  collective) and ``hold_kv_put`` (an async attention rank, after a
+  long-prompt lane's KV put) hold for the modelled time and do nothing by
+  default;
   ``cp_step`` and ``hold_cp_share`` (with ``attention_stage(...,
   cp_groups=)``) are the baseline's emulated context parallelism, called only
   on a factory that :func:`emulates_context_parallelism`.
@@ -27,6 +29,10 @@ class ModelHooks:
     def hold_transfer(self, rows: int, started: float, layer: "int | None" = None) -> None:
         """Async expert rank, after computing a batch of ``rows`` rows at ``started`` (``time.monotonic()``):
         hold for the batch's dispatch and combine transfers."""
+
+    def hold_kv_put(self, tokens: int, started: float, layer: int) -> None:
+        """Async attention rank (the long-prompt lane, ``lane.py``), after putting one layer's KV latents of
+        ``tokens`` tokens to one other rank at ``started``: hold for the put's modelled transfer."""
 
     def hold_collective(self, kind: str, rows: int, ranks: int, started: float, layer: "int | None" = None) -> None:
         """Baseline worker, after a collective of ``ranks`` workers that started at ``started``: ``kind`` is

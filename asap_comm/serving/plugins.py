@@ -33,4 +33,4 @@ def model_info_of(factory: Any) -> ModelInfo:
     """The runtime's ``ModelInfo`` from a factory's ``describe()``."""
     d = factory.describe()
     return ModelInfo(d["num_layers"], tuple(d["moe_layers"]), d["hidden"], d["vocab_size"], d["num_experts"],
-                     d["top_k"])
+                     d["top_k"], kv_row_width=int(d.get("kv_row_width", 0)))

@@ -157,6 +157,23 @@ class Placer:
     def _work_of(self, chunks: Iterable[Chunk]) -> float:
         return sum(attention_cost(c.length, c.start, self.linear_weight) for c in chunks)
 
+    def place_lane(self, request_id: int, chunks: list, groups: int) -> list[int]:
+        """The long-prompt lane (``lane.py``): the ``groups`` least-loaded ranks (ties to the lowest rank) share a
+        request's chunks round-robin, chunk ``j`` on ``ranks[j % groups]``, and its cost counts there. Returns
+        the ranks, least loaded first."""
+        self._check_new("place_lane", request_id)
+        g = _int("Placer.place_lane", "groups", groups, 1)
+        if g > self.num_ranks:
+            raise ValueError(f"Placer.place_lane: groups={g} is more than the {self.num_ranks} ranks")
+        ranks = sorted(range(self.num_ranks), key=lambda r: (self._work[r], r))[:g]
+        works = [0.0] * g
+        for j, c in enumerate(chunks):
+            works[j % g] += self._work_of([c])
+        for r, w in zip(ranks, works):
+            self._work[r] += w
+        self._held[request_id] = (ranks, works)
+        return ranks
+
     def _check_new(self, fn: str, request_id: int) -> None:
         if request_id in self._held:
             raise ValueError(f"Placer.{fn}: request {request_id} is already placed on rank(s) "
@@ -168,8 +185,9 @@ class Placer:
         if held is None:
             raise ValueError(f"Placer.complete: request {request_id} is not placed")
         ranks, work = held
-        for r in ranks:
-            self._work[r] = max(0.0, self._work[r] - work)
+        works = work if isinstance(work, list) else [work] * len(ranks)
+        for r, w in zip(ranks, works):
+            self._work[r] = max(0.0, self._work[r] - w)
         return ranks[0]
 
 
@@ -189,12 +207,20 @@ class MicroBatcher:
         self._busy: dict[int, Chunk] = {}  # request -> its chunk in flight
         self._next_index: dict[int, int] = {}  # request -> index of its next chunk to run
         self._cancelled: set[int] = set()  # requests cancelled while a chunk of theirs was in flight
+        self._stride: dict[int, int] = {}  # long-prompt lane request -> its stride on this rank (solo chunks)
 
-    def add(self, chunk: Chunk) -> None:
-        """Queue a chunk (a request's chunks must be added in index order)."""
-        expected = self._next_index.get(chunk.request_id, 0)
-        queued = sum(1 for c in self._queue if c.request_id == chunk.request_id)
-        if chunk.index != expected + queued + (1 if chunk.request_id in self._busy else 0):
+    def add(self, chunk: Chunk, stride: int = 1) -> None:
+        """Queue a chunk (a request's chunks must be added in index order). ``stride > 1``: a long-prompt lane's
+        chunk; this rank runs every ``stride``-th chunk of the request from the first one added, and each
+        such chunk runs alone in its micro-batch."""
+        rid = chunk.request_id
+        queued = sum(1 for c in self._queue if c.request_id == rid)
+        if stride > 1 and rid not in self._next_index and not queued and rid not in self._busy:
+            self._next_index[rid] = chunk.index
+            self._stride[rid] = stride
+        step = self._stride.get(rid, 1)
+        expected = self._next_index.get(rid, 0)
+        if chunk.index != expected + step * (queued + (1 if rid in self._busy else 0)):
             raise ValueError(f"MicroBatcher.add: chunk {chunk.index} of request {chunk.request_id} is out of order")
         self._queue.append(chunk)
 
@@ -205,24 +231,68 @@ class MicroBatcher:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def next_batch(self) -> list[Chunk]:
-        """The next micro-batch (possibly empty): eligible chunks in FIFO order under the budget."""
+    def next_batch(self, ready=None) -> list[Chunk]:
+        """The next micro-batch (possibly empty): eligible chunks in FIFO order under the budget. ``ready(chunk)``
+        (optional): False keeps a chunk (and its request's later ones) queued for now (the long-prompt lane's
+        chunk whose predecessor has not started)."""
         batch, tokens, taken_requests = [], 0, set()
         for c in list(self._queue):
             if c.request_id in self._busy or c.request_id in taken_requests:
                 continue  # waits for its predecessor
-            if batch and tokens + c.length > self.token_budget:
+            if ready is not None and not ready(c):
+                taken_requests.add(c.request_id)
+                continue
+            solo = c.request_id in self._stride
+            if batch and (solo or tokens + c.length > self.token_budget):
                 taken_requests.add(c.request_id)  # its later chunks must wait for this one
                 continue  # does not fit; a smaller chunk of another request may
             batch.append(c)
             taken_requests.add(c.request_id)
             tokens += c.length
-            if tokens >= self.token_budget:
+            if tokens >= self.token_budget or solo:
                 break
         for c in batch:
             self._queue.remove(c)
             self._busy[c.request_id] = c
         return batch
+
+    def next_batches(self, count: int, ready=None) -> list[list[Chunk]]:
+        """Token-balanced micro-batches (``RuntimeConfig.token_balanced``), up to ``count`` at once: the eligible
+        chunks in FIFO order up to ``count * token_budget`` tokens (one chunk per request, as :meth:`next_batch`),
+        assigned whole, largest first, to the micro-batch with the fewest tokens that has room (a chunk longer
+        than the budget only to an empty one; a lane chunk alone). The non-empty ones, fullest first. ``ready``:
+        as :meth:`next_batch`."""
+        _int("MicroBatcher.next_batches", "count", count, 1)
+        picked, total, seen = [], 0, set()
+        for c in self._queue:
+            if c.request_id in self._busy or c.request_id in seen:
+                continue
+            seen.add(c.request_id)
+            if ready is not None and not ready(c):
+                continue
+            if picked and total + c.length > count * self.token_budget:
+                continue
+            picked.append(c)
+            total += c.length
+        bins: list = [[] for _ in range(count)]
+        load, solo = [0] * count, [False] * count
+        for c in sorted(picked, key=lambda c: -c.length):
+            alone = c.request_id in self._stride
+            fits = [b for b in range(count) if not solo[b] and (not bins[b] or (
+                not alone and load[b] + c.length <= self.token_budget))]
+            if not fits:
+                continue
+            b = min(fits, key=lambda b: (load[b], b))
+            bins[b].append(c)
+            load[b] += c.length
+            solo[b] = alone
+        out = sorted((b for b in bins if b), key=lambda b: -sum(c.length for c in b))
+        for batch in out:
+            batch.sort(key=lambda c: self._queue.index(c))  # FIFO inside a micro-batch
+            for c in batch:
+                self._queue.remove(c)
+                self._busy[c.request_id] = c
+        return out
 
     def cancel(self, request_id: int) -> list[Chunk]:
         """Drop a request's queued chunks (returned); a chunk of it in flight stays until :meth:`done`,
@@ -234,6 +304,7 @@ class MicroBatcher:
             self._cancelled.add(request_id)
         else:
             self._next_index.pop(request_id, None)
+            self._stride.pop(request_id, None)
         return dropped
 
     def running(self, request_id: int) -> bool:
@@ -244,14 +315,15 @@ class MicroBatcher:
         """A chunk's micro-batch completed: the request's next chunk becomes eligible."""
         if self._busy.get(chunk.request_id) != chunk:
             raise ValueError(f"MicroBatcher.done: chunk {chunk.index} of request {chunk.request_id} is not in flight")
-        del self._busy[chunk.request_id]
-        if chunk.request_id in self._cancelled:
-            self._cancelled.discard(chunk.request_id)
-            self._next_index.pop(chunk.request_id, None)
-        elif chunk.last:
-            self._next_index.pop(chunk.request_id, None)
+        rid = chunk.request_id
+        del self._busy[rid]
+        step = self._stride.get(rid, 1)
+        if rid in self._cancelled or chunk.index + step >= chunk.num_chunks:  # cancelled, or this rank's last
+            self._cancelled.discard(rid)
+            self._next_index.pop(rid, None)
+            self._stride.pop(rid, None)
         else:
-            self._next_index[chunk.request_id] = chunk.index + 1
+            self._next_index[rid] = chunk.index + step
 
 
 @dataclass

@@ -89,6 +89,7 @@ class ModelInfo:
     num_experts: int
     top_k: int
     dtype: torch.dtype = torch.float32
+    kv_row_width: int = 0  # values per token of one layer's KV cache (MLA: kv_lora_rank + qk_rope); 0: no lane
 
 
 @dataclass(frozen=True)
@@ -117,10 +118,11 @@ class RuntimeConfig:
     # the placer's per-token work in query-key pairs (policies.attention_cost); None: policies.LINEAR_WEIGHT (512).
     # The simulator and the emulator set it from their cost model (CostModel.placer_linear_weight)
     placer_linear_weight: "float | None" = None
-    # the long-prompt lane (issue 21): a long prompt's chunks spread over up to lane_groups attention groups (0: all)
-    # as a wavefront, each layer's KV latents of a chunk put with a signal to the later chunks' groups; used for a
-    # prompt longer than lane_threshold tokens (None: any prompt of more than one chunk, or in the simulator, one
-    # whose predicted TTFT on one group exceeds a fraction of the SLO when the SLO is known)
+    # the long-prompt lane (issue 21; serving/lane.py and sim/lane.py; acts only with load_aware and
+    # num_attention_ranks >= 2): a long prompt's chunks run as a wavefront on up to lane_groups attention groups
+    # (0: all), each layer's KV latents of a chunk put with a signal to the later chunks' groups; used for a prompt
+    # of at least 2 chunks longer than lane_threshold tokens (None: any such prompt in the runtime; in the
+    # simulator, one whose predicted TTFT on one group exceeds a fraction of the SLO when the SLO is known)
     long_prompt_lane: bool = True
     lane_threshold: "int | None" = None
     lane_groups: int = 0
@@ -140,15 +142,15 @@ class RuntimeConfig:
             raise ValueError(f"RuntimeConfig: cp_threshold={c!r} must be None or an int >= 1")
         if self.placer_linear_weight is not None:
             check_linear_weight("RuntimeConfig: placer_linear_weight", self.placer_linear_weight)
+        t = self.lane_threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
+            raise ValueError(f"RuntimeConfig: lane_threshold={t!r} must be None or an int >= 0")
+        g = self.lane_groups
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0 or g == 1:
+            raise ValueError(f"RuntimeConfig: lane_groups={g!r} must be 0 (all attention ranks) or an int >= 2")
         for name in ("long_prompt_lane", "token_balanced"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig: {name}={getattr(self, name)!r} must be a bool")
-        t = self.lane_threshold
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
-            raise ValueError(f"RuntimeConfig: lane_threshold={t!r} must be None or an int >= 1")
-        g = self.lane_groups
-        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
-            raise ValueError(f"RuntimeConfig: lane_groups={g!r} must be an int >= 0 (0: all attention groups)")
         if self.sync_collectives not in ("gloo", "shm"):
             raise ValueError(f"RuntimeConfig: sync_collectives={self.sync_collectives!r} must be 'gloo' or 'shm'")
 
@@ -250,9 +252,12 @@ class Channels:
     moe: object = None  # async: this PE's AttentionEnd / ExpertEnd (None on the front end)
     lockstep: object = None  # async, barrier_free=False: the lock-step ablation's step counters
     shm: object = None  # sync, sync_collectives="shm": this worker's ShmCollectives (None on the front end)
+    lane: object = None  # async with the long-prompt lane: this PE's lane.LaneBuffers
 
 
 def request_mailbox(comm, cfg: RuntimeConfig, info: ModelInfo, num_targets: int):
     """Collective: requests (front end -> ranks) and results (ranks -> front end) share one mailbox."""
-    slot = max(8 * (cfg.max_chunk_tokens + HDR), 4 * (info.hidden + 1), 256)
+    # a lane chunk carries lane.LANE_WORDS + A more words (its lane's sequence number, prompt length and ranks)
+    lane = 3 + cfg.num_attention_ranks if cfg.long_prompt_lane else 0
+    slot = max(8 * (cfg.max_chunk_tokens + HDR + lane), 4 * (info.hidden + 1), 256)
     return comm.mailbox(slot, 8 * (num_targets + 4))

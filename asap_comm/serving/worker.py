@@ -42,7 +42,7 @@ def finish_chunks(model, box, front: int, chunks, hs, caches: dict, batcher, can
         batcher.done(c)
 
 
-def layer_loop(info, hs: list, attend, moe, dense):
+def layer_loop(info, hs: list, attend, moe, dense, before=None):
     """The per-layer loop of one micro-batch, shared by both runtimes (a generator: it yields what ``moe``
     yields, and returns the sequences' final hidden states).
 
@@ -51,11 +51,14 @@ def layer_loop(info, hs: list, attend, moe, dense):
     (``.hidden``, ``.mlp_input``; ``[]`` for a dummy batch); the MLP input of all sequences goes, concatenated,
     to ``moe(layer, mlp)`` (a generator returning routed + shared experts' output, or None for a dummy batch)
     on MoE layers and to ``dense(layer, mlp)`` on the others; its output is split back and added to each
-    sequence's residual.
+    sequence's residual. ``before(layer)`` (optional, a generator; the long-prompt lane's wait for earlier
+    chunks' KV, ``lane.py``) runs before each layer's attention and may yield too.
     """
     lens = [int(h.shape[0]) for h in hs]
     empty = torch.empty(0, info.hidden, dtype=info.dtype)
     for layer in range(info.num_layers):
+        if before is not None:
+            yield from before(layer)
         outs = attend(layer, hs)
         mlp = (torch.cat([o.mlp_input for o in outs]) if len(outs) > 1 else outs[0].mlp_input) if outs else empty
         if info.moe_layers[layer]:
@@ -104,12 +107,15 @@ class ChunkTaker:
             if m.tag == STOP:
                 return False
             if m.tag == CANCEL:
-                worker_cancel(decode_cancel(m.tensor), self.batcher, self.tokens, self.caches, self.cancelled)
+                self._cancel(decode_cancel(m.tensor))
                 return True
             chunk, groups, toks = decode_chunk(m.tensor)
         self.tokens[(chunk.request_id, chunk.index)] = toks
         self._queue_chunk(chunk, groups)
         return True
+
+    def _cancel(self, rid: int) -> None:
+        worker_cancel(rid, self.batcher, self.tokens, self.caches, self.cancelled)
 
     def _queue_chunk(self, chunk, groups: int) -> None:
         self.batcher.add(chunk)

@@ -614,6 +614,13 @@ class EmulatedModel(ModelHooks):
             s *= self._layer_weight(layer)
         self._hold(started, s)
 
+    def hold_kv_put(self, tokens: int, started: float, layer: int) -> None:
+        """An attention rank's long-prompt lane (serving/lane.py), after putting one layer's KV latents of ``tokens``
+        real tokens to one rank: hold for the p2p transfer of their emulated latents (one link)."""
+        s, p = self.cost.shapes, self.cost.profile.p2p
+        nbytes = self._tokens(tokens) * (s.kv_lora_rank + s.qk_rope) * self.cost.a
+        self._hold(started, self._layer_weight(layer) * (p["latency_s"] + nbytes * p["s_per_byte"]))
+
     def __getattr__(self, name: str) -> Any:  # new_cache, final_norm, config, ... of the real model
         if name.startswith("__") or name == "inner":
             raise AttributeError(name)

@@ -1,0 +1,334 @@
+"""The long-prompt lane of the asynchronous runtime (asap_comm/serving/lane.py): a long prompt's chunks pipelined
+over several attention ranks, each layer's KV latents put one-sidedly to the later chunks' ranks. Outputs equal
+the single-process reference; the chunks really run on several ranks; short prompts are not held up; a killed
+rank fails the run cleanly; and the policies' pieces (placement, micro-batcher stride, config checks)."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from asap_comm.serving.frontend import FrontEnd
+from asap_comm.serving.lane import FrontLane, lane_active
+from asap_comm.serving.policies import Chunk, MicroBatcher, Placer, split_prompt
+from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async
+
+from serving_utils import CFG, INFO, TinyFactory, check_against_reference, make_trace
+from models import random_init
+
+
+def _prompt(rid: int, n: int, arrival: float = 0.0, seed: int = 0) -> PromptRequest:
+    g = torch.Generator().manual_seed(1000 + seed + rid)
+    return PromptRequest(rid, arrival, torch.randint(0, CFG.vocab_size, (n,), generator=g))
+
+
+def _lane_pes(result, rid: int) -> set:
+    """The attention ranks that put KV latents of request ``rid`` (from the timeline)."""
+    return {sp[0] for sp in result.spans if sp[2].startswith("lane kv") and f" req {rid} " in sp[2]}
+
+
+def _cfg(**kw) -> RuntimeConfig:
+    base = dict(num_attention_ranks=3, num_expert_ranks=2, token_budget=32, chunk_len=16, max_prompt_len=128,
+                timeout_s=90)
+    base.update(kw)
+    return RuntimeConfig(**base)
+
+
+# ----------------------------------------------------------------------------- policies (no processes)
+def test_place_lane_round_robin_costs_and_complete():
+    p = Placer(3)
+    p.place(7, split_prompt(7, 10, None))  # rank 0 busy
+    chunks = split_prompt(1, 64, 16)
+    ranks = p.place_lane(1, chunks, 2)
+    assert ranks == [1, 2]  # the two least loaded, least loaded first
+    w = p.outstanding
+    assert w[1] == pytest.approx(chunks[0].cost + chunks[2].cost)
+    assert w[2] == pytest.approx(chunks[1].cost + chunks[3].cost)
+    assert p.complete(1) == 1 and p.outstanding[1:] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="groups=4 is more than the 3 ranks"):
+        p.place_lane(2, chunks, 4)
+
+
+def test_micro_batcher_stride_runs_a_ranks_lane_chunks_alone_and_in_order():
+    b = MicroBatcher(64)
+    chunks = split_prompt(5, 80, 16)  # 5 chunks; this rank runs 1 and 3 (stride 2)
+    b.add(chunks[1], stride=2)
+    b.add(Chunk(9, 0, 0, 4, 1))
+    with pytest.raises(ValueError, match="out of order"):
+        b.add(chunks[2], stride=2)
+    b.add(chunks[3], stride=2)
+    assert b.next_batch() == [chunks[1]]  # alone although the budget has room
+    assert b.next_batch() == [Chunk(9, 0, 0, 4, 1)]  # chunk 3 waits for chunk 1
+    b.done(chunks[1])
+    assert b.next_batch() == [chunks[3]]
+    b.done(chunks[3])  # the rank's last chunk of the request: forgotten
+    assert b.running(5) is False and len(b) == 0
+    b.add(split_prompt(5, 80, 16)[0])  # the id may come back as an ordinary request
+
+
+def test_token_balanced_micro_batches_split_tokens_evenly():
+    b = MicroBatcher(32)
+    for rid, n in enumerate([20, 12, 10, 8, 6]):  # FIFO fill would give [20, 12] and [10, 8, 6]
+        b.add(Chunk(rid, 0, 0, n, 1))
+    one, two = b.next_batches(2)
+    sizes = sorted([sum(c.length for c in one), sum(c.length for c in two)])
+    assert sizes == [28, 28] and {c.request_id for c in one + two} == set(range(5))
+    assert all(sum(c.length for c in x) <= 32 for x in (one, two))
+    lane = split_prompt(9, 64, 16)
+    b.add(lane[0], stride=2)
+    b.add(Chunk(10, 0, 0, 5, 1))
+    b.add(Chunk(11, 0, 0, 4, 1))
+    x, y = b.next_batches(2)
+    assert x == [lane[0]] and [c.request_id for c in y] == [10, 11]  # the lane chunk alone
+    assert b.next_batches(2) == []
+    with pytest.raises(ValueError, match="count"):
+        b.next_batches(0)
+
+
+def test_runtime_config_lane_fields_are_checked():
+    with pytest.raises(ValueError, match="lane_groups=1"):
+        RuntimeConfig(lane_groups=1)
+    with pytest.raises(ValueError, match="lane_threshold=-1"):
+        RuntimeConfig(lane_threshold=-1)
+    with pytest.raises(ValueError, match="long_prompt_lane=1"):
+        RuntimeConfig(long_prompt_lane=1)
+    assert lane_active(_cfg(), INFO)
+    assert not lane_active(_cfg(long_prompt_lane=False), INFO)
+    assert not lane_active(_cfg(load_aware=False), INFO)
+    assert not lane_active(_cfg(num_attention_ranks=1), INFO)
+
+
+def test_front_lane_predicate_and_slots():
+    fl = FrontLane(_cfg(lane_threshold=40, lane_groups=2), INFO, 3)
+    assert fl.groups_for(16, 1) == 0  # one chunk
+    assert fl.groups_for(40, 3) == 0  # not longer than the threshold
+    assert fl.groups_for(41, 3) == 2  # lane_groups
+    assert FrontLane(_cfg(), INFO, 3, enabled=False).groups_for(100, 7) == 0  # the baseline's front end
+    fl2 = FrontLane(_cfg(), INFO, 3)
+    assert fl2.groups_for(17, 2) == 2 and fl2.groups_for(100, 7) == 3
+    for rid in range(len(fl2.free)):  # every slot taken: the next long prompt runs the normal way
+        fl2.open(rid, 100, [0, 1, 2])
+    assert fl2.groups_for(100, 7) == 0
+    fl2.close(0)
+    assert fl2.groups_for(100, 7) == 3
+
+
+# ----------------------------------------------------------------------------- the runtime
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_lane_outputs_equal_the_reference_and_chunks_run_on_several_ranks(ranks):
+    long_ = [_prompt(0, 100), _prompt(1, 61, 0.05)]
+    requests = long_ + make_trace(8, seed=3, max_len=40, spread_s=0.2)
+    requests = [PromptRequest(i, r.arrival_s, r.token_ids) for i, r in enumerate(requests)]
+    result = run_async(TinyFactory(), INFO, requests, _cfg(num_attention_ranks=ranks, lane_threshold=50))
+    assert [r.error for r in result.records] == [None] * len(requests)
+    assert check_against_reference(requests, result) == []
+    # 100 tokens in 7 chunks round-robin: every rank sends KV; the short ones (<= 50 tokens) take no lane
+    assert len(_lane_pes(result, 0)) == ranks
+    assert len(_lane_pes(result, 1)) >= 2
+    assert not any(_lane_pes(result, i) for i in range(2, len(requests)))
+
+
+@pytest.mark.slow
+def test_lane_prompts_sharing_ranks_with_one_micro_batch_per_rank():
+    # one micro-batch per rank (ping-pong off) and three lane prompts at once over the same 2 ranks: each rank's
+    # only slot is held by a chunk that may wait for the other rank; they all complete (a lane chunk starts only
+    # once its predecessor started, LaneRank.can_start; this load also completes without that rule, so it guards
+    # the mixed load, not the rule itself)
+    requests = [_prompt(i, 70 + 13 * i, 0.0) for i in range(3)]
+    result = run_async(TinyFactory(), INFO, requests, _cfg(num_attention_ranks=2, ping_pong=False, timeout_s=60))
+    assert [r.error for r in result.records] == [None] * 3
+    assert check_against_reference(requests, result) == []
+    assert all(len(_lane_pes(result, i)) == 2 for i in range(3))
+
+
+@pytest.mark.slow
+def test_lane_off_is_the_old_runtime():
+    requests = [_prompt(0, 100)] + [PromptRequest(i + 1, r.arrival_s, r.token_ids)
+                                    for i, r in enumerate(make_trace(5, seed=4))]
+    result = run_async(TinyFactory(), INFO, requests, _cfg(long_prompt_lane=False))
+    assert check_against_reference(requests, result) == []
+    assert not [sp for sp in result.spans if sp[2].startswith("lane kv")]
+
+
+@pytest.mark.slow
+def test_short_prompts_complete_while_a_lane_prompt_runs():
+    # a 120-token prompt (8 chunks) over 2 ranks, then short prompts just after it: each short one finishes
+    # before the long one (they run in the other ping-pong slot while its chunks wait for KV)
+    requests = [_prompt(0, 120)] + [_prompt(i, 6, 0.001 * i) for i in range(1, 5)]
+    result = run_async(TinyFactory(), INFO, requests,
+                       _cfg(num_attention_ranks=2, num_expert_ranks=1, max_prompt_len=128))
+    assert check_against_reference(requests, result) == []
+    done = {r.request_id: r.done_s for r in result.records}
+    assert len(_lane_pes(result, 0)) == 2
+    assert all(done[i] < done[0] for i in range(1, 5)), done
+
+
+class _DyingAttention(TinyFactory):
+    """The first attention rank to attend past position 48 (a lane chunk of the long prompt, after it imported
+    the earlier chunks' latents) dies there, in the middle of the lane."""
+
+    def __call__(self, role: str, experts: list):
+        model = super().__call__(role, experts)
+        if role != "attention":
+            return model
+        inner = model.attention_stage
+
+        def attention_stage(layer, hidden, cache=None):
+            if cache is not None and cache.length(layer) >= 48:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return inner(layer, hidden, cache)
+
+        model.attention_stage = attention_stage
+        return model
+
+
+@pytest.mark.slow
+def test_killed_rank_mid_lane_fails_the_run_without_hanging():
+    requests = [_prompt(0, 100), _prompt(1, 5, 0.01)]
+    result = run_async(_DyingAttention(), INFO, requests, _cfg(num_attention_ranks=2, timeout_s=60))
+    rec = {r.request_id: r for r in result.records}
+    assert rec[0].error and 0 not in result.outputs, rec[0]
+
+
+def test_front_end_lane_messages_reach_every_lane_rank():
+    """The front end's admission of a lane prompt: chunk j queued to ranks[j % g], lane words before the tokens,
+    the last chunk's rank recorded; cancel frees the slot and tells every lane rank (no processes: a stub
+    mailbox)."""
+    class _Comm:
+        world_size, rank = 4, 3
+
+        def peer_state(self, pe):
+            return "alive"
+
+    cfg = _cfg(num_attention_ranks=3)
+    fe = FrontEnd(_Comm(), cfg, INFO, None, 3, "async")
+    toks = torch.arange(100) % CFG.vocab_size
+    rank = fe.admit(0, toks)
+    sent = [[e[1] for e in q] for q in fe.pending]
+    assert [len(s) for s in sent] == [3, 2, 2]  # 7 chunks round-robin over 3 ranks (all idle: 0, 1, 2)
+    assert rank == 0  # chunk 6 on ranks[6 % 3]
+    p = sent[1][0]
+    assert int(p[4]) < 0 and p[5:8].tolist() == [1, 100, 3] and p[8:11].tolist() == [0, 1, 2]
+    assert torch.equal(p[11:], toks[15:30])  # chunk 1: tokens 15..29 (7 balanced chunks of 14-15)
+    free = len(fe.lane.free)
+    assert fe.cancel(0)
+    assert len(fe.lane.free) == free + 1 and not any(fe.pending)  # nothing was sent: no cancel message
+    ref = random_init(CFG, seed=0)  # kv rows round trip through the model hooks
+    cache = ref.new_cache()
+    ref.prefill(toks[:20], cache)
+    rows = ref.kv_rows(cache, 1, 5, 20)
+    other = ref.new_cache()
+    ref.append_kv_rows(other, 1, ref.kv_rows(cache, 1, 0, 5))
+    ref.append_kv_rows(other, 1, rows)
+    assert torch.equal(ref.kv_rows(other, 1, 0, 20), ref.kv_rows(cache, 1, 0, 20))
+    with pytest.raises(ValueError, match="not all cached"):
+        ref.kv_rows(cache, 1, 0, 21)
+
+
+class _SlowAttention(TinyFactory):
+    """Attention stages that take 10 ms each: a lane prompt is still running when the front end cancels it."""
+
+    def __call__(self, role: str, experts: list):
+        model = super().__call__(role, experts)
+        if role == "attention":
+            inner = model.attention_stage
+
+            def attention_stage(layer, hidden, cache=None):
+                time.sleep(0.01)
+                return inner(layer, hidden, cache)
+
+            model.attention_stage = attention_stage
+        return model
+
+
+class _CancelFront:
+    """A front-end role: two lane prompts, cancel the first mid-lane, a third and short ones, then a fourth lane
+    prompt in a finished lane's slot."""
+
+    def __init__(self, prompts: dict) -> None:
+        self.prompts = prompts
+
+    def __call__(self, comm, cfg, info, ch, num_targets, label, role_of):
+        fe = FrontEnd(comm, cfg, info, ch.box, num_targets, label)
+        fe.wait_ready(ch.stats, 60)
+        out, slots = {}, []
+
+        def pump_until(pred, limit_s=60.0):
+            end = time.monotonic() + limit_s
+            while not pred():
+                for c in fe.pump(0.005):
+                    out[c.request_id] = (c.token, c.hidden)
+                assert time.monotonic() < end, f"front end: no progress ({sorted(out)})"
+
+        fe.admit(0, self.prompts[0])
+        fe.admit(1, self.prompts[1])
+        slots.append(dict(fe.lane.slot_of))
+        pump_until(lambda: not fe.has_unsent)
+        t = time.monotonic()
+        pump_until(lambda: time.monotonic() - t > 0.15)  # request 0's chunks are running on both ranks
+        assert fe.cancel(0)
+        fe.admit(2, self.prompts[2])  # a fresh slot: the cancelled one is reused last
+        slots.append(dict(fe.lane.slot_of))
+        for rid in (3, 4):
+            fe.admit(rid, self.prompts[rid])
+        pump_until(lambda: all(r in out for r in (1, 2, 3, 4)))
+        fe.admit(5, self.prompts[5])  # reuses request 1's or 2's slot (finished: reused first)
+        slots.append(dict(fe.lane.slot_of))
+        pump_until(lambda: 5 in out)
+        pump_until(lambda: time.monotonic() - t > 0.3)  # a late result of request 0 would be dropped here
+        fe.stop()
+        return out, slots
+
+
+@pytest.mark.slow
+def test_cancel_mid_lane_then_reuse_a_finished_slot():
+    from asap_comm.launch import launch
+    from asap_comm.serving.group import GroupSpec, group_main
+
+    prompts = {0: _prompt(0, 120).token_ids, 1: _prompt(1, 90).token_ids, 2: _prompt(2, 100).token_ids,
+               3: _prompt(3, 5).token_ids, 4: _prompt(4, 9).token_ids, 5: _prompt(5, 110).token_ids}
+    cfg = _cfg(num_attention_ranks=2, num_expert_ranks=1, timeout_s=90)
+    spec = GroupSpec("async", cfg, INFO, _SlowAttention(), _CancelFront(prompts))
+    results = launch(group_main, spec.world_size, spec, timeout=120)
+    out, slots = results[-1][1]
+    assert slots[0][0] != slots[1][2] and slots[2][5] in (slots[0][1], slots[1][2]), slots  # a finished one
+    assert 0 not in out and sorted(out) == [1, 2, 3, 4, 5]
+    reqs = [PromptRequest(r, 0.0, prompts[r]) for r in (1, 2, 3, 4, 5)]
+
+    class _R:
+        outputs = out
+    assert check_against_reference(reqs, _R()) == []
+
+
+def test_can_start_waits_for_the_predecessors_layer_zero():
+    """LaneRank.can_start on a one-PE communicator: a lane chunk may start only once every earlier chunk computed
+    elsewhere put its layer 0 (signals hold the lane's sequence number)."""
+    import asap_comm
+    from asap_comm.serving.lane import LaneBuffers, LaneRank
+
+    cfg = _cfg(num_attention_ranks=3)
+    comm = asap_comm.init(0, 1, master_addr="127.0.0.1", master_port=0, timeout=5.0)
+    try:
+        buf = LaneBuffers(comm, cfg, INFO)
+        lr = LaneRank(comm, cfg, random_init(CFG, seed=0, experts=[]), buf, set(), [])
+        words = torch.tensor([7, 100, 3, 1, 2, 0], dtype=torch.int64)  # seq 7, 100 tokens, ranks [1, 2, 0]
+        chunks = split_prompt(4, 100, 16)
+        toks, stride = lr.take(chunks[2], -(1 + 3), torch.cat([words, torch.arange(14)]))
+        assert stride == 3 and toks.tolist() == list(range(14)) and lr.is_lane(4)
+        assert not lr.can_start(chunks[2])
+        comm.signal_op(buf.sig, buf.index(3, 0, 1), 7, "set", 0)
+        assert not lr.can_start(chunks[2])  # chunk 0 has not put layer 0
+        comm.signal_op(buf.sig, buf.index(3, 0, 0), 6, "set", 0)
+        assert not lr.can_start(chunks[2])  # an older lane's value in the same slot
+        comm.signal_op(buf.sig, buf.index(3, 0, 0), 7, "set", 0)
+        assert lr.can_start(chunks[2]) and lr.can_start(chunks[0])
+        assert not lr.can_start(chunks[5])
+        for k in (3, 4):
+            comm.signal_op(buf.sig, buf.index(3, 0, k), 7, "set", 0)
+        assert lr.can_start(chunks[5])  # chunks 3, 4 put layer 0; this rank (PE 0) ran chunk 2: no further back
+        assert lr.finished(chunks[2]) is False and lr.finished(chunks[5]) is True and not lr.is_lane(4)
+    finally:
+        comm.close()
