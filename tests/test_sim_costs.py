@@ -286,7 +286,7 @@ def test_deepseek_v3_numbers_are_plausible(name, gemm_peak, core_peak, hbm):
 def test_calibrate_quick_tiny(tmp_path):
     from asap_comm.sim.calibrate import calibrate
 
-    before = set(glob.glob("/dev/shm/asap-*"))
+    before, t = set(glob.glob("/dev/shm/asap-*")), time.time()
     prof = calibrate(tmp_path, "tiny", quick=True, progress=False)
     assert isinstance(prof, Profile) and prof.name == "local" and prof.cores == os.cpu_count()
     d = json.loads((tmp_path / "profile_local.json").read_text())
