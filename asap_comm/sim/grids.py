@@ -1,0 +1,95 @@
+"""The headline study's search space: its runtime settings, traces and the deployment grids of both modes
+(``headline.py`` runs the search; ``skew.py``, ``bench/bench_sim.py`` and the tests build on the same grids)."""
+from __future__ import annotations
+
+import math
+
+from ..serving.protocol import RuntimeConfig
+from ..serving.traces import LogNormalLengths, load_trace, synthetic_trace
+from .simulate import Parallelism
+from .study import Deployment, spread_buckets
+from .validate_common import mooncake_path as _mooncake_path
+
+MOONCAKE_MEDIAN, MOONCAKE_P90 = 6909, 27367  # summarize_trace of shared/traces/mooncake_conversation.jsonl
+PER_DIE_EXPERTS = 16  # the per-die reference split: devices - 16 attention + 16 expert devices
+
+
+LANE = {"long_prompt_lane": True}  # --no-long-prompt-lane sets it off for every ASAP configuration of the run
+
+
+def headline_config(attention: int = 32, expert: int = 32, chunk: int = 16384, budget: int = 16384,
+                    expert_budget: int = 32768, expert_deadline: float = 0.001) -> RuntimeConfig:
+    return RuntimeConfig(num_attention_ranks=attention, num_expert_ranks=expert, token_budget=budget,
+                         chunk_len=chunk, max_prompt_len=131072, expert_token_budget=expert_budget,
+                         expert_deadline_s=expert_deadline, long_prompt_lane=LANE["long_prompt_lane"])
+
+
+def mooncake_trace(n: int) -> tuple[list, str]:
+    path = _mooncake_path()
+    if path is not None:
+        trace, g = spread_buckets(load_trace(path, limit=n, max_prompt_len=131072))
+        return trace, (f"mooncake file {path.name}, first {n} requests, arrivals spread over the file's "
+                       f"{g:g}-s timestamp steps")
+    sigma = math.log(MOONCAKE_P90 / MOONCAKE_MEDIAN) / 1.2816  # p90 of a log-normal = median * exp(1.2816 sigma)
+    return (synthetic_trace(1.0, num_requests=n, arrival="gamma", cv=3.0,
+                            lengths=LogNormalLengths(MOONCAKE_MEDIAN, sigma, 1, 131072), seed=0),
+            f"synthetic Mooncake-like (file not found): median {MOONCAKE_MEDIAN}, sigma {sigma:.2f}")
+
+
+def skew_trace(n: int, sigma: float, mean: float, seed: int = 0) -> list:
+    """Equal mean prompt length, log-normal spread ``sigma`` (0: every prompt the same)."""
+    median = max(1, round(mean * math.exp(-sigma * sigma / 2)))
+    return synthetic_trace(1.0, num_requests=n, arrival="gamma", cv=2.0,
+                           lengths=LogNormalLengths(median, sigma, 1, 131072), seed=seed)
+
+
+# ----------------------------------------------------------------------------- the grid
+def sync_grid(devices: int, tps, cps, chunks, heads: int, overlaps=(False,), budgets=(16384,)) -> list:
+    """Baseline candidates: ``devices / T`` DP groups of ``T`` devices, CP threshold, chunk size, token budget of
+    a step (each of ``budgets`` at least the chunk, and the chunk itself: SGLang's chunked-prefill size), overlap."""
+    out = []
+    for chunk in chunks:
+        for budget in sorted({chunk, *(b for b in budgets if b >= chunk)}):
+            for t in tps:
+                if devices % t or heads % t:
+                    continue
+                for cp in cps:
+                    for ov in overlaps:
+                        out.append(Deployment("sync", headline_config(chunk=chunk, budget=budget),  # A/E: unused
+                                              Parallelism(sync_tp=t, cp_threshold=cp, sync_overlap=ov),
+                                              sync_ranks=devices // t))
+    return out
+
+
+def async_grid(devices: int, experts, tps, chunks, heads: int, budgets=(16384,), deadlines=(0.001,),
+               expert_budgets=(32768,)) -> list:
+    """ASAP candidates: ``E`` expert devices and ``(devices - E) / T`` attention groups of ``T`` devices, chunk
+    size, micro-batch token budget (each of ``budgets`` at least the chunk, and the chunk itself, as the
+    baseline's), and the expert ranks' batching: deadline (s) and row budget."""
+    out = []
+    for chunk in chunks:
+        for budget in sorted({chunk, *(b for b in budgets if b >= chunk)}):
+            for e in experts:
+                for t in tps:
+                    if e >= devices or (devices - e) % t or heads % t:
+                        continue
+                    for dl in deadlines:
+                        for eb in expert_budgets:
+                            out.append(Deployment("async", headline_config((devices - e) // t, e, chunk, budget, eb,
+                                                                           dl), Parallelism(attention_tp=t)))
+    return out
+
+
+def search_breadth(syncs, asyncs, grid: dict) -> dict:
+    """How broadly each mode was searched: candidate counts and the values of each searched dimension."""
+    return {"async": len(asyncs), "sync": len(syncs),
+            "async_dimensions": {k: grid[k] for k in ("experts", "attention_tp", "chunk", "budget", "expert_deadline",
+                                                      "expert_budget")},
+            "sync_dimensions": {k: grid[k] for k in ("sync_tp", "cp", "sync_chunk", "sync_budget", "overlap")}}
+
+
+def per_die(devices: int) -> tuple:
+    """The comparison before the search: ASAP (devices - 16) + 16, baseline ``devices`` x 1, 16k chunks."""
+    e = min(PER_DIE_EXPERTS, devices // 4)
+    return (Deployment("async", headline_config(devices - e, e)),
+            Deployment("sync", headline_config(), Parallelism(), sync_ranks=devices))
