@@ -293,7 +293,8 @@ def memory_table(args) -> dict:
             "async": deployment_memory("async", prof, shapes, attention_ranks=args.attention_ranks,
                                        attention_tp=args.attention_tp,
                                        expert_ranks=args.expert_ranks * args.expert_dies,
-                                       ping_pong=not args.no_ping_pong, **kw),
+                                       ping_pong=not args.no_ping_pong,
+                                       long_prompt_lane=not args.no_long_prompt_lane and not args.no_load_aware, **kw),
             "sync": deployment_memory("sync", prof, shapes, sync_ranks=sync_workers(args), sync_tp=args.sync_tp, **kw)}
 
 

@@ -231,3 +231,20 @@ def test_simulate_emulated_runs_the_dies_an_expert_rank_stands_for():
         out[dies] = r
         assert r.ranks[-1]["stands_for"] == 4 * dies  # the expert side: 4 ranks of `dies` dies each
     assert all(a.ok and b.ok for a, b in zip(out[1].records, out[4].records))
+
+
+def test_the_long_prompt_lane_adds_one_received_prompt_of_kv_to_an_attention_die():
+    """With the lane, an attention group also holds the latents another group's lane prompt puts into it: one
+    max-length prompt of (kv_lora_rank + qk_rope) * 2 bytes * 61 layers per token; expert dies are unchanged, and a
+    single attention group has no lane."""
+    prof, shapes = Profile.load(CM), ModelShapes.load("deepseek-v3")
+    kw = dict(attention_ranks=2, attention_tp=8, expert_ranks=16, token_budget=16384, chunk_len=16384,
+              max_prompt_len=131072)
+    off = deployment_memory("async", prof, shapes, **kw)
+    on = deployment_memory("async", prof, shapes, long_prompt_lane=True, **kw)
+    lane = on[0].breakdown["lane KV (received)"]
+    assert lane == pytest.approx(131072 * (512 + 64) * 2 * 61 / GB)
+    assert on[0].needed_gb == pytest.approx(off[0].needed_gb + lane)
+    assert on[1].needed_gb == pytest.approx(off[1].needed_gb)
+    one = deployment_memory("async", prof, shapes, long_prompt_lane=True, **dict(kw, attention_ranks=1))
+    assert "lane KV (received)" not in one[0].breakdown

@@ -193,13 +193,15 @@ def deployment_memory(mode: str, profile: Profile, shapes: ModelShapes, *, atten
                       attention_tp: int = 1, expert_ranks: int = 1, sync_ranks: int = 1, sync_tp: int = 1,
                       token_budget: int, chunk_len: "int | None", max_prompt_len: int,
                       ping_pong: bool = True, sync_overlap: bool = False,
-                      expert_token_budget: "int | None" = None) -> list:
+                      expert_token_budget: "int | None" = None, long_prompt_lane: bool = False) -> list:
     """The dies of one deployment, one :class:`DieMemory` per role.
 
     ``mode="async"`` (ASAP): ``attention_ranks`` groups of ``attention_tp`` devices and ``expert_ranks`` expert
     dies; ``mode="sync"`` (baseline): ``sync_ranks`` DP groups of ``sync_tp`` devices, EP over all of them.
     ``token_budget``/``chunk_len``/``max_prompt_len``: the runtime's, in the modelled model's tokens;
     ``expert_token_budget``: the rows an expert die computes in one batch (None: every in-flight row at once).
+    ``long_prompt_lane`` (ASAP with at least 2 attention groups): a group also holds the KV latents another group's
+    lane prompt puts into it, one ``max_prompt_len`` prompt at most (a group carries one lane at a time).
     """
     for nm, v in (("attention_ranks", attention_ranks), ("attention_tp", attention_tp),
                   ("expert_ranks", expert_ranks), ("sync_ranks", sync_ranks), ("sync_tp", sync_tp),
@@ -217,6 +219,8 @@ def deployment_memory(mode: str, profile: Profile, shapes: ModelShapes, *, atten
         buffers = (A * S * T * (H * d_bytes + 8 * k) + S * T * min(k, E) * H * c_bytes) / GB
         att = _attention_side(profile, s, t, T, S, max_prompt_len)
         att["symmetric buffers"] = buffers
+        if long_prompt_lane and A >= 2:
+            att["lane KV (received)"] = max_prompt_len * (s.kv_lora_rank + s.qk_rope) * a * s.num_layers / GB
         rows = min(A * S * T * min(k, math.ceil(s.num_experts / E)), EXPERT_HEADROOM * A * S * T * k / E)
         if expert_token_budget:  # one batch at a time: the budget, or one micro-batch's rows if more
             rows = min(rows, max(expert_token_budget, EXPERT_HEADROOM * T * k / E))
@@ -243,7 +247,8 @@ def memory_of(mode: str, cfg, par, sync_ranks: "int | None", profile: Profile, s
                              sync_ranks=sync_ranks or 1, sync_tp=par.sync_tp, token_budget=cfg.token_budget,
                              chunk_len=cfg.effective_chunk_len, max_prompt_len=cfg.max_prompt_len,
                              ping_pong=cfg.ping_pong, sync_overlap=par.sync_overlap,
-                             expert_token_budget=cfg.expert_token_budget)
+                             expert_token_budget=cfg.expert_token_budget,
+                             long_prompt_lane=cfg.long_prompt_lane and cfg.load_aware)
 
 
 def memory_problems(dies: list, profile_name: str) -> list:
@@ -381,6 +386,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-prompt-len", type=int, default=131072)
     p.add_argument("--sync-overlap", action="store_true")
     p.add_argument("--no-ping-pong", action="store_true")
+    p.add_argument("--no-long-prompt-lane", action="store_true", help="ASAP without the lane's received KV")
     args = p.parse_args(argv)
     try:
         profile = with_weights(Profile.load(args.profile), args.weights)
@@ -391,7 +397,8 @@ def main(argv=None) -> int:
         kw = dict(token_budget=args.token_budget, chunk_len=args.chunk_len, max_prompt_len=args.max_prompt_len)
         dies = {"ASAP": deployment_memory("async", profile, shapes, attention_ranks=args.attention_ranks,
                                           attention_tp=args.attention_tp, expert_ranks=args.expert_ranks,
-                                          ping_pong=not args.no_ping_pong, **kw),
+                                          ping_pong=not args.no_ping_pong,
+                                          long_prompt_lane=not args.no_long_prompt_lane, **kw),
                 "baseline": deployment_memory("sync", profile, shapes, sync_ranks=W, sync_tp=args.sync_tp,
                                               sync_overlap=args.sync_overlap, **kw)}
     except ValueError as e:
