@@ -187,7 +187,7 @@ def test_kv_put_scales_with_tokens_and_receivers():
     assert kv_put_s(cost, shapes, 4096, 0) == 0.0
 
 
-@pytest.mark.parametrize("field,value", [("long_prompt_lane", 1), ("token_balanced", None), ("lane_threshold", 0),
+@pytest.mark.parametrize("field,value", [("long_prompt_lane", 1), ("token_balanced", None), ("lane_threshold", -1),
                                          ("lane_threshold", True), ("lane_groups", -1), ("lane_groups", 1.5)])
 def test_runtime_config_rejects_bad_lane_settings(field, value):
     with pytest.raises(ValueError, match=field):

@@ -54,8 +54,11 @@ OVERRUN_WARN = 0.05
 # name -> (ASAP attention groups, their TP, expert ranks, baseline groups, their TP, baseline CP threshold (served
 # tokens), trace, loads in requests/s)
 CONFIGS = {
-    # the emulated headline's deployment (examples/prefill.py --emulate): 16 devices either way
-    "default": [("A5xTP2+E6 vs 4xTP4 CP>64", 5, 2, 6, 4, 4, 64, "mooncake-spread", (2.0, 4.0, 5.0, 6.0, 8.0))],
+    # the emulated default deployment (examples/prefill.py --emulate): afd-plugin's 32 dies, which hold DeepSeek-V3
+    # on both sides (sim/memory.py): ASAP 2 x TP8 + 16 expert dies (4 processes of 4 dies) against 4 x TP8, CP > 64
+    "default": [("A2xTP8+E16 vs 4xTP8 CP>64", 2, 8, 4, 4, 8, 64, "mooncake-spread", (2.0, 4.0, 5.0, 6.0, 8.0), 4)],
+    # the old 16-device default, whose 6 expert dies cannot hold DeepSeek-V3's experts (kept for comparison)
+    "old16": [("A5xTP2+E6 vs 4xTP4 CP>64", 5, 2, 6, 4, 4, 64, "mooncake-spread", (2.0, 4.0, 5.0, 6.0, 8.0))],
     # the same baseline without context parallelism, ASAP with 8 expert dies
     "nocp": [("A4xTP2+E8 vs 4xTP4", 4, 2, 8, 4, 4, None, "mooncake-spread", (1.0, 2.0, 3.0, 4.0, 6.0))],
     # ASAP's attention per die (8 + 8 ranks) against 8 DP groups of 2 devices
@@ -125,7 +128,8 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
     info = model_info_of(base)
     t0 = time.perf_counter()
     result_configs = []
-    for name, A, atp, E, W, stp, cp, kind, rates in CONFIGS[configs]:
+    for name, A, atp, E, W, stp, cp, kind, rates, *rest in CONFIGS[configs]:
+        edev = rest[0] if rest else 1  # dies per ASAP expert process
         cfg = RuntimeConfig(num_attention_ranks=A, num_expert_ranks=E, token_budget=128, chunk_len=128,
                             max_prompt_len=512, sync_collectives="shm")
         mode_cfg = {"async": cfg, "sync": dataclasses.replace(cfg, num_attention_ranks=W - 1, num_expert_ranks=1,
@@ -134,7 +138,8 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
         def factory(mode: str, stats_dir=None):
             if mode == "async":
                 return EmulatedFactory(base, profile, emulate_model, time_scale=time_scale, token_scale=token_scale,
-                                       num_expert_ranks=E, attention_tp=atp, stats_dir=stats_dir)
+                                       num_expert_ranks=E, attention_tp=atp, expert_devices=edev,
+                                       stats_dir=stats_dir)
             return EmulatedFactory(base, profile, emulate_model, time_scale=time_scale, token_scale=token_scale,
                                    num_expert_ranks=W, attention_tp=stp, expert_devices=stp, stats_dir=stats_dir)
 
