@@ -196,7 +196,7 @@ def test_runtime_config_rejects_bad_lane_settings(field, value):
 
 def test_sim_run_lane_flags(tmp_path):
     base = [sys.executable, "-m", "asap_comm.sim", "run", "--num-requests", "20", "--rate", "50"]
-    bad = subprocess.run(base + ["--out", str(tmp_path / "bad"), "--lane-threshold", "0"], capture_output=True,
+    bad = subprocess.run(base + ["--out", str(tmp_path / "bad"), "--lane-threshold", "-1"], capture_output=True,
                          text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--lane-threshold" in bad.stderr
     ok = subprocess.run(base + ["--out", str(tmp_path / "ok"), "--no-long-prompt-lane", "--no-token-balanced",
