@@ -148,7 +148,7 @@ def references(factory: StageFactory, requests: list) -> tuple[dict, float]:
 
 
 SLO_MULTIPLIER = 3.0  # the automatic SLO: this many times the baseline's unloaded TTFT
-DEFAULT_TIME_SCALE = 0.25  # --emulate: wall seconds per modelled second (under 5% overruns at 8+8 on 2 cores)
+DEFAULT_TIME_SCALE = 0.35  # --emulate: wall seconds per modelled second (0.25 overran 5.1-5.6% at afd-plugin's 32 dies here)
 DEFAULT_TOKEN_SCALE = 128  # --emulate: emulated tokens per real token
 # --emulate: defaults of the flags a user did not give
 # --emulate's deployment: afd-plugin's 32 dies (vLLM afd-plugin issue 170), memory-feasible for deepseek-v3 on
@@ -325,6 +325,32 @@ def sync_workers(args) -> int:
     return max(1, dies // args.sync_tp)
 
 
+LANE_SLO_FRACTION = 0.5  # --lane-threshold auto: the lane takes a prompt predicted to need over half the SLO alone
+
+
+def lane_threshold(args, factory, cfg: RuntimeConfig, slo: float) -> "int | None":
+    """``--lane-threshold``: a number, or ``auto``: with ``--emulate``, the longest prompt (in chunk steps) whose
+    TTFT alone on one attention group, as the simulator predicts it for this emulated deployment
+    (``simulate_emulated``, lane off), stays within ``LANE_SLO_FRACTION`` of the SLO (the simulator's own lane
+    predicate, ``asap_comm.sim.lane``); without ``--emulate`` None (the runtime's default: any prompt of 2+
+    chunks)."""
+    if args.lane_threshold != "auto":
+        return int(args.lane_threshold)
+    if not args.emulate or args.no_long_prompt_lane or cfg.chunk_len is None:
+        return None
+    from asap_comm.serving import Request
+    from asap_comm.sim.emulate import simulate_emulated
+
+    f, alone = emulated(args, factory, "async"), dataclasses.replace(cfg, long_prompt_lane=False)
+    n = 2 * cfg.chunk_len
+    while n <= cfg.max_prompt_len:
+        ttft = simulate_emulated(f, "async", [Request(0, 0.0, n)], alone).records[0].ttft_s
+        if ttft > LANE_SLO_FRACTION * slo:
+            return n - cfg.chunk_len
+        n += cfg.chunk_len
+    return cfg.max_prompt_len
+
+
 def mode_config(cfg: RuntimeConfig, mode: str, args) -> RuntimeConfig:
     """The RuntimeConfig of a mode: the baseline's worker count is sync_workers (run_sync runs A + E workers)."""
     if mode == "async":
@@ -483,6 +509,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-long-prompt-lane", action="store_true",
                    help="ablation: turn off ASAP's long-prompt lane (a prompt of several chunks pipelined over the "
                         "attention ranks, each layer's KV put to the later chunks' ranks)")
+    p.add_argument("--lane-threshold", default="auto", metavar="TOKENS|auto",
+                   help="the long-prompt lane takes prompts longer than this many tokens; auto: with --emulate, "
+                        "those whose predicted TTFT alone on one attention group (the simulator's, "
+                        "simulate_emulated) exceeds half the SLO, as the simulator's lane decides; without "
+                        "--emulate, any prompt of 2+ chunks")
     p.add_argument("--no-token-balanced", action="store_true",
                    help="ablation: fill an attention rank's first ping-pong micro-batch up to the budget instead of "
                         "balancing the two micro-batches' tokens")
@@ -531,6 +562,8 @@ def main(argv=None) -> int:
         if extra:
             verb = "needs" if len(extra) == 1 else "need"
             parser.error(f"{', '.join(extra)} {verb} --emulate (emulated devices only)")
+    if args.lane_threshold != "auto" and not (args.lane_threshold.isdigit()):
+        parser.error(f"--lane-threshold {args.lane_threshold}: give a number of tokens >= 0, or auto")
     if args.routing != "balanced" and not args.emulate:
         parser.error(f"--routing {args.routing}: needs --emulate (the served model's own router picks its experts; "
                      "the routing skews the emulated model's work)")
@@ -580,8 +613,13 @@ def main(argv=None) -> int:
                            single_process_s, modes)
     slo = slo_info["ttft_s"]
     print(describe_slo(slo_info), file=sys.stderr, flush=True)
+    threshold = lane_threshold(args, factory, cfgs["async"], slo)
+    cfgs["async"] = dataclasses.replace(cfgs["async"], lane_threshold=threshold)
+    if not args.no_long_prompt_lane and "async" in modes:
+        print("long-prompt lane: " + ("prompts of 2+ chunks" if threshold is None else
+                                      f"prompts longer than {threshold} tokens"), file=sys.stderr, flush=True)
     mean_len = sum(int(r.token_ids.numel()) for r in requests) / len(requests)
-    summary = {"config": vars(args), "slo": slo_info, "runs": []}
+    summary = {"config": vars(args), "slo": slo_info, "runs": [], "lane_threshold": threshold}
     if args.emulate:
         summary["emulation"] = emulated(args, factory, "async").describe_emulation()
         summary["ignore_memory"] = args.ignore_memory
