@@ -45,6 +45,7 @@ import torch
 
 from .costs import CostModel, Profile
 from .shapes import ModelShapes
+from .probe import median_time
 
 __all__ = ["calibrate", "main"]
 
@@ -92,17 +93,6 @@ def foreign_profile_reason(profile_data: dict) -> "str | None":
     return None if not diff else "it was fitted on another host: " + ", ".join(diff)
 
 
-def _median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
 def _say(progress: bool, msg: str) -> None:
     if progress:
         print(f"[calibrate] {msg}", file=sys.stderr, flush=True)
@@ -135,13 +125,13 @@ def _time_compute(model, shapes: ModelShapes, grid: dict, reps: int, progress: b
                 cache.layers[att_layer].c, cache.layers[att_layer].k_rope = lc.c, lc.k_rope  # a fresh prefix each time
                 model.attention_stage(att_layer, x, cache)
 
-            pts.append(((T, C), _median_time(call, reps)))
+            pts.append(((T, C), median_time(call, reps)))
     out["attention"] = pts
     _say(progress, f"attention: {len(pts)} (T, C) points in {time.perf_counter() - t0:.1f} s")
 
     def sweep(op: str, sizes, make: Callable[[int], Callable[[], object]]) -> None:
         t = time.perf_counter()
-        out[op] = [(n, _median_time(make(n), reps)) for n in sizes]
+        out[op] = [(n, median_time(make(n), reps)) for n in sizes]
         _say(progress, f"{op}: {len(sizes)} sizes in {time.perf_counter() - t:.1f} s")
 
     if moe_layer is not None:

@@ -29,8 +29,11 @@ _SWIGLU_ROWS = (16, 256)
 _P2P_ROWS = (1, 256)
 
 
-def _median(fn, reps: int) -> float:
-    fn()  # warm-up
+def median_time(fn, reps: int, warmup: int = 1) -> float:
+    """The median wall time of ``reps`` calls of ``fn`` after ``warmup`` untimed ones (calibrate.py times its
+    operators with it too)."""
+    for _ in range(warmup):
+        fn()
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -55,7 +58,7 @@ def _swiglu(hidden: int, inter: int, reps: int) -> dict:
                     h = torch.nn.functional.linear(x, w1)
                     return torch.nn.functional.linear(torch.nn.functional.silu(h) * torch.nn.functional.linear(x, w3),
                                                       w2)
-                out[str(n)] = _median(call, reps)
+                out[str(n)] = median_time(call, reps)
     finally:
         torch.set_num_threads(threads)
     return out
@@ -80,7 +83,7 @@ def _p2p_pe(comm, hidden: int, num_experts: int, top_k: int, rows, reps: int):
         x = torch.randn(n, hidden, generator=g)
         ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(n)])
         w = torch.rand(n, top_k, generator=g)
-        res[str(n)] = _median(lambda: att.combine_recv(att.dispatch_send(x, ids, w, 0), timeout=30), reps)
+        res[str(n)] = median_time(lambda: att.combine_recv(att.dispatch_send(x, ids, w, 0), timeout=30), reps)
     att.finish()
     return res
 
