@@ -64,6 +64,7 @@ from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig, r
 from asap_comm.serving.traces import LogNormalLengths, TraceError, synthetic_trace
 from asap_comm.sim import plots, study
 from asap_comm.sim.costs import known_profiles
+from asap_comm.sim.emulate import DEFAULT_TIME_SCALE as EMULATE_TIME_SCALE
 
 try:
     from asap_comm.serving.sync import run_sync
@@ -148,7 +149,8 @@ def references(factory: StageFactory, requests: list) -> tuple[dict, float]:
 
 
 SLO_MULTIPLIER = 3.0  # the automatic SLO: this many times the baseline's unloaded TTFT
-DEFAULT_TIME_SCALE = 0.35  # --emulate: wall seconds per modelled second (0.25 overran 5.1-5.6% at afd-plugin's 32 dies here)
+# --emulate: wall seconds per modelled second (asap_comm.sim.emulate: 0.25 overran 5.1-5.6% at afd-plugin's 32 dies)
+DEFAULT_TIME_SCALE = EMULATE_TIME_SCALE
 DEFAULT_TOKEN_SCALE = 128  # --emulate: emulated tokens per real token
 # --emulate: defaults of the flags a user did not give
 # --emulate's deployment: afd-plugin's 32 dies (vLLM afd-plugin issue 170), memory-feasible for deepseek-v3 on

@@ -95,7 +95,12 @@ from .routing import emulated_scales, parse_routing, rank_of_experts
 from .shapes import ModelShapes
 from .simulate import rows_per_rank_fraction
 
-__all__ = ["EmulatedFactory", "EmulatedModel", "read_stats", "overrun_summary", "collective_summary", "STAT_FIELDS",
+# the dilation the example and validate --regime emulated use by default (wall seconds per modelled second): at
+# afd-plugin's 32 dies (2 attention + 4 expert processes, or 4 baseline workers, on 2 cores) 0.25 overran 5.1-5.6%
+# of the held calls, 0.35 3.0-3.8%
+DEFAULT_TIME_SCALE = 0.35
+
+__all__ = ["DEFAULT_TIME_SCALE", "EmulatedFactory", "EmulatedModel", "read_stats", "overrun_summary", "collective_summary", "STAT_FIELDS",
            "simulate_emulated", "layer_weights", "rows_per_real_row"]
 
 def layer_weights(real: ModelShapes, emu: ModelShapes) -> tuple[float, float]:
@@ -113,7 +118,8 @@ def rows_per_real_row(real: ModelShapes, emu: ModelShapes, token_scale: float, n
     return token_scale * r_emu / r_real
 
 
-def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, spans: bool = False):
+def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, spans: bool = False,
+                      host_overhead: "dict | None" = None):
     """The simulator's prediction of an emulated run, in the run's own units.
 
     ``factory``: the :class:`EmulatedFactory` the run uses (its profile, emulated model, dilation, token scale
@@ -126,7 +132,11 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
     profile's device time, dilated. Returns a ``SimResult`` whose records are in wall-clock seconds and real
     tokens, so ``summarize_run`` compares them with the run's. What the simulator does not model here: the
     emulated expert rank holds its transfers after computing (``hold_transfer``), where the simulator's links
-    overlap them with compute; the runtime's own overheads between stages.
+    overlap them with compute; the runtime's own overheads between stages, unless ``host_overhead`` gives them:
+    ``{"async_job_s": ..., "sync_layer_s": ...}`` in wall seconds on this host (``emulate_fit.fit_host_overhead``),
+    charged as busy time of every attention-rank job (ASAP) and as time added to every MoE layer of the
+    baseline's lock-step (``CostModel.runtime``'s ``async_job_overhead_s`` / ``sync_layer_overhead_s``, divided
+    by the dilation).
     """
     import dataclasses
 
@@ -139,6 +149,15 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
         raise ValueError(f"simulate_emulated: mode must be 'async' or 'sync', got {mode!r}")
     S, K = factory.token_scale, factory.time_scale
     cost = factory.cost()
+    if host_overhead:
+        unknown = set(host_overhead) - {"async_job_s", "sync_layer_s"}
+        bad = {k: v for k, v in host_overhead.items() if isinstance(v, bool) or not isinstance(v, (int, float))
+               or not v >= 0}
+        if unknown or bad:
+            raise ValueError(f"simulate_emulated: host_overhead={host_overhead!r} takes async_job_s and sync_layer_s, "
+                             "wall seconds >= 0")
+        cost.runtime = {**cost.runtime, "async_job_overhead_s": host_overhead.get("async_job_s", 0.0) / K,
+                        "sync_layer_overhead_s": host_overhead.get("sync_layer_s", 0.0) / K}
     real, emu = factory.real_shapes, cost.shapes
     dense_w, moe_w = layer_weights(real, emu)
     layers = [(bool(m), moe_w if m else dense_w) for m in real.moe_layers]

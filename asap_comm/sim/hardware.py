@@ -70,7 +70,7 @@ class OpCoef:
 
 
 RUNTIME_FACTORS = {
-    "async_attention": 1.0, "async_expert": 1.0, "async_layer_overhead_s": 0.0,
+    "async_attention": 1.0, "async_expert": 1.0, "async_layer_overhead_s": 0.0, "async_job_overhead_s": 0.0,
     "sync_compute": 1.0, "sync_layer_overhead_s": 0.0, "sync_poll_weight": 1.0,
 }
 
@@ -80,7 +80,10 @@ def _runtime_factors(profile: "Profile") -> dict:
 
     ``async_attention`` / ``async_expert`` / ``sync_compute`` multiply the work of the
     attention-rank jobs, expert-rank jobs and baseline compute; ``*_layer_overhead_s`` is a
-    latency added per MoE layer (wake-ups and loop overhead the operator timings do not see);
+    latency added per MoE layer (wake-ups and loop overhead the operator timings do not see; the baseline's
+    lengthens its lock-step, so every rank pays it); ``async_job_overhead_s`` is busy time added to each
+    attention-rank job (a layer segment up to a dispatch, or the tail): work the rank's own process does
+    outside the operators (packing, puts, the loop), which keeps its other micro-batch waiting;
     ``sync_poll_weight``: on a shared CPU host, the share of a core that a baseline rank waiting in a
     collective takes from the ranks computing (1: a full polling process, 0: it sleeps).
     Absent: the neutral values (cluster profiles).

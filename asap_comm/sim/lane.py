@@ -188,6 +188,7 @@ class Lane:
                             t += cfg.expert_deadline_s  # alone, the expert batch waits for its deadline
                         t += w * ((attn + cost.router_s(Td) + cost.shared_experts_s(Td)) * sim.k_att
                                   + ex * sim.k_exp + cost.dispatch_s(rows) + cost.combine_s(rows)) + sim.layer_overhead
+                        t += sim.job_overhead
                     else:
                         t += w * (attn + cost.dense_mlp_s(Td)) * sim.k_att
         return t
@@ -356,7 +357,8 @@ class Lane:
             put = w * kv_put_s(cost, sim.shapes, req.chunks[j].length, len(later))
             if sim.cpu:
                 work, put = work + put, 0.0
-        sim.att[mb.rank].submit(work * sim.k_att, lambda: self._layer_done(mb, k, moe, rows, put),
+        sim.att[mb.rank].submit(work * sim.k_att + (sim.job_overhead if moe else 0.0),
+                                lambda: self._layer_done(mb, k, moe, rows, put),
                                 f"lane layer {k} chunk {j}")
 
     def _layer_done(self, mb, k: int, moe: bool, rows: int, put: float) -> None:

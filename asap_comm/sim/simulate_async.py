@@ -53,6 +53,7 @@ class _AsyncSim(_Common):
         rt = self.cost.runtime
         self.k_att, self.k_exp, self.layer_overhead = (rt["async_attention"], rt["async_expert"],
                                                        rt["async_layer_overhead_s"])
+        self.job_overhead = rt["async_job_overhead_s"]  # busy time of each attention-rank job outside operators
         self.slo_s = None  # the run's TTFT SLO when known (simulate(..., slo_s=)): the lane's predicate
         self.lane = Lane(self) if cfg.long_prompt_lane and A > 1 else None  # lane.py
         self.fill_pending: set = set()  # idle groups that form their micro-batch pair at the end of this instant
@@ -123,11 +124,12 @@ class _AsyncSim(_Common):
                 work += moe * (self.E * cost.dispatch_s(rows) if self.load is None
                                else sum(cost.dispatch_s(self.load.rows(Td, r)) for r in range(self.E)))
             then = self._dispatched if not self.lockstep else self._arrive_barrier
-            self.att[mb.rank].submit(work * self.k_att, lambda: then(mb, rows), f"attn seg {mb.seg}")
+            self.att[mb.rank].submit(work * self.k_att + self.job_overhead, lambda: then(mb, rows),
+                                     f"attn seg {mb.seg}")
         else:
             last = [c for c in mb.chunks if c.last]
             work += cost.head_s(len(last)) if last else 0.0
-            self.att[mb.rank].submit(work * self.k_att, lambda: self._tail_done(mb), "attn tail")
+            self.att[mb.rank].submit(work * self.k_att + self.job_overhead, lambda: self._tail_done(mb), "attn tail")
 
     # ------------------------------------------------------------------ lock-step ablation (asap_comm.serving
     # .async_ranks._Lockstep): a rank that reaches a dispatch waits (blocked: its other micro-batch waits too)

@@ -29,6 +29,7 @@ from .simulate import simulate
 from .validate_common import TARGET
 from .validate_common import mooncake_path as _mooncake_path  # noqa: F401  (its old name, used by examples)
 from .validate_common import validation_trace as _trace
+from .emulate import DEFAULT_TIME_SCALE
 from .validate_emulated import CONFIGS as ECONFIGS
 from .validate_emulated import table, validate_emulated
 
@@ -201,9 +202,13 @@ def main(argv=None) -> int:
     e = p.add_argument_group("--regime emulated")
     e.add_argument("--emulate", default="ascend-910c-cm384", metavar="PROFILE", help="the emulated hardware profile")
     e.add_argument("--emulate-model", default="deepseek-v3", help="the emulated model's shapes")
-    e.add_argument("--time-scale", type=float, default=0.25, help="the dilation (wall s per modelled s)")
+    e.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
+                   help=f"the dilation (wall s per modelled s; default {DEFAULT_TIME_SCALE}, the example's)")
     e.add_argument("--token-scale", type=int, default=128, help="emulated tokens per real token")
     e.add_argument("--repeats", type=int, default=3, help="real runs per point; each metric is their median")
+    e.add_argument("--no-host-overhead", action="store_true",
+                   help="simulate without the emulation's host overhead (by default it is fitted first on an "
+                        "unloaded probe of other requests: asap_comm.sim.emulate_fit)")
     e.add_argument("--slo", type=float, default=None, help="SLO in seconds (default: 3x the simulated unloaded "
                    "TTFT of the baseline on the p90 prompt)")
     args = p.parse_args(argv)
@@ -218,7 +223,8 @@ def main(argv=None) -> int:
         try:
             result = validate_emulated(args.out, profile=args.emulate, emulate_model=args.emulate_model, model=model,
                                        time_scale=args.time_scale, token_scale=args.token_scale, configs=configs,
-                                       num_requests=num, repeats=args.repeats, slo=args.slo, seed=args.seed)
+                                       num_requests=num, repeats=args.repeats, slo=args.slo, seed=args.seed,
+                                       host_overhead=not args.no_host_overhead)
         except (ValueError, FileNotFoundError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

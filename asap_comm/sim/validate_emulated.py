@@ -49,6 +49,7 @@ from .validate_common import validation_trace as validate_trace
 METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s")
 _LABEL = {"ttft_p50_s": "p50", "ttft_p90_s": "p90", "ttft_p99_s": "p99", "throughput_tokens_per_s": "tok/s"}
 SLO_FACTOR = 3.0
+PROBE_REQUESTS = 12  # the host-overhead probe's unloaded requests (emulate_fit; fewer for a shorter window)
 OVERRUN_WARN = 0.05
 
 # name -> (ASAP attention groups, their TP, expert ranks, baseline groups, their TP, baseline CP threshold (served
@@ -100,11 +101,13 @@ def _trace(kind: str, n: int, token_scale: float, max_len: int, seed: int) -> li
 
 
 def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_model: str = "deepseek-v3",
-                      model: str = "tiny", time_scale: float = 0.25, token_scale: int = 128,
+                      model: str = "tiny", time_scale: "float | None" = None, token_scale: int = 128,
                       configs: str = "default", num_requests: int = 80, repeats: int = 3, slo: "float | None" = None,
-                      target: float = 0.9, seed: int = 0, progress: bool = True) -> dict:
+                      target: float = 0.9, seed: int = 0, progress: bool = True, host_overhead: bool = True) -> dict:
     """Run every configuration real (on emulated devices, ``repeats`` times) and simulated; write and return
-    ``validation_emulated.json``'s content (see the module docstring)."""
+    ``validation_emulated.json``'s content (see the module docstring). ``host_overhead``: first fit the
+    emulation's host overhead on an unloaded probe of other requests (``emulate_fit``) and simulate with it;
+    False: simulate without it (the runtime's work outside the held stages left out)."""
     import dataclasses
 
     import torch
@@ -114,6 +117,9 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
     from ..serving.sync import run_sync
     from .emulate import EmulatedFactory, overrun_summary, read_stats, simulate_emulated
 
+    from .emulate import DEFAULT_TIME_SCALE
+
+    time_scale = DEFAULT_TIME_SCALE if time_scale is None else time_scale
     if configs not in CONFIGS:
         raise ValueError(f"validate: configs={configs!r} is not one of {sorted(CONFIGS)}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -147,6 +153,15 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
                     for m, c in mode_cfg.items()}
 
         base_trace = _trace(kind, num_requests, token_scale, cfg.max_prompt_len, seed)
+        fitted = None
+        if host_overhead:  # unloaded probe: the PROBE_REQUESTS requests after the window, up to two chunks
+            from .emulate_fit import fit_host_overhead
+
+            n_probe = min(PROBE_REQUESTS, max(4, num_requests))
+            more = _trace(kind, num_requests + n_probe, token_scale, 2 * cfg.effective_chunk_len, seed)
+            fitted = fit_host_overhead({m: factory(m) for m in mode_cfg}, mode_cfg, info,
+                                       lengths=[r.prompt_len for r in more[num_requests:]], progress=progress)
+        ho = None if fitted is None else {k: fitted[k] for k in ("async_job_s", "sync_layer_s")}
         lens = sorted(r.prompt_len for r in base_trace)
         p90 = lens[min(len(lens) - 1, int(0.9 * len(lens)))]
         mean_len = sum(lens) / len(lens)
@@ -163,8 +178,8 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
             trace = scale_trace(base_trace, target_rate=rate)
             reqs = [PromptRequest(r.request_id, r.arrival_s, tokens[r.request_id]) for r in trace]
             for mode in ("async", "sync"):
-                sim = summarize_run(simulate_emulated(factory(mode), mode, trace, mode_cfg[mode]).records,
-                                    cfg_slo).as_dict()
+                sim = summarize_run(simulate_emulated(factory(mode), mode, trace, mode_cfg[mode],
+                                                      host_overhead=ho).records, cfg_slo).as_dict()
                 reals = []
                 for rep in range(repeats):
                     stats_dir = out / "stats" / f"{configs}-{rate:g}-{mode}-{rep}"
@@ -205,7 +220,7 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
             "config": name, "attention_ranks": A, "attention_tp": atp, "expert_ranks": E, "sync_ranks": W,
             "sync_tp": stp, "cp_threshold": cp, "trace": kind, "rates_req_s": list(rates), "slo_s": cfg_slo, "slo_target": target,
             "p90_prompt_tokens": p90, "mean_prompt_tokens": mean_len, "runs": rows,
-            "slo_compliant_throughput": per_mode,
+            "slo_compliant_throughput": per_mode, "host_overhead": fitted,
             "ratio": {"real": rr, "sim": sr, "relative_error": _rel(sr, rr)}})
     errs = []
     for c in result_configs:
@@ -215,7 +230,7 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
         if c["ratio"]["relative_error"] is not None:
             errs.append(abs(c["ratio"]["relative_error"]))
     overruns = [row["real"]["overrun_fraction"] for c in result_configs for row in c["runs"]]
-    result = {"regime": "emulated", "target_abs_relative_error": TARGET, "profile": profile,
+    result = {"regime": "emulated", "target_abs_relative_error": TARGET, "profile": profile, "host_overhead": host_overhead,
               "emulate_model": emulate_model, "model": model, "time_scale": time_scale, "token_scale": token_scale,
               "repeats": repeats, "num_requests": num_requests, "configs": result_configs,
               "compared": len(errs), "within_target": sum(1 for e in errs if e <= TARGET),
@@ -242,6 +257,10 @@ def table(result: dict) -> str:
     for c in result["configs"]:
         lines.append(f"{c['config']}  (SLO {c['slo_s']:.3g} s at {c['slo_target']:.0%}; real = median of "
                      f"{result['repeats']}; real -> simulated, relative error)")
+        ho = c.get("host_overhead")
+        lines.append("host overhead: not simulated (--no-host-overhead)" if not ho else
+                     f"host overhead (fitted unloaded, wall): ASAP {ho['async_job_s'] * 1e3:.1f} ms per attention "
+                     f"job, baseline {ho['sync_layer_s'] * 1e3:.1f} ms per MoE layer")
         lines.append(f"{'req/s':>5s} {'mode':5s} " + " ".join(f"{_LABEL[m]:>24s}" for m in METRICS)
                      + f" {'attainment':>12s} {'overruns':>8s}")
         for row in c["runs"]:
