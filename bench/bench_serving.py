@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--emulate", default=None, metavar="PROFILE",
                    help="emulated accelerators (as examples/prefill.py --emulate, with its defaults: tiny model, "
-                        "Mooncake trace, 8 + 8 ranks, baseline TP 4, shm collectives); --rates auto searches each "
+                        "Mooncake trace, afd-plugin's 32 dies: 2 x TP8 attention + 4 expert processes of 4 dies against "
+                        "4 x TP8 with CP, shm collectives); --rates auto searches each "
                         "variant's SLO-compliant rate")
     p.add_argument("--emulate-model", default="deepseek-v3")
     p.add_argument("--time-scale", type=float, default=prefill.DEFAULT_TIME_SCALE)

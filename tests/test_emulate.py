@@ -397,6 +397,16 @@ def test_validate_in_the_emulated_regime(tmp_path):
     assert set(c["slo_compliant_throughput"]) == {"async", "sync"} and set(c["ratio"]) == {"real", "sim",
                                                                                            "relative_error"}
     assert c["slo_s"] > 0 and res["compared"] >= 16 and c["cp_threshold"] == 96
+    # the host overhead was fitted first, on an unloaded probe of 4 other requests, both modes
+    ho = c["host_overhead"]
+    assert res["host_overhead"] is True and 0.0 <= ho["async_job_s"] <= 0.1 and 0.0 <= ho["sync_layer_s"] <= 0.1
+    for mode in ("async", "sync"):
+        pr = ho["probe"][mode]
+        assert len(pr["real_ttft_s"]) == len(pr["sim_ttft_s"]) == len(pr["lengths"]) == 4
+        # the fitted overhead only lengthens the simulated TTFTs; the real ones are never below the simulator's
+        # without it by more than rounding (every stage is held at least its modelled time)
+        assert all(s >= n - 1e-9 for s, n in zip(pr["sim_ttft_s"], pr["sim_ttft_none_s"]))
+        assert all(r >= 0.95 * n for r, n in zip(pr["real_ttft_s"], pr["sim_ttft_none_s"]))
     with pytest.raises(SystemExit):
         main(["--regime", "emulated", "--configs", "nope", "--out", str(tmp_path)])
 

@@ -292,6 +292,7 @@ def test_calibrate_quick_tiny(tmp_path):
     d = json.loads((tmp_path / "profile_local.json").read_text())
     assert set(COMPUTE_OPS) | {"experts_batch"} <= set(d["ops"])
     assert {"p2p", "message", "collective", "all_reduce"} <= set(d["links"])
+    assert d["memory"]["hbm_gb"] >= 1  # a recalibrated profile keeps its memory block (checked, not "unknown")
     Profile.load(tmp_path / "profile_local.json")  # the same schema as the shipped profiles
     cal = json.loads((tmp_path / "calibration.json").read_text())
     ops = {"attention", "router", "shared_experts", "dense_mlp", "expert", "embed", "head", "p2p_round_trip",

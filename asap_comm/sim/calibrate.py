@@ -297,6 +297,18 @@ def _fit_attention(points: list) -> dict:
             "bytes_per_s": None, "n_half": nh}
 
 
+def _host_memory() -> dict:
+    """The local profile's ``memory`` block (``asap_comm.sim.memory``): half of this host's RAM per rank, as the
+    committed profile has it (small local runs always fit; a DeepSeek-V3 deployment on CPU ranks is refused)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        ram = 16.0
+    return {"hbm_gb": max(1, round(ram / 2)), "usable_fraction": 1.0,
+            "source": f"this host: {ram:.0f} GB of RAM shared by its processes; half of it is what one rank of a "
+                      "small local run may take (written by asap_comm.sim.calibrate)"}
+
+
 def _fit_affine(xs: list, ys: list) -> tuple[float, float]:
     (a, b), _ = _nnls([[1.0, x] for x in xs], ys)
     return a, b
@@ -398,6 +410,7 @@ def calibrate(out_dir, model: str = "small", *, quick: bool = False, progress: b
         "rank": "one single-threaded process of this host (all ranks share its cores: processor sharing)",
         "cores": os.cpu_count(),
         "hardware": {},
+        "memory": _host_memory(),
         "dtype": {"weight_bytes": 4, "activation_bytes": 4, "dispatch_bytes": 4, "combine_bytes": 4,
                   "source": "the reference model runs in float32 on CPU"},
         "ops": ops,

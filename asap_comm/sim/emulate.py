@@ -129,10 +129,10 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
     runs them). The simulator then runs what the emulated run holds: the served model's layer structure, each
     layer standing for its share of the emulated model's layers (``simulate(..., layers=)``); prompts, chunks
     and budgets times the token scale; the expert rank's row budget times the emulated rows per real row; the
-    profile's device time, dilated. Returns a ``SimResult`` whose records are in wall-clock seconds and real
+    profile's device time, dilated; an expert rank's transfers held after its compute, as the emulator holds them
+    (``Parallelism.serial_expert_transfers``). Returns a ``SimResult`` whose records are in wall-clock seconds and real
     tokens, so ``summarize_run`` compares them with the run's. What the simulator does not model here: the
-    emulated expert rank holds its transfers after computing (``hold_transfer``), where the simulator's links
-    overlap them with compute; the runtime's own overheads between stages, unless ``host_overhead`` gives them:
+    runtime's own overheads between stages, unless ``host_overhead`` gives them:
     ``{"async_job_s": ..., "sync_layer_s": ...}`` in wall seconds on this host (``emulate_fit.fit_host_overhead``),
     charged as busy time of every attention-rank job (ASAP) and as time added to every MoE layer of the
     baseline's lock-step (``CostModel.runtime``'s ``async_job_overhead_s`` / ``sync_layer_overhead_s``, divided
@@ -165,7 +165,8 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
     tokens = {r.request_id: r.prompt_len for r in trace}
     reqs = [Request(r.request_id, r.arrival_s / K, int(round(r.prompt_len * S))) for r in trace]
     if mode == "async":  # an expert rank standing for expert_devices dies: the simulator runs the dies
-        par, ranks = Parallelism(attention_tp=factory.attention_tp), None
+        # the emulated expert rank holds its transfers after computing (hold_transfer): the simulator does too
+        par, ranks = Parallelism(attention_tp=factory.attention_tp, serial_expert_transfers=True), None
         cfg = dataclasses.replace(cfg, num_expert_ranks=cfg.num_expert_ranks * factory.expert_devices)
         row_scale = rows_per_real_row(real, emu, S, cfg.num_expert_ranks)
     else:

@@ -54,6 +54,7 @@ class _AsyncSim(_Common):
         self.k_att, self.k_exp, self.layer_overhead = (rt["async_attention"], rt["async_expert"],
                                                        rt["async_layer_overhead_s"])
         self.job_overhead = rt["async_job_overhead_s"]  # busy time of each attention-rank job outside operators
+        self.serial_tx = par.serial_expert_transfers  # transfers held by the expert rank after computing
         self.slo_s = None  # the run's TTFT SLO when known (simulate(..., slo_s=)): the lane's predicate
         self.lane = Lane(self) if cfg.long_prompt_lane and A > 1 else None  # lane.py
         self.fill_pending: set = set()  # idle groups that form their micro-batch pair at the end of this instant
@@ -161,7 +162,8 @@ class _AsyncSim(_Common):
         w = self.segs[mb.seg][1]
         self.att[mb.rank].submit(w * self.cost.shared_experts_s(self._per_device(mb.tokens)) * self.k_att,
                                  lambda: self._part_back(mb), "shared", front=True)
-        self.engine.after(0.0 if self.cpu else self._dispatch_delay(mb, rows), self._expert_arrive, mb, rows)
+        self.engine.after(0.0 if self.cpu or self.serial_tx else self._dispatch_delay(mb, rows), self._expert_arrive,
+                          mb, rows)
 
     def _link(self, fn, rows: int, weight: float = 1.0) -> tuple:
         """(latency, bandwidth time of ``rows`` rows) of a p2p transfer ``fn`` (``dispatch_s`` / ``combine_s``),
@@ -205,6 +207,9 @@ class _AsyncSim(_Common):
         work = w * self.cost.experts_s(self._expert_pairs(tokens))
         if self.cpu:  # the expert rank's CPU copies each micro-batch's output rows back
             work += w * sum(self.cost.combine_s(rows) for _, rows in items)
+        elif self.serial_tx:  # the batch's dispatch + combine held after computing it (the emulator's hold_transfer)
+            r = sum(rows if self.tp == 1 else self._rows(mb.tokens) for mb, rows in items)
+            work += w * (self.cost.dispatch_s(r) + self.cost.combine_s(r)) / self.k_exp
         self.ex.submit(work * self.k_exp, lambda: self._experts_done(items), f"experts seg {layer} ({len(items)} mb)")
 
     def _wake(self) -> None:
@@ -213,7 +218,7 @@ class _AsyncSim(_Common):
 
     def _experts_done(self, items: list) -> None:
         for mb, rows in items:
-            delay = (0.0 if self.cpu else self._combine_delay(mb, rows)) + self.layer_overhead
+            delay = (0.0 if self.cpu or self.serial_tx else self._combine_delay(mb, rows)) + self.layer_overhead
             self.engine.after(delay, self._part_back, mb)
         self._poke()
 

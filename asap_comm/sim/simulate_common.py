@@ -26,17 +26,22 @@ class Parallelism:
     ``attention_tp``: devices per ASAP attention rank (tensor parallelism);
     ``sync_tp``: devices per baseline DP group; ``cp_threshold``: baseline prompts longer than this many tokens
     use context parallelism (None: never); ``sync_overlap``: the baseline hides its all_to_alls behind compute
-    (two micro-batches per step, one's communication during the other's compute).
+    (two micro-batches per step, one's communication during the other's compute); ``serial_expert_transfers``:
+    an ASAP expert rank sends nothing while it computes: it holds each batch's dispatch and combine transfers
+    after computing it, as busy time (what the emulator does, ``EmulatedModel.hold_transfer``), instead of its
+    links overlapping them with compute.
     """
 
     attention_tp: int = 1
     sync_tp: int = 1
     cp_threshold: "int | None" = None
     sync_overlap: bool = False
+    serial_expert_transfers: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sync_overlap, bool):
-            raise ValueError(f"Parallelism: sync_overlap={self.sync_overlap!r} must be a bool")
+        for name in ("sync_overlap", "serial_expert_transfers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Parallelism: {name}={getattr(self, name)!r} must be a bool")
         for name in ("attention_tp", "sync_tp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -47,7 +52,7 @@ class Parallelism:
 
     def describe(self) -> dict:
         return {"attention_tp": self.attention_tp, "sync_tp": self.sync_tp, "cp_threshold": self.cp_threshold,
-                "sync_overlap": self.sync_overlap}
+                "sync_overlap": self.sync_overlap, "serial_expert_transfers": self.serial_expert_transfers}
 
 
 def rows_per_rank_fraction(num_experts: int, top_k: int, local_experts: int) -> float:

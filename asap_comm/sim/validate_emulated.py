@@ -15,7 +15,11 @@ For each configuration, load and mode:
   (above 5% the dilation is too small for the host, and the row says so);
 * **simulated**: ``simulate_emulated`` replays the same requests (same
   arrivals, same prompts) through the simulator with the same profile,
-  emulated model, dilation, token scale and device groups.
+  emulated model, dilation, token scale and device groups, plus the
+  emulation's **host overhead**: the runtime's own work outside the held
+  stages, fitted first per mode on an unloaded probe of 12 other requests
+  (``emulate_fit``; ``--no-host-overhead`` leaves it out). Only that probe
+  enters the fit; the loads below are predictions.
 
 The load is the shared Mooncake trace (lengths divided by the token scale;
 its requests sharing a timestamp spread over the file's 3-s step, so that the
@@ -157,7 +161,7 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
         if host_overhead:  # unloaded probe: the PROBE_REQUESTS requests after the window, up to two chunks
             from .emulate_fit import fit_host_overhead
 
-            n_probe = min(PROBE_REQUESTS, max(4, num_requests))
+            n_probe = min(PROBE_REQUESTS, max(4, num_requests // 2))
             more = _trace(kind, num_requests + n_probe, token_scale, 2 * cfg.effective_chunk_len, seed)
             fitted = fit_host_overhead({m: factory(m) for m in mode_cfg}, mode_cfg, info,
                                        lengths=[r.prompt_len for r in more[num_requests:]], progress=progress)

@@ -1,0 +1,211 @@
+"""afd-plugin's capacity measurement, emulated: their 32-die deployment on their 128-request screening window.
+
+vLLM afd-plugin issue 170 (and its stage report) measured the capacity of DeepSeek-V3.2 W8A8 on 32 Ascend A3 dies:
+the highest offered input tokens/s whose TTFT p99 over a 128-request window of the Mooncake trace stays <= 50 s:
+baseline DP4 x TP8 (EP32) about 2,600 tok/s, AFD 2 x TP8 + 16 FFN dies about 4,400 tok/s, **1.68x**. This script
+measures the same in real processes on emulated accelerators (``asap_comm.sim.emulate``), the deployment of
+``examples/prefill.py --emulate`` (ASAP 2 x TP8 + 16 expert dies against 4 x TP8 with EP over all 32 dies and
+context parallelism, ``prefill.EMULATE_DEFAULTS``):
+
+* the devices: the 910C profile with the afd-plugin's software stack (``--stack``, default ``vllm-ascend-eager``:
+  the three overrides ``validate --regime published`` fitted to their solo TTFTs; their eager stack is several
+  times slower per token than CloudMatrix-Infer's, so the 50-s criterion means what it meant for them);
+* the window: ``asap_comm.sim.published.afd_screening_window`` (the shared trace's 128 requests nearest the
+  published window: its bursts kept, prompts clipped at 63,778 tokens), lengths divided by the token scale;
+* the criterion: TTFT p99 <= 50 modelled seconds (50 x the time scale in wall seconds);
+* the search, per mode, in offered modelled input tokens/s: from the simulator's prediction of that mode's
+  capacity (``simulate_emulated``), up or down by 1.5x until the criterion flips, then geometric bisection to a
+  bracket of ``--bound``; each point is one real run, every output checked against the reference.
+
+    PYTHONPATH=. python bench/afd_window.py [--num-requests 128] [--bound 1.15] [--out bench/results/afd_window]
+
+Writes ``afd_window.json`` (every point: offered tok/s, TTFT p50/p90/p99 in modelled seconds, overruns; each
+mode's capacity as the last passing load and the bracket; the ratio beside 1.68x; the simulator's prediction on the
+same requests).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import prefill  # noqa: E402  (the example's deployment, reference and checking code)
+
+from asap_comm.serving import Request, summarize_run  # noqa: E402
+from asap_comm.serving.runtime import PromptRequest, RuntimeConfig  # noqa: E402
+from asap_comm.sim import study  # noqa: E402
+from asap_comm.sim.emulate import simulate_emulated  # noqa: E402
+from asap_comm.sim.published import afd_screening_window, stack_profile  # noqa: E402
+
+P99_SLO_S = 50.0  # the study's criterion, modelled seconds
+PUBLISHED = {"baseline_tok_s": 2600.0, "afd_tok_s": 4400.0, "ratio": 1.68,
+             "source": "vllm-project/afd-plugin issue 170, stage report section 1 (capacity search)"}
+
+
+def emulate_args(args, profile_path: str) -> argparse.Namespace:
+    """The example's --emulate deployment and flags (prefill.EMULATE_DEFAULTS), lane threshold auto."""
+    ns = argparse.Namespace(model="tiny", seed=args.seed, trace="mooncake", rate=3.0, num_requests=args.num_requests,
+                            burstiness=2.0, median_len=48, length_scale=1.0, emulate=profile_path,
+                            emulate_model="deepseek-v3", time_scale=args.time_scale, token_scale=args.token_scale,
+                            sync_ranks=None, slo="auto", routing="balanced", weights=None, ignore_memory=False,
+                            no_long_prompt_lane=False, lane_threshold="auto", no_load_aware=False,
+                            no_ping_pong=False)
+    prefill.apply_emulate_defaults(ns, {"trace", "num_requests", "length_scale"})
+    return ns
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--num-requests", type=int, default=128, help="the window's requests (the study's 128)")
+    p.add_argument("--bound", type=float, default=1.15, help="stop when the capacity bracket is within this ratio")
+    p.add_argument("--time-scale", type=float, default=prefill.DEFAULT_TIME_SCALE)
+    p.add_argument("--token-scale", type=int, default=prefill.DEFAULT_TOKEN_SCALE)
+    p.add_argument("--modes", default="async,sync")
+    p.add_argument("--stack", default="vllm-ascend-eager",
+                   help="the software stack of the 910C profile (cloudmatrix-infer: the profile as is)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/afd_window")
+    args = p.parse_args(argv)
+    if not args.bound > 1.0:
+        p.error(f"--bound {args.bound}: must be > 1")
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile_path = out / f"profile_{args.stack}.json"
+    profile_path.write_text(json.dumps(stack_profile("ascend-910c-cm384", args.stack).data, indent=1))
+    ea = emulate_args(args, str(profile_path))
+    K, S = ea.time_scale, ea.token_scale
+    factory = prefill.StageFactory(ea.model, 0)
+    mcfg = factory.config()
+    info = prefill.model_info(mcfg)
+    window = afd_screening_window(args.num_requests)  # modelled seconds, emulated tokens
+    g = torch.Generator().manual_seed(args.seed)
+    lens = [min(ea.max_prompt_len, max(1, round(r.prompt_len / S))) for r in window]
+    reqs = [PromptRequest(r.request_id, r.arrival_s, torch.randint(0, mcfg.vocab_size, (n,), generator=g))
+            for r, n in zip(window, lens)]
+    refs, _ = prefill.references(factory, reqs)
+    mean_emulated = S * sum(lens) / len(lens)
+    base = RuntimeConfig(num_attention_ranks=ea.attention_ranks, num_expert_ranks=ea.expert_ranks,
+                         token_budget=ea.token_budget, chunk_len=ea.chunk_len, max_prompt_len=ea.max_prompt_len,
+                         sync_collectives=ea.sync_collectives)
+    cfgs = {m: prefill.mode_config(base, m, ea) for m in ("async", "sync")}
+    cfgs = {m: dataclasses.replace(c, placer_linear_weight=prefill.emulated(ea, factory, m).placer_linear_weight())
+            for m, c in cfgs.items()}
+    slo_wall = P99_SLO_S * K
+    cfgs["async"] = dataclasses.replace(cfgs["async"], lane_threshold=prefill.lane_threshold(
+        ea, factory, cfgs["async"], slo_wall))
+    t0 = time.time()
+    print(f"window: {len(reqs)} requests, {S * sum(lens):,.0f} emulated tokens (mean {mean_emulated:,.0f}), "
+          f"criterion TTFT p99 <= {P99_SLO_S:g} s modelled ({slo_wall:.2f} s wall at time scale {K:g}); lane "
+          f"threshold {cfgs['async'].lane_threshold} served tokens", file=sys.stderr, flush=True)
+
+    def load_at(tok_s: float) -> list:
+        """The window at ``tok_s`` offered modelled input tokens/s, arrivals in wall seconds."""
+        trace = study.at_rate([Request(r.request_id, r.arrival_s, n) for r, n in zip(window, lens)],
+                              tok_s / mean_emulated)
+        return [PromptRequest(r.request_id, t.arrival_s * K, r.token_ids) for r, t in zip(reqs, trace)]
+
+    def simulated_p99(mode: str, tok_s: float) -> "float | None":
+        trace = [Request(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in load_at(tok_s)]
+        res = simulate_emulated(prefill.emulated(ea, factory, mode), mode, trace, cfgs[mode])
+        p99 = summarize_run(res.records, slo_wall).as_dict()["ttft_p99_s"]
+        return None if p99 is None else p99 / K
+
+    def search(passes, start: float) -> tuple:
+        """(last passing load or None, first failing load or None) from ``start``: x/÷1.5, then bisection."""
+        lo = hi = None
+        x = start
+        for _ in range(8):
+            if passes(x):
+                lo = x
+                if hi is not None:
+                    break
+                x *= 1.5
+            else:
+                hi = x
+                if lo is not None:
+                    break
+                x /= 1.5
+        while lo is not None and hi is not None and hi / lo > args.bound:
+            mid = (lo * hi) ** 0.5
+            if passes(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo, hi
+
+    result = {"published": PUBLISHED, "criterion_p99_s": P99_SLO_S, "profile": "ascend-910c-cm384",
+              "stack": args.stack, "time_scale": K, "token_scale": S,
+              "num_requests": len(reqs), "window_tokens": S * sum(lens), "deployment": {
+                  "async": f"{ea.attention_ranks} x TP{ea.attention_tp} + {ea.expert_ranks * ea.expert_dies} expert "
+                           f"dies", "sync": f"{prefill.sync_workers(ea)} x TP{ea.sync_tp}, EP over all dies, CP > "
+                                            f"{ea.cp_threshold * S} tokens"},
+              "lane_threshold": cfgs["async"].lane_threshold, "modes": {}}
+    checked = mismatches = 0
+    for mode in args.modes.split(","):
+        sim_points: dict = {}
+
+        def sim_passes(tok_s: float, mode=mode) -> bool:
+            sim_points[tok_s] = simulated_p99(mode, tok_s)
+            return sim_points[tok_s] is not None and sim_points[tok_s] <= P99_SLO_S
+
+        sim_lo, sim_hi = search(sim_passes, 3000.0)
+        if sim_hi is None:
+            raise SystemExit(f"afd_window.py: the simulator puts {mode}'s capacity above {sim_lo:.0f} tok/s, beyond "
+                             "the window's own arrival rate; nothing to search")
+        print(f"[{time.time() - t0:6.0f} s] {mode}: simulated capacity {sim_lo} tok/s (bracket to {sim_hi})",
+              file=sys.stderr, flush=True)
+        points = []
+
+        def real_passes(tok_s: float, mode=mode) -> bool:
+            nonlocal checked, mismatches
+            load = load_at(tok_s)
+            with tempfile.TemporaryDirectory(prefix="asap-afd-") as stats_dir:
+                res = prefill.run_mode(mode, prefill.emulated(ea, factory, mode, stats_dir), info, load, cfgs[mode])
+                emu = prefill.emulation_stats(stats_dir)
+            c, b, _ = prefill.check(res, refs)
+            checked, mismatches = checked + c, mismatches + b
+            s = summarize_run(res.records, slo_wall).as_dict()
+            row = {"offered_tokens_per_s": tok_s, "failed": s["num_failed"],
+                   **{k: (None if s[k] is None else s[k] / K) for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")},
+                   "sim_ttft_p99_s": simulated_p99(mode, tok_s), "overrun_fraction": emu["overrun_fraction"],
+                   "checked": c, "mismatches": b}
+            points.append(row)
+            ok = row["ttft_p99_s"] is not None and row["ttft_p99_s"] <= P99_SLO_S and not s["num_failed"]
+            print(f"[{time.time() - t0:6.0f} s] {mode:5s} {tok_s:7.0f} tok/s: TTFT p99 {row['ttft_p99_s']} s "
+                  f"(sim {row['sim_ttft_p99_s']}), p50 {row['ttft_p50_s']}, overruns {emu['overrun_fraction']:.1%}, "
+                  f"{'meets' if ok else 'misses'} {P99_SLO_S:g} s", file=sys.stderr, flush=True)
+            return ok
+
+        lo, hi = search(real_passes, sim_lo if sim_lo is not None else (sim_hi or 3000.0) / 1.5)
+        result["modes"][mode] = {"capacity_tokens_per_s": lo, "first_failing_tokens_per_s": hi,
+                                 "points": sorted(points, key=lambda r: r["offered_tokens_per_s"]),
+                                 "sim_capacity_tokens_per_s": sim_lo, "sim_first_failing_tokens_per_s": sim_hi}
+        (out / "afd_window.json").write_text(json.dumps(result, indent=2))
+    m = result["modes"]
+    if "async" in m and "sync" in m:
+        a, b = m["async"]["capacity_tokens_per_s"], m["sync"]["capacity_tokens_per_s"]
+        sa, sb = m["async"]["sim_capacity_tokens_per_s"], m["sync"]["sim_capacity_tokens_per_s"]
+        result["ratio"] = None if not a or not b else a / b
+        result["sim_ratio"] = None if not sa or not sb else sa / sb
+    result.update(checked=checked, mismatches=mismatches, wall_s=time.time() - t0)
+    (out / "afd_window.json").write_text(json.dumps(result, indent=2))
+    for mode, v in m.items():
+        print(f"{mode:5s} capacity (TTFT p99 <= {P99_SLO_S:g} s): {v['capacity_tokens_per_s']} tok/s (first failing "
+              f"{v['first_failing_tokens_per_s']}); simulated {v['sim_capacity_tokens_per_s']}")
+    if "ratio" in result:
+        print(f"ratio ASAP / baseline: {result['ratio']} (published AFD / baseline {PUBLISHED['ratio']}x); "
+              f"simulated {result['sim_ratio']}")
+    print(f"{checked} outputs checked, {mismatches} mismatches; wrote {out / 'afd_window.json'}")
+    return 0 if mismatches == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
