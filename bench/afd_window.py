@@ -13,15 +13,18 @@ context parallelism, ``prefill.EMULATE_DEFAULTS``):
 * the window: ``asap_comm.sim.published.afd_screening_window`` (the shared trace's 128 requests nearest the
   published window: its bursts kept, prompts clipped at 63,778 tokens), lengths divided by the token scale;
 * the criterion: TTFT p99 <= 50 modelled seconds (50 x the time scale in wall seconds);
-* the search, per mode, in offered modelled input tokens/s: from the simulator's prediction of that mode's
-  capacity (``simulate_emulated``), up or down by 1.5x until the criterion flips, then geometric bisection to a
-  bracket of ``--bound``; each point is one real run, every output checked against the reference.
+* the points: the published screening table's offered loads (``--loads``, default 2,185 and 4,371 input tokens/s,
+  where the report gives both sides' TTFT p50 and p99), each one real run per mode, every output checked against
+  the reference, beside the published figures and the simulator's prediction of the same run;
+* with ``--search``, each mode's capacity as well: from the simulator's prediction (``simulate_emulated``), up or
+  down by 1.5x until the criterion flips, then geometric bisection to a bracket of ``--bound`` (slow: a low load
+  stretches the window to many minutes, and the window's 20-request burst bounds the p99 from below, so the
+  criterion may never flip).
 
-    PYTHONPATH=. python bench/afd_window.py [--num-requests 128] [--bound 1.15] [--out bench/results/afd_window]
+    PYTHONPATH=. python bench/afd_window.py [--loads 2185,4371] [--search] [--out bench/results/afd_window]
 
-Writes ``afd_window.json`` (every point: offered tok/s, TTFT p50/p90/p99 in modelled seconds, overruns; each
-mode's capacity as the last passing load and the bracket; the ratio beside 1.68x; the simulator's prediction on the
-same requests).
+Writes ``afd_window.json`` (every point: offered tok/s, TTFT p50/p90/p99 in modelled seconds, the simulator's,
+the published ones, overruns; with ``--search`` each mode's capacity and bracket, the ratio beside 1.68x).
 """
 from __future__ import annotations
 
@@ -46,7 +49,10 @@ from asap_comm.sim.published import afd_screening_window, stack_profile  # noqa:
 
 P99_SLO_S = 50.0  # the study's criterion, modelled seconds
 PUBLISHED = {"baseline_tok_s": 2600.0, "afd_tok_s": 4400.0, "ratio": 1.68,
-             "source": "vllm-project/afd-plugin issue 170, stage report section 1 (capacity search)"}
+             "source": "vllm-project/afd-plugin issue 170, stage report section 1 (capacity search)",
+             # (offered tok/s, mode) -> (TTFT p50, p99) s, the screening table (asap_comm.sim.published)
+             "points": {"2185": {"sync": [17.85, 46.78], "async": [12.50, 40.21]},
+                        "4371": {"sync": [24.03, 52.30], "async": [18.10, 44.08]}}}
 
 
 def emulate_args(args, profile_path: str) -> argparse.Namespace:
@@ -55,7 +61,7 @@ def emulate_args(args, profile_path: str) -> argparse.Namespace:
                             burstiness=2.0, median_len=48, length_scale=1.0, emulate=profile_path,
                             emulate_model="deepseek-v3", time_scale=args.time_scale, token_scale=args.token_scale,
                             sync_ranks=None, slo="auto", routing="balanced", weights=None, ignore_memory=False,
-                            no_long_prompt_lane=False, lane_threshold="auto", no_load_aware=False,
+                            no_long_prompt_lane=args.no_long_prompt_lane, lane_threshold="auto", no_load_aware=False,
                             no_ping_pong=False)
     prefill.apply_emulate_defaults(ns, {"trace", "num_requests", "length_scale"})
     return ns
@@ -64,6 +70,9 @@ def emulate_args(args, profile_path: str) -> argparse.Namespace:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-requests", type=int, default=128, help="the window's requests (the study's 128)")
+    p.add_argument("--loads", default="2185,4371", help="offered modelled input tokens/s of the fixed points")
+    p.add_argument("--search", action="store_true", help="also search each mode's capacity (slow)")
+    p.add_argument("--no-long-prompt-lane", action="store_true", help="ASAP without its long-prompt lane (ablation)")
     p.add_argument("--bound", type=float, default=1.15, help="stop when the capacity bracket is within this ratio")
     p.add_argument("--time-scale", type=float, default=prefill.DEFAULT_TIME_SCALE)
     p.add_argument("--token-scale", type=int, default=prefill.DEFAULT_TOKEN_SCALE)
@@ -99,8 +108,8 @@ def main(argv=None) -> int:
     cfgs = {m: dataclasses.replace(c, placer_linear_weight=prefill.emulated(ea, factory, m).placer_linear_weight())
             for m, c in cfgs.items()}
     slo_wall = P99_SLO_S * K
-    cfgs["async"] = dataclasses.replace(cfgs["async"], lane_threshold=prefill.lane_threshold(
-        ea, factory, cfgs["async"], slo_wall))
+    cfgs["async"] = dataclasses.replace(cfgs["async"], long_prompt_lane=not args.no_long_prompt_lane,
+                                        lane_threshold=prefill.lane_threshold(ea, factory, cfgs["async"], slo_wall))
     t0 = time.time()
     print(f"window: {len(reqs)} requests, {S * sum(lens):,.0f} emulated tokens (mean {mean_emulated:,.0f}), "
           f"criterion TTFT p99 <= {P99_SLO_S:g} s modelled ({slo_wall:.2f} s wall at time scale {K:g}); lane "
@@ -112,11 +121,41 @@ def main(argv=None) -> int:
                               tok_s / mean_emulated)
         return [PromptRequest(r.request_id, t.arrival_s * K, r.token_ids) for r, t in zip(reqs, trace)]
 
-    def simulated_p99(mode: str, tok_s: float) -> "float | None":
+    def simulated(mode: str, tok_s: float) -> dict:
+        """The simulator's TTFT p50 / p90 / p99 (modelled seconds) of the run at ``tok_s``."""
         trace = [Request(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in load_at(tok_s)]
         res = simulate_emulated(prefill.emulated(ea, factory, mode), mode, trace, cfgs[mode])
-        p99 = summarize_run(res.records, slo_wall).as_dict()["ttft_p99_s"]
-        return None if p99 is None else p99 / K
+        s = summarize_run(res.records, slo_wall).as_dict()
+        return {k: (None if s[k] is None else s[k] / K) for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")}
+
+    def simulated_p99(mode: str, tok_s: float) -> "float | None":
+        return simulated(mode, tok_s)["ttft_p99_s"]
+
+    counts = {"checked": 0, "mismatches": 0}
+
+    def real_point(mode: str, tok_s: float, points: list) -> bool:
+        """One real run of ``mode`` at ``tok_s``: its row appended to ``points``; True if it meets the criterion."""
+        load = load_at(tok_s)
+        with tempfile.TemporaryDirectory(prefix="asap-afd-") as stats_dir:
+            res = prefill.run_mode(mode, prefill.emulated(ea, factory, mode, stats_dir), info, load, cfgs[mode])
+            emu = prefill.emulation_stats(stats_dir)
+        c, b, _ = prefill.check(res, refs)
+        counts["checked"] += c
+        counts["mismatches"] += b
+        s = summarize_run(res.records, slo_wall).as_dict()
+        sim = simulated(mode, tok_s)
+        row = {"offered_tokens_per_s": tok_s, "failed": s["num_failed"],
+               **{k: (None if s[k] is None else s[k] / K) for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")},
+               **{f"sim_{k}": v for k, v in sim.items()}, "overrun_fraction": emu["overrun_fraction"],
+               "checked": c, "mismatches": b,
+               "published": PUBLISHED["points"].get(f"{tok_s:.0f}", {}).get(mode)}
+        points.append(row)
+        ok = row["ttft_p99_s"] is not None and row["ttft_p99_s"] <= P99_SLO_S and not s["num_failed"]
+        print(f"[{time.time() - t0:6.0f} s] {mode:5s} {tok_s:7.0f} tok/s: TTFT p50 {_s(row['ttft_p50_s'])} / p99 "
+              f"{_s(row['ttft_p99_s'])} s (sim {_s(sim['ttft_p50_s'])} / {_s(sim['ttft_p99_s'])}), overruns "
+              f"{emu['overrun_fraction']:.1%}, {'meets' if ok else 'misses'} {P99_SLO_S:g} s", file=sys.stderr,
+              flush=True)
+        return ok
 
     def search(passes, start: float) -> tuple:
         """(last passing load or None, first failing load or None) from ``start``: x/÷1.5, then bisection."""
@@ -147,9 +186,16 @@ def main(argv=None) -> int:
                   "async": f"{ea.attention_ranks} x TP{ea.attention_tp} + {ea.expert_ranks * ea.expert_dies} expert "
                            f"dies", "sync": f"{prefill.sync_workers(ea)} x TP{ea.sync_tp}, EP over all dies, CP > "
                                             f"{ea.cp_threshold * S} tokens"},
-              "lane_threshold": cfgs["async"].lane_threshold, "modes": {}}
-    checked = mismatches = 0
+              "long_prompt_lane": cfgs["async"].long_prompt_lane, "lane_threshold": cfgs["async"].lane_threshold,
+              "modes": {}}
+    loads = [float(x) for x in args.loads.split(",") if x]
     for mode in args.modes.split(","):
+        points = []
+        result["modes"][mode] = {"points": points}
+        for tok_s in loads:
+            real_point(mode, tok_s, points)
+            (out / "afd_window.json").write_text(json.dumps(result, indent=2))
+    for mode in args.modes.split(",") if args.search else []:
         sim_points: dict = {}
 
         def sim_passes(tok_s: float, mode=mode) -> bool:
@@ -162,49 +208,43 @@ def main(argv=None) -> int:
                              "the window's own arrival rate; nothing to search")
         print(f"[{time.time() - t0:6.0f} s] {mode}: simulated capacity {sim_lo} tok/s (bracket to {sim_hi})",
               file=sys.stderr, flush=True)
-        points = []
+        points = result["modes"][mode]["points"]
 
-        def real_passes(tok_s: float, mode=mode) -> bool:
-            nonlocal checked, mismatches
-            load = load_at(tok_s)
-            with tempfile.TemporaryDirectory(prefix="asap-afd-") as stats_dir:
-                res = prefill.run_mode(mode, prefill.emulated(ea, factory, mode, stats_dir), info, load, cfgs[mode])
-                emu = prefill.emulation_stats(stats_dir)
-            c, b, _ = prefill.check(res, refs)
-            checked, mismatches = checked + c, mismatches + b
-            s = summarize_run(res.records, slo_wall).as_dict()
-            row = {"offered_tokens_per_s": tok_s, "failed": s["num_failed"],
-                   **{k: (None if s[k] is None else s[k] / K) for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")},
-                   "sim_ttft_p99_s": simulated_p99(mode, tok_s), "overrun_fraction": emu["overrun_fraction"],
-                   "checked": c, "mismatches": b}
-            points.append(row)
-            ok = row["ttft_p99_s"] is not None and row["ttft_p99_s"] <= P99_SLO_S and not s["num_failed"]
-            print(f"[{time.time() - t0:6.0f} s] {mode:5s} {tok_s:7.0f} tok/s: TTFT p99 {row['ttft_p99_s']} s "
-                  f"(sim {row['sim_ttft_p99_s']}), p50 {row['ttft_p50_s']}, overruns {emu['overrun_fraction']:.1%}, "
-                  f"{'meets' if ok else 'misses'} {P99_SLO_S:g} s", file=sys.stderr, flush=True)
-            return ok
+        def real_passes(tok_s: float, mode=mode, points=points) -> bool:
+            return real_point(mode, tok_s, points)
 
         lo, hi = search(real_passes, sim_lo if sim_lo is not None else (sim_hi or 3000.0) / 1.5)
-        result["modes"][mode] = {"capacity_tokens_per_s": lo, "first_failing_tokens_per_s": hi,
-                                 "points": sorted(points, key=lambda r: r["offered_tokens_per_s"]),
-                                 "sim_capacity_tokens_per_s": sim_lo, "sim_first_failing_tokens_per_s": sim_hi}
+        result["modes"][mode].update({"capacity_tokens_per_s": lo, "first_failing_tokens_per_s": hi,
+                                      "sim_capacity_tokens_per_s": sim_lo, "sim_first_failing_tokens_per_s": sim_hi})
+        points.sort(key=lambda r: r["offered_tokens_per_s"])
         (out / "afd_window.json").write_text(json.dumps(result, indent=2))
     m = result["modes"]
-    if "async" in m and "sync" in m:
+    if args.search and "async" in m and "sync" in m:
         a, b = m["async"]["capacity_tokens_per_s"], m["sync"]["capacity_tokens_per_s"]
         sa, sb = m["async"]["sim_capacity_tokens_per_s"], m["sync"]["sim_capacity_tokens_per_s"]
         result["ratio"] = None if not a or not b else a / b
         result["sim_ratio"] = None if not sa or not sb else sa / sb
+    checked, mismatches = counts["checked"], counts["mismatches"]
     result.update(checked=checked, mismatches=mismatches, wall_s=time.time() - t0)
     (out / "afd_window.json").write_text(json.dumps(result, indent=2))
     for mode, v in m.items():
-        print(f"{mode:5s} capacity (TTFT p99 <= {P99_SLO_S:g} s): {v['capacity_tokens_per_s']} tok/s (first failing "
-              f"{v['first_failing_tokens_per_s']}); simulated {v['sim_capacity_tokens_per_s']}")
+        for r in v["points"]:
+            pub = PUBLISHED["points"].get(f"{r['offered_tokens_per_s']:.0f}", {}).get(mode)
+            print(f"{mode:5s} {r['offered_tokens_per_s']:7.0f} tok/s: TTFT p50 {_s(r['ttft_p50_s'])} / p99 "
+                  f"{_s(r['ttft_p99_s'])} s (simulated {_s(r['sim_ttft_p50_s'])} / {_s(r['sim_ttft_p99_s'])}"
+                  + (f"; published {pub[0]:.2f} / {pub[1]:.2f}" if pub else "") + ")")
+        if args.search:
+            print(f"{mode:5s} capacity (TTFT p99 <= {P99_SLO_S:g} s): {v['capacity_tokens_per_s']} tok/s (first "
+                  f"failing {v['first_failing_tokens_per_s']}); simulated {v['sim_capacity_tokens_per_s']}")
     if "ratio" in result:
         print(f"ratio ASAP / baseline: {result['ratio']} (published AFD / baseline {PUBLISHED['ratio']}x); "
               f"simulated {result['sim_ratio']}")
     print(f"{checked} outputs checked, {mismatches} mismatches; wrote {out / 'afd_window.json'}")
     return 0 if mismatches == 0 else 1
+
+
+def _s(x) -> str:
+    return "none" if x is None else f"{x:.2f}"
 
 
 if __name__ == "__main__":
