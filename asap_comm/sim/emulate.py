@@ -41,11 +41,13 @@ emulated run gives every rank what a deployment has, a dedicated device:
   overlap that DMA with compute, so this is conservative for ASAP.
 * **Groups of devices** (``attention_tp``, ``expert_devices``): a rank may stand
   for a tensor-parallel group, as production attention DP groups are: its
-  attention-side stages take the cost model's per-device time of a ``tp``-way
-  shard plus the group's all-reduces (``CostModel.attention_s(..., tp=)``,
-  ``tp_all_reduce_s``; MLPs at ``1/tp`` of the work and the profile's TP
-  efficiency), and a baseline worker's routed experts are spread over its
-  ``expert_devices`` devices (EP over every device).
+  attention takes the cost model's per-device time of a ``tp``-way shard plus
+  the layer's reduce-scatter and all-gather (``CostModel.attention_s(...,
+  tp=)``, ``tp_all_reduce_s``); after the reduce-scatter each device holds
+  ``1/tp`` of the tokens, so the router, shared experts and dense MLP cost
+  one device's share of the tokens, with no further collective (as the
+  simulator charges them); a baseline worker's routed experts are spread over
+  its ``expert_devices`` devices (EP over every device).
 * **Context parallelism** (the baseline's, ``RuntimeConfig.cp_threshold``):
   ``run_sync`` shares a long prompt's chunks among several DP groups in one
   step (its scheduling is real, see ``asap_comm.serving.sync``); the owner
@@ -329,7 +331,6 @@ class EmulatedModel(ModelHooks):
         # (per-device time from the cost model, plus the group's all-reduces); a rank's routed experts are
         # spread over expert_devices devices (EP over every device of a baseline group).
         self.tp, self.expert_devices = attention_tp, expert_devices
-        self._tp_eff = cost.tp_eff(attention_tp) if attention_tp > 1 else 1.0
         self.collectives = _CollectiveLog(None)
         self.time_scale, self.S = time_scale, token_scale
         emu = cost.shapes
@@ -421,32 +422,33 @@ class EmulatedModel(ModelHooks):
         share's MLP stages (router + shared experts, or the dense MLP). Nothing is computed here."""
         t0 = time.monotonic()
         s = self._attention_s(length, start, groups, tokens)
-        n = self._tokens(tokens)
+        n = self._per_device(self._tokens(tokens))
         if self._moe[layer]:
-            s += self.cost.router_s(n) + self._tp_mlp(self.cost.shared_experts_s(n), n)
+            s += self.cost.router_s(n) + self.cost.shared_experts_s(n)
         else:
-            s += self._tp_mlp(self.cost.dense_mlp_s(n), n)
+            s += self.cost.dense_mlp_s(n)
         self._hold(t0, self._layer_weight(layer) * s)
 
     def route(self, layer: int, mlp_input):
         t0 = time.monotonic()
         out = self.inner.route(layer, mlp_input)
         n = self._tokens(max(0, int(mlp_input.shape[0]) + self._cp_mlp))
-        self._hold(t0, self._layer_weight(layer) * self.cost.router_s(n))
+        self._hold(t0, self._layer_weight(layer) * self.cost.router_s(self._per_device(n)))
         return out
 
-    def _tp_mlp(self, single_device_s: float, tokens: int) -> float:
-        """An MLP split tensor-parallel over the group: 1/tp of the work at the TP efficiency, plus its all-reduce."""
-        if self.tp == 1:
-            return single_device_s
-        return single_device_s / (self.tp * self._tp_eff) + self.cost.tp_all_reduce_s(tokens, self.tp)
+    def _per_device(self, tokens: int) -> int:
+        """Tokens of one device of the group after the attention's reduce-scatter (all of them when tp=1)."""
+        return -(-tokens // self.tp)
 
     def _mlp_stage(self, name: str, layer: int, mlp_input, single_device_s):
-        """Runs the real MLP stage ``name``, then holds it for ``single_device_s(tokens)`` split over the group."""
+        """Runs the real MLP stage ``name``, then holds it for ``single_device_s`` of one device's tokens: after the
+        attention's reduce-scatter each device of the group holds ``1/tp`` of the tokens (sequence-parallel) and
+        runs the MLP on them whole, with no further collective (the layer's reduce-scatter and all-gather are
+        charged with its attention, ``tp_all_reduce_s``), as the simulator charges it in both modes."""
         t0 = time.monotonic()
         out = getattr(self.inner, name)(layer, mlp_input)
         n = self._tokens(max(0, int(mlp_input.shape[0]) + self._cp_mlp))
-        self._hold(t0, self._layer_weight(layer) * self._tp_mlp(single_device_s(n), n))
+        self._hold(t0, self._layer_weight(layer) * single_device_s(self._per_device(n)))
         return out
 
     def shared_experts(self, layer: int, mlp_input):
