@@ -34,8 +34,26 @@ def _report_unguarded() -> None:
     raise RuntimeError(f"asap_comm.launch: {_UNGUARDED}")
 
 
-def _child(fn, rank, world_size, port, args, conn, shm_prefix, comm_timeout, secret):
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: this child gets SIGTERM when the process that launched it dies. A launcher killed by a signal runs no
+    cleanup, and its daemonic children would live on, polling for work that never comes. ``launch()`` blocks the
+    thread that spawned the children until they are stopped, so only the launcher's death sends the signal."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):  # not Linux: the launcher's normal exit still stops its children
+        return
+    if os.getppid() != parent_pid:  # the launcher died before the signal was armed
+        os._exit(1)
+
+
+def _child(fn, rank, world_size, port, args, conn, shm_prefix, comm_timeout, secret, parent_pid=None):
     # Runs in a spawned process.
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     from torch.distributed import TCPStore
 
     from .comm import init
@@ -133,7 +151,8 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
         for rank in range(world_size):
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"asap-pe{rank}",
-                            args=(fn, rank, world_size, store.port, args, w, prefix, comm_timeout, secret),
+                            args=(fn, rank, world_size, store.port, args, w, prefix, comm_timeout, secret,
+                                  os.getpid()),
                             daemon=True)
             p.start()
             w.close()

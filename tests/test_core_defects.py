@@ -433,6 +433,58 @@ def test_launch_without_main_guard_says_so(tmp_path):
     assert "LaunchError" in p.stderr
 
 
+@pytest.mark.slow
+def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path):
+    """A launcher killed by SIGKILL (or an unhandled SIGTERM) runs no cleanup: its ranks, daemonic children, used to
+    live on, polling forever. They now get SIGTERM when it dies (Linux PR_SET_PDEATHSIG)."""
+    import signal
+
+    script = tmp_path / "launcher.py"
+    pids = tmp_path / "pids"
+    script.write_text(textwrap.dedent(f"""
+        import os, time
+        import asap_comm
+
+        def work(comm):
+            with open({str(pids)!r}, "a") as f:
+                f.write(f"{{os.getpid()}}\n")
+            time.sleep(120)
+
+        if __name__ == "__main__":
+            asap_comm.launch(work, 2, timeout=300)
+    """))
+    p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not pids.exists() or len(pids.read_text().split()) < 2):
+            time.sleep(0.1)
+        ranks = [int(x) for x in pids.read_text().split()]
+        assert len(ranks) == 2
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        try:  # a zombie is dead
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(")")[-1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 30  # hang guard only: the signal arrives at once
+    while time.monotonic() < deadline and any(alive(r) for r in ranks):
+        time.sleep(0.1)
+    left = [r for r in ranks if alive(r)]
+    for r in left:
+        os.kill(r, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher"
+
+
 def test_second_init_on_the_same_address_names_the_open_communicator():
     import socket
 
