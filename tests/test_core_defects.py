@@ -447,23 +447,26 @@ def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path):
 
         def work(comm):
             with open({str(pids)!r}, "a") as f:
-                f.write(f"{{os.getpid()}}\n")
+                f.write(f"{{os.getpid()}}\\n")
             time.sleep(120)
 
         if __name__ == "__main__":
             asap_comm.launch(work, 2, timeout=300)
     """))
-    p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+    log = open(tmp_path / "launcher.log", "w")
+    p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and (not pids.exists() or len(pids.read_text().split()) < 2):
+        while (time.monotonic() < deadline and p.poll() is None
+               and (not pids.exists() or len(pids.read_text().split()) < 2)):
             time.sleep(0.1)
+        assert pids.exists(), (tmp_path / "launcher.log").read_text()[-3000:]
         ranks = [int(x) for x in pids.read_text().split()]
         assert len(ranks) == 2
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait(30)
+        log.close()
 
     def alive(pid):
         try:
