@@ -102,12 +102,16 @@ def test_overruns_are_counted(tmp_path):
         slow.route(1, torch.zeros(3, 4))
         fast.attention_stage(1, torch.zeros(3, 4), _Cache(0))
     s = read_stats(tmp_path / "slow")[0]
-    assert (s["calls"], s["overruns"], s["overrun_fraction"]) == (4, 4, 1.0)
+    assert (s["calls"], s["overruns"], s["overrun_calls_fraction"]) == (4, 4, 1.0)
     assert s["overrun_s"] > 4 * 0.04
+    # by time: the overrun seconds over the (here almost nothing) modelled seconds
+    assert s["overrun_fraction"] == pytest.approx(s["overrun_s"] / s["modelled_s"]) and s["overrun_fraction"] > 1
     f = read_stats(tmp_path / "fast")[0]
-    assert (f["calls"], f["overruns"]) == (4, 0)
+    assert (f["calls"], f["overruns"], f["overrun_fraction"]) == (4, 0, 0.0)
     summary = overrun_summary(read_stats(tmp_path / "slow") + read_stats(tmp_path / "fast"))
-    assert summary["overrun_fraction"] == 0.5 and summary["max_rank_overrun_fraction"] == 1.0
+    assert summary["overrun_calls_fraction"] == 0.5 and summary["max_rank_overrun_fraction"] == s["overrun_fraction"]
+    assert summary["overrun_fraction"] == pytest.approx(s["overrun_s"] / (s["modelled_s"] + f["modelled_s"]))
+    assert 0 < summary["overrun_fraction"] < s["overrun_fraction"]  # the fast rank's long holds dilute it
 
 
 def test_expert_calls_stand_for_the_emulated_experts_of_the_rank(tmp_path):
