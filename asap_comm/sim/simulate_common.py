@@ -51,8 +51,11 @@ class Parallelism:
             raise ValueError(f"Parallelism: cp_threshold={c!r} must be None or an int >= 1")
 
     def describe(self) -> dict:
-        return {"attention_tp": self.attention_tp, "sync_tp": self.sync_tp, "cp_threshold": self.cp_threshold,
-                "sync_overlap": self.sync_overlap, "serial_expert_transfers": self.serial_expert_transfers}
+        out = {"attention_tp": self.attention_tp, "sync_tp": self.sync_tp, "cp_threshold": self.cp_threshold,
+               "sync_overlap": self.sync_overlap}
+        if self.serial_expert_transfers:  # only the emulator's replay sets it
+            out["serial_expert_transfers"] = True
+        return out
 
 
 def rows_per_rank_fraction(num_experts: int, top_k: int, local_experts: int) -> float:
