@@ -434,10 +434,16 @@ def test_validate_in_the_emulated_regime(tmp_path):
     for mode in ("async", "sync"):
         pr = ho["probe"][mode]
         assert len(pr["real_ttft_s"]) == len(pr["sim_ttft_s"]) == len(pr["lengths"]) == 4
-        # the fitted overhead only lengthens the simulated TTFTs; the real ones are never below the simulator's
-        # without it by more than rounding (every stage is held at least its modelled time)
+        # the fitted overhead only lengthens the simulated TTFTs, and the recorded fit is no worse on the probe than
+        # leaving the overhead out (a loaded CI host may make some real TTFTs shorter than predicted: the lane and
+        # the placer see different timings, so no per-request bound holds)
         assert all(s >= n - 1e-9 for s, n in zip(pr["sim_ttft_s"], pr["sim_ttft_none_s"]))
-        assert all(r >= 0.95 * n for r, n in zip(pr["real_ttft_s"], pr["sim_ttft_none_s"]))
+        assert all(r > 0 for r in pr["real_ttft_s"])
+
+        def rms(pred):
+            return (sum((p - r) ** 2 for p, r in zip(pred, pr["real_ttft_s"])) / len(pred)) ** 0.5
+
+        assert pr["rms_s"] == pytest.approx(rms(pr["sim_ttft_s"])) and pr["rms_s"] <= rms(pr["sim_ttft_none_s"]) + 1e-9
     with pytest.raises(SystemExit):
         main(["--regime", "emulated", "--configs", "nope", "--out", str(tmp_path)])
 
