@@ -128,9 +128,6 @@ def main(argv=None) -> int:
         s = summarize_run(res.records, slo_wall).as_dict()
         return {k: (None if s[k] is None else s[k] / K) for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")}
 
-    def simulated_p99(mode: str, tok_s: float) -> "float | None":
-        return simulated(mode, tok_s)["ttft_p99_s"]
-
     counts = {"checked": 0, "mismatches": 0}
 
     def real_point(mode: str, tok_s: float, points: list) -> bool:
@@ -199,7 +196,7 @@ def main(argv=None) -> int:
         sim_points: dict = {}
 
         def sim_passes(tok_s: float, mode=mode) -> bool:
-            sim_points[tok_s] = simulated_p99(mode, tok_s)
+            sim_points[tok_s] = simulated(mode, tok_s)["ttft_p99_s"]
             return sim_points[tok_s] is not None and sim_points[tok_s] <= P99_SLO_S
 
         sim_lo, sim_hi = search(sim_passes, 3000.0)

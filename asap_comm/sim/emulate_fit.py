@@ -112,10 +112,11 @@ def fit_host_overhead(factories: dict, cfgs: dict, info, *, lengths: list, progr
 
         h, rms = fit_one(predict, real)
         out[key[mode]] = h
+        fitted, none = predict(h), predict(0.0)
         out["probe"][mode] = {"gap_s": gap, "lengths": list(lengths), "real_ttft_s": real,
-                              "sim_ttft_s": predict(h), "sim_ttft_none_s": predict(0.0), "rms_s": rms}
+                              "sim_ttft_s": fitted, "sim_ttft_none_s": none, "rms_s": rms}
         if progress:
-            under = sum(real) / max(1e-9, sum(predict(0.0))) - 1
+            under = sum(real) / max(1e-9, sum(none)) - 1
             print(f"  [{time.perf_counter() - t0:5.0f} s] host overhead, {mode}: {len(trace)} unloaded requests, "
                   f"real TTFT {under:+.0%} over the simulator's without it; fitted {key[mode]} = {h * 1e3:.1f} ms "
                   f"(rms error {rms * 1e3:.0f} ms)", file=sys.stderr, flush=True)
