@@ -56,15 +56,11 @@ PUBLISHED = {"baseline_tok_s": 2600.0, "afd_tok_s": 4400.0, "ratio": 1.68,
 
 
 def emulate_args(args, profile_path: str) -> argparse.Namespace:
-    """The example's --emulate deployment and flags (prefill.EMULATE_DEFAULTS), lane threshold auto."""
-    ns = argparse.Namespace(model="tiny", seed=args.seed, trace="mooncake", rate=3.0, num_requests=args.num_requests,
-                            burstiness=2.0, median_len=48, length_scale=1.0, emulate=profile_path,
-                            emulate_model="deepseek-v3", time_scale=args.time_scale, token_scale=args.token_scale,
-                            sync_ranks=None, slo="auto", routing="balanced", weights=None, ignore_memory=False,
-                            no_long_prompt_lane=args.no_long_prompt_lane, lane_threshold="auto", no_load_aware=False,
-                            no_ping_pong=False)
-    prefill.apply_emulate_defaults(ns, {"trace", "num_requests", "length_scale"})
-    return ns
+    """The example's --emulate deployment and flags (``prefill.parse_args``: its EMULATE_DEFAULTS), lane threshold
+    auto."""
+    argv = ["--emulate", profile_path, "--emulate-model", "deepseek-v3", "--seed", str(args.seed), "--num-requests",
+            str(args.num_requests), "--time-scale", str(args.time_scale), "--token-scale", str(args.token_scale)]
+    return prefill.parse_args(argv + (["--no-long-prompt-lane"] if args.no_long_prompt_lane else []))
 
 
 def main(argv=None) -> int:

@@ -524,11 +524,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list, parser: "argparse.ArgumentParser | None" = None) -> argparse.Namespace:
+    """The example's arguments as its command line ``argv`` gives them: :func:`build_parser`'s, then the
+    ``--emulate`` defaults for every flag not in ``argv`` (what :func:`main` runs; scripts that reuse the
+    example's deployment, such as ``bench/afd_window.py``, build theirs the same way)."""
+    parser = build_parser() if parser is None else parser
+    args = parser.parse_args(argv)
+    apply_emulate_defaults(args, given_flags(parser, argv))
+    return args
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
-    apply_emulate_defaults(args, given_flags(parser, argv))
+    args = parse_args(argv, parser)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - {"async", "sync"}:
         parser.error(f"--modes {args.modes!r}: give async, sync or both")
