@@ -34,26 +34,42 @@ def _report_unguarded() -> None:
     raise RuntimeError(f"asap_comm.launch: {_UNGUARDED}")
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: this child gets SIGTERM when the process that launched it dies. A launcher killed by a signal runs no
-    cleanup, and its daemonic children would live on, polling for work that never comes. ``launch()`` blocks the
+# The signal a rank gets when its launcher dies (PR_SET_PDEATHSIG). Not SIGTERM: a service's ranks ignore SIGTERM
+# (their front end stops them), and would outlive a killed launcher. SIGHUP ("the other end hung up") is otherwise
+# left at its default action, which the handler keeps for a SIGHUP sent while the launcher lives.
+_PARENT_DEATH_SIGNAL = signal.SIGHUP
+
+
+def _die_with_parent(parent_pid: int, shm_prefix: str) -> None:
+    """Linux: this child gets SIGHUP when the process that launched it dies, removes the group's shared-memory
+    segments (a launcher killed by a signal runs no cleanup, and nothing else would remove them) and exits; its
+    daemonic siblings do the same, so none lives on polling for work that never comes. ``launch()`` blocks the
     thread that spawned the children until they are stopped, so only the launcher's death sends the signal."""
+    def on_parent_death(signum, frame):
+        if os.getppid() != parent_pid:
+            _cleanup_segments(shm_prefix)
+            os._exit(128 + signum)
+        signal.signal(signum, signal.SIG_DFL)  # sent by someone else while the launcher lives: the default action
+        os.kill(os.getpid(), signum)
+
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+        signal.signal(_PARENT_DEATH_SIGNAL, on_parent_death)
+        if libc.prctl(1, int(_PARENT_DEATH_SIGNAL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
             return
     except (OSError, AttributeError):  # not Linux: the launcher's normal exit still stops its children
         return
     if os.getppid() != parent_pid:  # the launcher died before the signal was armed
+        _cleanup_segments(shm_prefix)
         os._exit(1)
 
 
 def _child(fn, rank, world_size, port, args, conn, shm_prefix, comm_timeout, secret, parent_pid=None):
     # Runs in a spawned process.
     if parent_pid is not None:
-        _die_with_parent(parent_pid)
+        _die_with_parent(parent_pid, shm_prefix)
     from torch.distributed import TCPStore
 
     from .comm import init

@@ -436,18 +436,24 @@ def test_launch_without_main_guard_says_so(tmp_path):
 @pytest.mark.slow
 def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path):
     """A launcher killed by SIGKILL (or an unhandled SIGTERM) runs no cleanup: its ranks, daemonic children, used to
-    live on, polling forever. They now get SIGTERM when it dies (Linux PR_SET_PDEATHSIG)."""
+    live on, polling forever. The ranks now get SIGHUP when it dies (Linux PR_SET_PDEATHSIG) and exit, even a rank
+    that ignores SIGTERM (as a service's workers do: with SIGTERM as the signal they outlived it), after removing
+    any of the group's shared-memory segments still named (a group's segments are unlinked once every peer has
+    mapped them, so only a launcher killed while the group starts could leave one)."""
+    import glob
     import signal
 
     script = tmp_path / "launcher.py"
     pids = tmp_path / "pids"
     script.write_text(textwrap.dedent(f"""
-        import os, time
+        import os, signal, time
         import asap_comm
 
         def work(comm):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as asap_comm.serving.server's workers
+            comm.empty((1024,))  # a heap segment in /dev/shm
             with open({str(pids)!r}, "a") as f:
-                f.write(f"{{os.getpid()}}\\n")
+                f.write(f"{{os.getpid()}} {{comm._shm_prefix}}\\n")
             time.sleep(120)
 
         if __name__ == "__main__":
@@ -461,7 +467,9 @@ def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path):
                and (not pids.exists() or len(pids.read_text().split()) < 2)):
             time.sleep(0.1)
         assert pids.exists(), (tmp_path / "launcher.log").read_text()[-3000:]
-        ranks = [int(x) for x in pids.read_text().split()]
+        lines = [x.split() for x in pids.read_text().splitlines()]
+        ranks = [int(pid) for pid, _ in lines]
+        (prefix,) = {pfx for _, pfx in lines}
         assert len(ranks) == 2
     finally:
         p.send_signal(signal.SIGKILL)
@@ -486,6 +494,10 @@ def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path):
     for r in left:
         os.kill(r, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their launcher"
+    segments = glob.glob(f"/dev/shm/{prefix}*")
+    for path in segments:
+        os.unlink(path)
+    assert not segments, f"the killed launcher's group left {segments}"
 
 
 def test_second_init_on_the_same_address_names_the_open_communicator():
