@@ -21,7 +21,7 @@ context parallelism, ``prefill.EMULATE_DEFAULTS``):
   stretches the window to many minutes, and the window's 20-request burst bounds the p99 from below, so the
   criterion may never flip).
 
-    PYTHONPATH=. python bench/afd_window.py [--loads 2185,4371] [--search] [--out bench/results/afd_window]
+    PYTHONPATH=. python bench/afd_window.py [--loads 2185,4371] [--search] [--cp-threshold 0] [--out bench/results/afd_window]
 
 Writes ``afd_window.json`` (every point: offered tok/s, TTFT p50/p90/p99 in modelled seconds, the simulator's,
 the published ones, overruns; with ``--search`` each mode's capacity and bracket, the ratio beside 1.68x).
@@ -60,6 +60,8 @@ def emulate_args(args, profile_path: str) -> argparse.Namespace:
     auto."""
     argv = ["--emulate", profile_path, "--emulate-model", "deepseek-v3", "--seed", str(args.seed), "--num-requests",
             str(args.num_requests), "--time-scale", str(args.time_scale), "--token-scale", str(args.token_scale)]
+    if args.cp_threshold is not None:
+        argv += ["--cp-threshold", str(args.cp_threshold)]
     return prefill.parse_args(argv + (["--no-long-prompt-lane"] if args.no_long_prompt_lane else []))
 
 
@@ -73,6 +75,10 @@ def main(argv=None) -> int:
     p.add_argument("--time-scale", type=float, default=prefill.DEFAULT_TIME_SCALE)
     p.add_argument("--token-scale", type=int, default=prefill.DEFAULT_TOKEN_SCALE)
     p.add_argument("--modes", default="async,sync")
+    p.add_argument("--cp-threshold", type=int, default=None,
+                   help="the baseline's context parallelism: served tokens above which a prompt is shared by several "
+                        "DP groups (default: the example's, 64 = 8,192 emulated tokens; 0: off, as afd-plugin's "
+                        "baseline)")
     p.add_argument("--stack", default="vllm-ascend-eager",
                    help="the software stack of the 910C profile (cloudmatrix-infer: the profile as is)")
     p.add_argument("--seed", type=int, default=0)
@@ -80,6 +86,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not args.bound > 1.0:
         p.error(f"--bound {args.bound}: must be > 1")
+    if args.cp_threshold is not None and args.cp_threshold < 0:
+        p.error(f"--cp-threshold {args.cp_threshold}: give a number of served tokens >= 1, or 0 for off")
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -177,8 +185,8 @@ def main(argv=None) -> int:
               "stack": args.stack, "time_scale": K, "token_scale": S,
               "num_requests": len(reqs), "window_tokens": S * sum(lens), "deployment": {
                   "async": f"{ea.attention_ranks} x TP{ea.attention_tp} + {ea.expert_ranks * ea.expert_dies} expert "
-                           f"dies", "sync": f"{prefill.sync_workers(ea)} x TP{ea.sync_tp}, EP over all dies, CP > "
-                                            f"{ea.cp_threshold * S} tokens"},
+                           f"dies", "sync": f"{prefill.sync_workers(ea)} x TP{ea.sync_tp}, EP over all dies, "
+                                            + (f"CP > {ea.cp_threshold * S} tokens" if ea.cp_threshold else "no CP")},
               "long_prompt_lane": cfgs["async"].long_prompt_lane, "lane_threshold": cfgs["async"].lane_threshold,
               "modes": {}}
     loads = [float(x) for x in args.loads.split(",") if x]

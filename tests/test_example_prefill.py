@@ -2,6 +2,7 @@
 against the reference forward and writes the artifacts with the contract keys; the automatic
 SLO sits above both modes' measured unloaded TTFT; ``--help`` describes every flag with its
 default; progress written to a pipe has no carriage returns. Every subprocess is bounded."""
+import argparse
 import json
 import os
 import re
@@ -121,3 +122,32 @@ def test_prefill_example_user_errors_exit_2_with_one_line(tmp_path, case):
     assert expected in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o").exists(), "the run started"
+
+
+def test_parse_args_fills_the_emulate_defaults_of_absent_flags_only():
+    """prefill.parse_args (what main and bench/afd_window.py build their arguments with): with --emulate, every flag
+    not given takes EMULATE_DEFAULTS, a given one keeps its value; afd_window's --cp-threshold reaches the
+    baseline and a bad one exits 2."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import afd_window
+        import prefill
+    finally:
+        del sys.path[:2]
+    a = prefill.parse_args(["--emulate", "ascend-910c-cm384", "--attention-tp", "4", "--cp-threshold", "0"])
+    assert (a.attention_tp, a.cp_threshold, a.sync_tp, a.expert_dies) == (4, 0, 8, 4)
+    assert a.model == "tiny" and a.length_scale == pytest.approx(1 / a.token_scale)
+    plain = prefill.parse_args(["--attention-ranks", "3"])  # no --emulate: the parser's own defaults
+    assert plain.attention_ranks == 3 and plain.emulate is None and plain.length_scale == 1.0
+    ns = argparse.Namespace(seed=0, num_requests=16, time_scale=0.35, token_scale=128, no_long_prompt_lane=True,
+                            cp_threshold=0)
+    ea = afd_window.emulate_args(ns, "ascend-910c-cm384")
+    assert ea.cp_threshold == 0 and ea.no_long_prompt_lane and ea.num_requests == 16 and ea.attention_ranks == 2
+    base = prefill.RuntimeConfig(num_attention_ranks=2, num_expert_ranks=4, cp_threshold=None)
+    assert prefill.mode_config(base, "sync", ea).cp_threshold is None  # 0: the baseline without CP
+    assert prefill.mode_config(base, "sync", afd_window.emulate_args(
+        argparse.Namespace(**{**vars(ns), "cp_threshold": None}), "ascend-910c-cm384")).cp_threshold == 64
+    with pytest.raises(SystemExit) as e:
+        afd_window.main(["--cp-threshold", "-1"])
+    assert e.value.code == 2
