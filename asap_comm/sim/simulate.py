@@ -57,9 +57,11 @@ simplification):
   by the ``g`` groups (zig-zag halves: each computes ``1/g`` of the queries
   and of the causal query-key pairs, against all keys) in ONE step, and each
   group pays per layer the gather of the KV latents it does not hold
-  (``CostModel.cp_exchange_s``). Scheduling: at each step the CP chunks go
-  first, in arrival order (a CP chunk joins a step if each of its groups has
-  no CP share yet or room left under the token budget); a group then takes a
+  (``CostModel.cp_exchange_s``). Scheduling, as ``run_sync``'s workers: at
+  each step every owner (a CP request's first group) proposes the next chunk
+  of its oldest CP request, one each; the proposals go first, in arrival
+  order (a CP chunk joins a step if each of its groups has no CP share yet
+  or room left under the token budget); a group then takes a
   micro-batch of its own queue under the budget its CP shares leave, if a
   whole chunk still fits (so no micro-batch exceeds the budget). The head of
   the CP queue always runs, so every CP request progresses.

@@ -74,9 +74,11 @@ class _SyncSim(_Common):
         budget = self.cfg.token_budget
         cp_tokens = [0] * self.W
         shares: list = [[] for _ in range(self.W)]
+        proposed = set()  # owners (a request's first group) that proposed a chunk this step: one each, its oldest
         for req in self.cp:
-            if req.busy:
+            if req.busy or req.groups[0] in proposed:
                 continue
+            proposed.add(req.groups[0])
             c = req.chunks[req.next]
             parts = _even_parts(c.length, len(req.groups))
             if all(cp_tokens[j] == 0 or cp_tokens[j] + n <= budget for j, n in zip(req.groups, parts)):
