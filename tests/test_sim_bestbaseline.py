@@ -141,6 +141,42 @@ def test_context_parallel_requests_all_complete_and_long_prompts_gain():
     assert t_on < t_off
 
 
+def test_context_parallel_owners_propose_one_chunk_per_step(monkeypatch):
+    """As run_sync's workers (sync_worker._cp_propose): in a step each owner (a CP request's first group) proposes
+    the next chunk of its oldest CP request only. The simulator used to let every CP request join a step, so
+    several requests of one owner filled groups that the runtime leaves to short prompts (seen in the emulated
+    validation: the simulated baseline kept short prompts waiting behind long ones)."""
+    from asap_comm.sim import simulate_sync
+
+    steps = []
+    batches = simulate_sync._SyncSim._batches
+
+    def record(self):
+        out = batches(self)
+        if out[1] is not None:
+            steps.append([(req.request_id, req.groups[0]) for sh in out[1] for req, _c, _n, i in sh if i == 0])
+        return out
+
+    monkeypatch.setattr(simulate_sync._SyncSim, "_batches", record)
+    # long prompts on 3 or 4 of 4 groups arriving together: the least-loaded rule gives some owners two of them
+    lens = [165, 229, 136, 256, 203, 256]
+    reqs = [Request(i, 1e-4 * i, n) for i, n in enumerate(lens)] + [Request(6 + i, 0.003 + 1e-4 * i, 8)
+                                                                     for i in range(4)]
+    cfg = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=128, chunk_len=128,
+                        max_prompt_len=256, expert_batching=False)
+    res = simulate("sync", reqs, toy(), SHAPES, cfg, sync_ranks=4, par=Parallelism(cp_threshold=64))
+    assert all(r.ok for r in res.records)
+    assert steps
+    for step in steps:
+        per_owner = [o for _rid, o in step]
+        assert len(per_owner) == len(set(per_owner)), f"an owner proposed twice in one step: {step}"
+    # some owner held two CP requests at once (what the old rule would have run together)
+    held: dict = {}
+    for rid, o in (x for step in steps for x in step):
+        held.setdefault(o, set()).add(rid)
+    assert any(len(v) > 1 for v in held.values())
+
+
 def test_tp_needs_dedicated_devices_and_defaults_are_unchanged():
     local = CostModel.load("local", "tiny")
     with pytest.raises(ValueError, match="dedicated devices"):
