@@ -428,28 +428,22 @@ def test_validate_in_the_emulated_regime(tmp_path):
     assert set(c["slo_compliant_throughput"]) == {"async", "sync"} and set(c["ratio"]) == {"real", "sim",
                                                                                            "relative_error"}
     assert c["slo_s"] > 0 and res["compared"] >= 16 and c["cp_threshold"] == 96
-    # the host overhead was fitted first, on a probe of 8 other requests (4 unloaded, 4 in a burst), both modes
+    # the host overhead was fitted first, on an unloaded probe of 4 other requests, both modes
     ho = c["host_overhead"]
-    assert res["host_overhead"] is True
-    assert all(0.0 <= ho[k] <= 0.1 for k in ("async_job_s", "async_layer_s", "sync_layer_s"))
+    assert res["host_overhead"] is True and 0.0 <= ho["async_job_s"] <= 0.1 and 0.0 <= ho["sync_layer_s"] <= 0.1
     for mode in ("async", "sync"):
         pr = ho["probe"][mode]
-        assert len(pr["lengths"]) == len(pr["burst_lengths"]) == 4
-        assert len(pr["real_ttft_s"]) == len(pr["sim_ttft_s"]) == len(pr["sim_ttft_none_s"]) == 8
-        # the fitted overhead only lengthens the simulated unloaded TTFTs (in the burst it may move a placement),
-        # and the recorded fit is no worse on the probe than leaving the overhead out, in the fit's own measure
-        # (relative errors; a loaded CI host may make some real TTFTs shorter than predicted: the lane and the
-        # placer see different timings, so no per-request bound holds)
-        assert all(s >= n - 1e-9 for s, n in zip(pr["sim_ttft_s"][:4], pr["sim_ttft_none_s"][:4]))
+        assert len(pr["real_ttft_s"]) == len(pr["sim_ttft_s"]) == len(pr["lengths"]) == 4
+        # the fitted overhead only lengthens the simulated TTFTs, and the recorded fit is no worse on the probe than
+        # leaving the overhead out (a loaded CI host may make some real TTFTs shorter than predicted: the lane and
+        # the placer see different timings, so no per-request bound holds)
+        assert all(s >= n - 1e-9 for s, n in zip(pr["sim_ttft_s"], pr["sim_ttft_none_s"]))
         assert all(r > 0 for r in pr["real_ttft_s"])
 
-        def rms(pred, relative=False):
-            return (sum(((p - r) / (r if relative else 1.0)) ** 2 for p, r in zip(pred, pr["real_ttft_s"]))
-                    / len(pred)) ** 0.5
+        def rms(pred):
+            return (sum((p - r) ** 2 for p, r in zip(pred, pr["real_ttft_s"])) / len(pred)) ** 0.5
 
-        assert pr["rms_s"] == pytest.approx(rms(pr["sim_ttft_s"]))
-        assert pr["rel_rms"] == pytest.approx(rms(pr["sim_ttft_s"], True))
-        assert pr["rel_rms"] <= rms(pr["sim_ttft_none_s"], True) + 1e-9
+        assert pr["rms_s"] == pytest.approx(rms(pr["sim_ttft_s"])) and pr["rms_s"] <= rms(pr["sim_ttft_none_s"]) + 1e-9
     with pytest.raises(SystemExit):
         main(["--regime", "emulated", "--configs", "nope", "--out", str(tmp_path)])
 

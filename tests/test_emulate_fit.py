@@ -5,7 +5,7 @@ import pytest
 from asap_comm.serving.runtime import RuntimeConfig
 from asap_comm.serving.traces import Request
 from asap_comm.sim.emulate import EmulatedFactory, simulate_emulated
-from asap_comm.sim.emulate_fit import fit_host_overhead, fit_one, fit_two
+from asap_comm.sim.emulate_fit import fit_one
 from asap_comm.sim.shapes import ModelShapes
 
 PROFILE, EMU = "ascend-910c-cm384", "deepseek-v3"
@@ -43,64 +43,6 @@ def test_fit_one_recovers_a_known_overhead():
     assert abs(hn - 0.0123) < 0.001 and rms_n > 0
     top, _ = fit_one(predict, predict(0.5))  # beyond the searched range: its edge
     assert top == pytest.approx(0.1)
-
-
-def test_fit_one_relative_weighs_each_request_alike():
-    base, per = [0.1, 3.0], [2, 2]
-
-    def predict(h):
-        return [b + n * h for b, n in zip(base, per)]
-
-    real = [0.1 + 2 * 0.02, 3.0 + 2 * 0.04]  # the short request wants 20 ms, the long one 40 ms
-    h_abs, _ = fit_one(predict, real)
-    h_rel, rel = fit_one(predict, real, relative=True)
-    assert h_abs == pytest.approx(0.03, abs=1e-4)  # absolute errors: both count alike here (same slope)
-    assert h_rel < 0.0205 and rel > 0  # relative: the short request's 40% error dominates the long one's 2.7%
-
-
-def test_fit_two_recovers_a_known_pair():
-    # TTFT = base + jobs * busy + layers * latency, and a burst's ends where the busy part queues behind others
-    base = [0.2, 0.5, 0.9, 1.4, 0.3, 0.6]
-    jobs = [3, 6, 9, 12, 30, 45]
-    layers = [2, 4, 6, 8, 4, 6]
-
-    def predict(b, l):
-        return [x + j * b + n * l for x, j, n in zip(base, jobs, layers)]
-
-    real = predict(0.0137, 0.0061)
-    (b, l), rms = fit_two(predict, real, relative=True)
-    assert b == pytest.approx(0.0137, abs=2e-4) and l == pytest.approx(0.0061, abs=3e-4) and rms < 1e-3
-    (b0, l0), _ = fit_two(predict, base)
-    assert b0 == pytest.approx(0.0, abs=1e-5) and l0 == pytest.approx(0.0, abs=1e-5)
-
-
-def test_the_layer_latency_delays_a_request_but_does_not_occupy_the_rank():
-    """ASAP's two overheads cost a solo request alike (per MoE layer and per job) but differ under load: busy time
-    queues the requests behind it, latency overlaps the rank's other micro-batch (what the probe's burst tells)."""
-    solo = [Request(0, 0.0, 100)]
-    burst = [Request(i, 0.0, 100) for i in range(12)]
-
-    def run(trace, ho):
-        return simulate_emulated(_factory("async"), "async", trace, CFG, host_overhead=ho).records
-
-    none, busy, late = ({}, {"async_job_s": 0.02}, {"async_layer_s": 0.02})
-    d_busy = run(solo, busy)[0].ttft_s - run(solo, none)[0].ttft_s
-    d_late = run(solo, late)[0].ttft_s - run(solo, none)[0].ttft_s
-    assert d_busy > 0 and d_late > 0
-    # per unit of added solo TTFT, the burst's drain grows more with busy time than with latency
-    end = {k: max(r.done_s for r in run(burst, ho)) for k, ho in (("none", none), ("busy", busy), ("late", late))}
-    assert (end["busy"] - end["none"]) / d_busy > 1.5 * (end["late"] - end["none"]) / d_late
-
-
-def test_fit_host_overhead_checks_its_lengths():
-    fac = {m: _factory(m) for m in ("async", "sync")}
-    cfgs = {"async": CFG, "sync": SYNC}
-    for kw in ({"lengths": [10]}, {"lengths": [10, 0]}, {"lengths": [10, 20], "burst_lengths": [5]},
-               {"lengths": [10, 20], "burst_lengths": [5, True]}):
-        with pytest.raises(ValueError, match="fit_host_overhead"):
-            fit_host_overhead(fac, cfgs, None, progress=False, **kw)
-    with pytest.raises(ValueError, match="'async' and 'sync'"):
-        fit_host_overhead({"async": fac["async"]}, cfgs, None, lengths=[10, 20], progress=False)
 
 
 @pytest.mark.parametrize("mode,key", [("async", "async_job_s"), ("sync", "sync_layer_s")])

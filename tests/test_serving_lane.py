@@ -36,18 +36,25 @@ def _cfg(**kw) -> RuntimeConfig:
 
 
 # ----------------------------------------------------------------------------- policies (no processes)
-def test_place_lane_round_robin_costs_and_complete():
+def test_admit_lane_spreads_over_idle_enough_ranks_that_carry_no_lane():
+    """Placer.admit_lane, the lane's admission in the runtime's front end and in the simulator alike."""
     p = Placer(3)
     p.place(7, split_prompt(7, 10, None))  # rank 0 busy
     chunks = split_prompt(1, 64, 16)
-    ranks = p.place_lane(1, chunks, 2)
-    assert ranks == [1, 2]  # the two least loaded, least loaded first
-    w = p.outstanding
-    assert w[1] == pytest.approx(chunks[0].cost + chunks[2].cost)
-    assert w[2] == pytest.approx(chunks[1].cost + chunks[3].cost)
+    own = sum(c.cost for c in chunks)
+    assert p.admit_lane(1, chunks, 2, avoid={0}) == [1, 2]  # the two least loaded, least loaded first
+    assert p.outstanding[1] == pytest.approx(own / 2) and p.outstanding[2] == pytest.approx(own / 2)
     assert p.complete(1) == 1 and p.outstanding[1:] == [0.0, 0.0]
-    with pytest.raises(ValueError, match="groups=4 is more than the 3 ranks"):
-        p.place_lane(2, chunks, 4)
+    # one of them carries a lane in flight: not admitted, nothing placed (the request may be placed the usual way)
+    assert p.admit_lane(2, chunks, 2, avoid={2}) == [] and p.outstanding[1:] == [0.0, 0.0]
+    assert p.place(2, chunks) == 1
+    # the other ranks busier than the prompt's gain: it stays on one rank (k = 1), unless adaptive=False
+    q = Placer(2)
+    q.place(8, split_prompt(8, 128, None))
+    assert q.admit_lane(3, chunks, 2) == []
+    assert q.admit_lane(3, chunks, 2, adaptive=False) == [1, 0]
+    # groups above the ranks: at most all of them
+    assert Placer(2).admit_lane(4, chunks, 5) == [0, 1]
 
 
 def test_micro_batcher_stride_runs_a_ranks_lane_chunks_alone_and_in_order():
@@ -107,11 +114,16 @@ def test_front_lane_predicate_and_slots():
     assert FrontLane(_cfg(), INFO, 3, enabled=False).groups_for(100, 7) == 0  # the baseline's front end
     fl2 = FrontLane(_cfg(), INFO, 3)
     assert fl2.groups_for(17, 2) == 2 and fl2.groups_for(100, 7) == 3
-    for rid in range(len(fl2.free)):  # every slot taken: the next long prompt runs the normal way
+    slots = len(fl2.free)
+    for rid in range(slots):  # every slot taken: the next long prompt runs the normal way
         fl2.open(rid, 100, [0, 1, 2])
     assert fl2.groups_for(100, 7) == 0
+    assert fl2.busy_ranks() == {0, 1, 2}
     fl2.close(0)
     assert fl2.groups_for(100, 7) == 3
+    for rid in range(1, slots):  # the other slots' requests, finished or cancelled
+        fl2.close(rid, cancelled=rid % 2 == 0)
+    assert fl2.busy_ranks() == set()
 
 
 # ----------------------------------------------------------------------------- the runtime
@@ -127,21 +139,22 @@ def test_lane_outputs_equal_the_reference_and_chunks_run_on_several_ranks(ranks)
     assert check_against_reference(requests, result) == []
     # 100 tokens in 7 chunks round-robin: every rank sends KV; the short ones (<= 50 tokens) take no lane
     assert len(_lane_pes(result, 0)) == ranks
-    assert len(_lane_pes(result, 1)) >= 2
+    # the second long prompt arrives while the first one's lane holds every rank: the usual way (Placer.admit_lane)
+    if result.records[0].done_s > requests[1].arrival_s + 0.02:
+        assert not _lane_pes(result, 1)
     assert not any(_lane_pes(result, i) for i in range(2, len(requests)))
 
 
 @pytest.mark.slow
-def test_lane_prompts_sharing_ranks_with_one_micro_batch_per_rank():
-    # one micro-batch per rank (ping-pong off) and three lane prompts at once over the same 2 ranks: each rank's
-    # only slot is held by a chunk that may wait for the other rank; they all complete (a lane chunk starts only
-    # once its predecessor started, LaneRank.can_start; this load also completes without that rule, so it guards
-    # the mixed load, not the rule itself)
+def test_one_lane_per_rank_with_one_micro_batch_per_rank():
+    # one micro-batch per rank (ping-pong off) and three long prompts at once over 2 ranks: the first takes the
+    # lane over both; the others find its ranks carrying a lane in flight (Placer.admit_lane) and run the usual
+    # way, one rank each; the lane's chunks wait for each other in each rank's only slot; all complete
     requests = [_prompt(i, 70 + 13 * i, 0.0) for i in range(3)]
     result = run_async(TinyFactory(), INFO, requests, _cfg(num_attention_ranks=2, ping_pong=False, timeout_s=60))
     assert [r.error for r in result.records] == [None] * 3
     assert check_against_reference(requests, result) == []
-    assert all(len(_lane_pes(result, i)) == 2 for i in range(3))
+    assert len(_lane_pes(result, 0)) == 2 and not _lane_pes(result, 1) and not _lane_pes(result, 2)
 
 
 @pytest.mark.slow
@@ -266,12 +279,14 @@ class _CancelFront:
         fe.admit(0, self.prompts[0])
         fe.admit(1, self.prompts[1])
         slots.append(dict(fe.lane.slot_of))
+        assert sorted(fe.lane.ranks_of[0]) == [0, 1] and sorted(fe.lane.ranks_of[1]) == [2, 3], fe.lane.ranks_of
         pump_until(lambda: not fe.has_unsent)
         t = time.monotonic()
         pump_until(lambda: time.monotonic() - t > 0.15)  # request 0's chunks are running on both ranks
         assert fe.cancel(0)
         fe.admit(2, self.prompts[2])  # a fresh slot: the cancelled one is reused last
         slots.append(dict(fe.lane.slot_of))
+        assert sorted(fe.lane.ranks_of[2]) == [0, 1], fe.lane.ranks_of
         for rid in (3, 4):
             fe.admit(rid, self.prompts[rid])
         pump_until(lambda: all(r in out for r in (1, 2, 3, 4)))
@@ -290,7 +305,9 @@ def test_cancel_mid_lane_then_reuse_a_finished_slot():
 
     prompts = {0: _prompt(0, 120).token_ids, 1: _prompt(1, 90).token_ids, 2: _prompt(2, 100).token_ids,
                3: _prompt(3, 5).token_ids, 4: _prompt(4, 9).token_ids, 5: _prompt(5, 110).token_ids}
-    cfg = _cfg(num_attention_ranks=2, num_expert_ranks=1, timeout_s=90)
+    # 4 ranks, lanes of 2: requests 0 and 1 take a lane each on ranks {0, 1} and {2, 3} (a rank carries one lane
+    # at a time); request 2 takes the ranks the cancelled request 0 freed, in a fresh slot
+    cfg = _cfg(num_attention_ranks=4, num_expert_ranks=1, lane_groups=2, timeout_s=90)
     spec = GroupSpec("async", cfg, INFO, _SlowAttention(), _CancelFront(prompts))
     results = launch(group_main, spec.world_size, spec, timeout=120)
     out, slots = results[-1][1]

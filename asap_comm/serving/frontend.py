@@ -126,8 +126,11 @@ class FrontEnd:
         chunks = split_prompt(request_id, n, self.cfg.effective_chunk_len)
         cp, W = self._cp, self.W
         lane_g = self.lane.groups_for(n, len(chunks))
-        if lane_g:  # the long-prompt lane: chunk j on ranks[j % g]; the last chunk's rank answers
-            ranks = self.placer.place_lane(request_id, chunks, lane_g)
+        # the long-prompt lane, if the least-loaded ranks are idle enough and carry no lane (Placer.admit_lane):
+        # chunk j on ranks[j % g]; the last chunk's rank answers
+        ranks = self.placer.admit_lane(request_id, chunks, lane_g, avoid=self.lane.busy_ranks()) if lane_g else []
+        if ranks:
+            lane_g = len(ranks)
             word, extra = self.lane.open(request_id, n, ranks)
             now = time.monotonic()
             for j, c in enumerate(chunks):

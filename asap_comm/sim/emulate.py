@@ -101,9 +101,6 @@ from .simulate import rows_per_rank_fraction
 # afd-plugin's 32 dies (2 attention + 4 expert processes, or 4 baseline workers, on 2 cores) 0.25 overran 5.1-5.6%
 # of the held calls, 0.35 3.0-3.8%
 DEFAULT_TIME_SCALE = 0.35
-# simulate_emulated(host_overhead=): its keys (wall seconds on the emulating host) -> CostModel.runtime factors
-HOST_OVERHEAD_KEYS = {"async_job_s": "async_job_overhead_s", "async_layer_s": "async_layer_overhead_s",
-                      "sync_layer_s": "sync_layer_overhead_s"}
 
 __all__ = ["DEFAULT_TIME_SCALE", "EmulatedFactory", "EmulatedModel", "read_stats", "overrun_summary", "collective_summary", "STAT_FIELDS",
            "simulate_emulated", "layer_weights", "rows_per_real_row"]
@@ -155,13 +152,14 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
     S, K = factory.token_scale, factory.time_scale
     cost = factory.cost()
     if host_overhead:
-        unknown = set(host_overhead) - set(HOST_OVERHEAD_KEYS)
+        unknown = set(host_overhead) - {"async_job_s", "sync_layer_s"}
         bad = {k: v for k, v in host_overhead.items() if isinstance(v, bool) or not isinstance(v, (int, float))
                or not v >= 0}
         if unknown or bad:
-            raise ValueError(f"simulate_emulated: host_overhead={host_overhead!r} takes {', '.join(HOST_OVERHEAD_KEYS)}, "
+            raise ValueError(f"simulate_emulated: host_overhead={host_overhead!r} takes async_job_s and sync_layer_s, "
                              "wall seconds >= 0")
-        cost.runtime = {**cost.runtime, **{HOST_OVERHEAD_KEYS[k]: v / K for k, v in host_overhead.items()}}
+        cost.runtime = {**cost.runtime, "async_job_overhead_s": host_overhead.get("async_job_s", 0.0) / K,
+                        "sync_layer_overhead_s": host_overhead.get("sync_layer_s", 0.0) / K}
     real, emu = factory.real_shapes, cost.shapes
     dense_w, moe_w = layer_weights(real, emu)
     layers = [(bool(m), moe_w if m else dense_w) for m in real.moe_layers]

@@ -17,10 +17,9 @@ For each configuration, load and mode:
   arrivals, same prompts) through the simulator with the same profile,
   emulated model, dilation, token scale and device groups, plus the
   emulation's **host overhead**: the runtime's own work outside the held
-  stages, fitted first per mode on a probe of 24 other requests, 12
-  unloaded and 12 in one burst (``emulate_fit``; ``--no-host-overhead``
-  leaves it out). Only that probe enters the fit; the loads below are
-  predictions.
+  stages, fitted first per mode on an unloaded probe of 12 other requests
+  (``emulate_fit``; ``--no-host-overhead`` leaves it out). Only that probe
+  enters the fit; the loads below are predictions.
 
 The load is the shared Mooncake trace (lengths divided by the token scale;
 its requests sharing a timestamp spread over the file's 3-s step, so that the
@@ -54,8 +53,7 @@ from .validate_common import validation_trace as validate_trace
 METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s")
 _LABEL = {"ttft_p50_s": "p50", "ttft_p90_s": "p90", "ttft_p99_s": "p99", "throughput_tokens_per_s": "tok/s"}
 SLO_FACTOR = 3.0
-PROBE_REQUESTS = 12  # the host-overhead probe's unloaded requests, and its burst's (emulate_fit; fewer for a shorter
-# window)
+PROBE_REQUESTS = 12  # the host-overhead probe's unloaded requests (emulate_fit; fewer for a shorter window)
 OVERRUN_WARN = 0.05
 
 # name -> (ASAP attention groups, their TP, expert ranks, baseline groups, their TP, baseline CP threshold (served
@@ -121,7 +119,7 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
     from ..serving.plugins import load_model_factory, model_info_of
     from ..serving.runtime import PromptRequest, RuntimeConfig, run_async
     from ..serving.sync import run_sync
-    from .emulate import HOST_OVERHEAD_KEYS, EmulatedFactory, overrun_summary, read_stats, simulate_emulated
+    from .emulate import EmulatedFactory, overrun_summary, read_stats, simulate_emulated
 
     from .emulate import DEFAULT_TIME_SCALE
 
@@ -160,16 +158,14 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
 
         base_trace = _trace(kind, num_requests, token_scale, cfg.max_prompt_len, seed)
         fitted = None
-        if host_overhead:  # the probe: the 2 x PROBE_REQUESTS requests after the window, up to two chunks each,
-            # the first half unloaded, the second in one burst
+        if host_overhead:  # unloaded probe: the PROBE_REQUESTS requests after the window, up to two chunks
             from .emulate_fit import fit_host_overhead
 
             n_probe = min(PROBE_REQUESTS, max(4, num_requests // 2))
-            more = [r.prompt_len for r in _trace(kind, num_requests + 2 * n_probe, token_scale,
-                                                 2 * cfg.effective_chunk_len, seed)[num_requests:]]
-            fitted = fit_host_overhead({m: factory(m) for m in mode_cfg}, mode_cfg, info, lengths=more[:n_probe],
-                                       burst_lengths=more[n_probe:], progress=progress)
-        ho = None if fitted is None else {k: fitted[k] for k in HOST_OVERHEAD_KEYS}
+            more = _trace(kind, num_requests + n_probe, token_scale, 2 * cfg.effective_chunk_len, seed)
+            fitted = fit_host_overhead({m: factory(m) for m in mode_cfg}, mode_cfg, info,
+                                       lengths=[r.prompt_len for r in more[num_requests:]], progress=progress)
+        ho = None if fitted is None else {k: fitted[k] for k in ("async_job_s", "sync_layer_s")}
         lens = sorted(r.prompt_len for r in base_trace)
         p90 = lens[min(len(lens) - 1, int(0.9 * len(lens)))]
         mean_len = sum(lens) / len(lens)
@@ -267,9 +263,8 @@ def table(result: dict) -> str:
                      f"{result['repeats']}; real -> simulated, relative error)")
         ho = c.get("host_overhead")
         lines.append("host overhead: not simulated (--no-host-overhead)" if not ho else
-                     f"host overhead (fitted on the probe, wall): ASAP {ho['async_job_s'] * 1e3:.1f} ms busy per "
-                     f"attention job + {ho.get('async_layer_s', 0.0) * 1e3:.1f} ms latency per MoE layer, baseline "
-                     f"{ho['sync_layer_s'] * 1e3:.1f} ms per MoE layer")
+                     f"host overhead (fitted unloaded, wall): ASAP {ho['async_job_s'] * 1e3:.1f} ms per attention "
+                     f"job, baseline {ho['sync_layer_s'] * 1e3:.1f} ms per MoE layer")
         lines.append(f"{'req/s':>5s} {'mode':5s} " + " ".join(f"{_LABEL[m]:>24s}" for m in METRICS)
                      + f" {'attainment':>12s} {'overruns':>8s}")
         for row in c["runs"]:
