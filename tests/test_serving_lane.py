@@ -100,6 +100,11 @@ def test_runtime_config_lane_fields_are_checked():
         RuntimeConfig(lane_threshold=-1)
     with pytest.raises(ValueError, match="long_prompt_lane=1"):
         RuntimeConfig(long_prompt_lane=1)
+    with pytest.raises(ValueError, match="lane_exclusive=1"):
+        RuntimeConfig(lane_exclusive=1)
+    # automatic exclusivity: with 2 attention ranks every lane spans both, so lanes may share them
+    assert [RuntimeConfig(num_attention_ranks=a).effective_lane_exclusive for a in (2, 3, 6)] == [False, True, True]
+    assert RuntimeConfig(num_attention_ranks=2, lane_exclusive=True).effective_lane_exclusive
     assert lane_active(_cfg(), INFO)
     assert not lane_active(_cfg(long_prompt_lane=False), INFO)
     assert not lane_active(_cfg(load_aware=False), INFO)
@@ -134,7 +139,8 @@ def test_lane_outputs_equal_the_reference_and_chunks_run_on_several_ranks(ranks)
     long_ = [_prompt(0, 100), _prompt(1, 61, 0.05)]
     requests = long_ + make_trace(8, seed=3, max_len=40, spread_s=0.2)
     requests = [PromptRequest(i, r.arrival_s, r.token_ids) for i, r in enumerate(requests)]
-    result = run_async(TinyFactory(), INFO, requests, _cfg(num_attention_ranks=ranks, lane_threshold=50))
+    result = run_async(TinyFactory(), INFO, requests, _cfg(num_attention_ranks=ranks, lane_threshold=50,
+                                                           lane_exclusive=True))
     assert [r.error for r in result.records] == [None] * len(requests)
     assert check_against_reference(requests, result) == []
     # 100 tokens in 7 chunks round-robin: every rank sends KV; the short ones (<= 50 tokens) take no lane
@@ -146,15 +152,22 @@ def test_lane_outputs_equal_the_reference_and_chunks_run_on_several_ranks(ranks)
 
 
 @pytest.mark.slow
-def test_one_lane_per_rank_with_one_micro_batch_per_rank():
-    # one micro-batch per rank (ping-pong off) and three long prompts at once over 2 ranks: the first takes the
-    # lane over both; the others find its ranks carrying a lane in flight (Placer.admit_lane) and run the usual
-    # way, one rank each; the lane's chunks wait for each other in each rank's only slot; all complete
+@pytest.mark.parametrize("exclusive", [True, False])
+def test_lanes_with_one_micro_batch_per_rank(exclusive):
+    # one micro-batch per rank (ping-pong off) and three long prompts at once over 2 ranks. Exclusive lanes: the
+    # first takes the lane over both; the others find its ranks carrying a lane in flight (Placer.admit_lane) and
+    # run the usual way, one rank each. Shared lanes (lane_exclusive=False, the automatic value with 2 ranks): all
+    # three take lanes over the same 2 ranks, each rank's only slot held by a chunk that may wait for the other
+    # rank (a lane chunk starts only once its predecessor started, LaneRank.can_start). All complete either way.
     requests = [_prompt(i, 70 + 13 * i, 0.0) for i in range(3)]
-    result = run_async(TinyFactory(), INFO, requests, _cfg(num_attention_ranks=2, ping_pong=False, timeout_s=60))
+    cfg = _cfg(num_attention_ranks=2, ping_pong=False, timeout_s=60, lane_exclusive=exclusive)
+    result = run_async(TinyFactory(), INFO, requests, cfg)
     assert [r.error for r in result.records] == [None] * 3
     assert check_against_reference(requests, result) == []
-    assert len(_lane_pes(result, 0)) == 2 and not _lane_pes(result, 1) and not _lane_pes(result, 2)
+    if exclusive:
+        assert len(_lane_pes(result, 0)) == 2 and not _lane_pes(result, 1) and not _lane_pes(result, 2)
+    else:
+        assert all(len(_lane_pes(result, i)) == 2 for i in range(3))
 
 
 @pytest.mark.slow

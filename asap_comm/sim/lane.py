@@ -210,8 +210,8 @@ class Lane:
         if len(chunks) < 2 or not self.wants(r, chunks):
             return False
         # the runtime front end's rule (Placer.admit_lane): spread over the least-loaded groups idle enough, none of
-        # them carrying a lane request in flight; else the usual way
-        avoid = {k for ranks in self.live.values() for k in ranks}
+        # them carrying a lane request in flight (cfg.effective_lane_exclusive); else the usual way
+        avoid = {k for ranks in self.live.values() for k in ranks} if sim.cfg.effective_lane_exclusive else ()
         ranks = sim.placer.admit_lane(r.request_id, chunks, self.groups_for(len(chunks)), avoid=avoid,
                                       adaptive=ADAPTIVE[0])
         if not ranks:
