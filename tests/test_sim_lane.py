@@ -229,25 +229,3 @@ def test_lane_study_rejects_unknown_deployments(tmp_path):
     r = subprocess.run([sys.executable, "-m", "asap_comm.sim", "lane-study", "--out", str(tmp_path),
                         "--deployments", "48 dies"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "--deployments" in r.stderr and "32 dies" in r.stderr
-
-
-def test_lane_exclusivity_as_the_runtime_front_end(monkeypatch):
-    """Placer.admit_lane in the simulator, as in the runtime's front end: with lane_exclusive a burst of long
-    prompts over 2 groups gets one lane (the others' groups carry it: the usual way); without (the automatic value
-    with 2 groups), each takes a lane over both groups."""
-    from asap_comm.serving.policies import Placer
-
-    admitted = []
-    orig = Placer.admit_lane
-
-    def record(self, request_id, *a, **kw):
-        ranks = orig(self, request_id, *a, **kw)
-        admitted.append((request_id, ranks))
-        return ranks
-
-    monkeypatch.setattr(Placer, "admit_lane", record)
-    reqs = [Request(i, 1e-4 * i, 1024) for i in range(3)]
-    for exclusive, lanes in ((True, [0]), (False, [0, 1, 2]), (None, [0, 1, 2])):
-        admitted.clear()
-        _ttft(reqs, _cfg(2, lane_exclusive=exclusive))
-        assert [rid for rid, ranks in admitted if ranks] == lanes, (exclusive, admitted)

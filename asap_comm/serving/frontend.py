@@ -126,12 +126,8 @@ class FrontEnd:
         chunks = split_prompt(request_id, n, self.cfg.effective_chunk_len)
         cp, W = self._cp, self.W
         lane_g = self.lane.groups_for(n, len(chunks))
-        # the long-prompt lane, if the least-loaded ranks are idle enough and (lane_exclusive) carry no lane
-        # (Placer.admit_lane): chunk j on ranks[j % g]; the last chunk's rank answers
-        avoid = self.lane.busy_ranks() if self.cfg.effective_lane_exclusive else ()
-        ranks = self.placer.admit_lane(request_id, chunks, lane_g, avoid=avoid) if lane_g else []
-        if ranks:
-            lane_g = len(ranks)
+        if lane_g:  # the long-prompt lane: chunk j on ranks[j % g]; the last chunk's rank answers
+            ranks = self.placer.place_lane(request_id, chunks, lane_g)
             word, extra = self.lane.open(request_id, n, ranks)
             now = time.monotonic()
             for j, c in enumerate(chunks):

@@ -2,10 +2,8 @@
 
 A prompt of more than one chunk (``RuntimeConfig.long_prompt_lane``,
 ``lane_threshold``) is placed by the front end (:class:`FrontLane`,
-``Placer.admit_lane``) on up to ``lane_groups`` of the least-loaded attention
-ranks, as many as minimise its expected finish and only if none of them
-carries a lane in flight (the simulator's rule; otherwise it runs on one rank
-as usual): chunk ``j`` runs on ``ranks[j % g]``. Each rank computes its chunks
+``Placer.place_lane``) on up to ``lane_groups`` of the least-loaded attention
+ranks: chunk ``j`` runs on ``ranks[j % g]``. Each rank computes its chunks
 layer by layer as usual (the MoE through the expert ranks as usual). After the
 attention stage of layer ``l`` of chunk ``j``, its rank puts that layer's KV
 latents of the chunk into the lane slot of every rank that runs a later chunk
@@ -84,11 +82,6 @@ class FrontLane:
         self.free = list(range(lane_slots(cfg))) if self.active else []
         self.seq = 0
         self.slot_of: dict = {}  # request -> its slot
-        self.ranks_of: dict = {}  # request -> its ranks, while in flight (Placer.admit_lane's avoid)
-
-    def busy_ranks(self) -> set:
-        """The ranks of the lane requests in flight: each carries one lane at a time."""
-        return {r for ranks in self.ranks_of.values() for r in ranks}
 
     def groups_for(self, n_tokens: int, num_chunks: int) -> int:
         """How many ranks a prompt of ``n_tokens`` in ``num_chunks`` chunks shares in the lane (0: none)."""
@@ -103,7 +96,6 @@ class FrontLane:
         slot = self.free.pop(0)
         self.seq += 1
         self.slot_of[request_id] = slot
-        self.ranks_of[request_id] = list(ranks)
         words = torch.tensor([self.seq, n_tokens, len(ranks), *ranks], dtype=torch.int64)
         return -(1 + slot), words
 
@@ -113,7 +105,6 @@ class FrontLane:
         cancelled one's last, since a rank that has not yet seen the cancel may still put into it (the signals'
         sequence numbers tell lanes apart, but a late put's rows could overwrite a new lane's)."""
         slot = self.slot_of.pop(request_id, None)
-        self.ranks_of.pop(request_id, None)
         if slot is not None:
             if cancelled:
                 self.free.append(slot)

@@ -157,25 +157,22 @@ class Placer:
     def _work_of(self, chunks: Iterable[Chunk]) -> float:
         return sum(attention_cost(c.length, c.start, self.linear_weight) for c in chunks)
 
-    def admit_lane(self, request_id: int, chunks: list, groups: int, *, avoid=(), adaptive: bool = True) -> list[int]:
-        """The long-prompt lane's admission (the runtime's front end and the simulator run this one rule): the
-        prompt spreads over the ``k <= groups`` least-loaded ranks that minimise its expected finish, the
-        ``k``-th least outstanding work plus its own work over ``k`` (ties to fewer; ``adaptive=False``: always
-        ``groups``), and is placed there as :meth:`place_group` places (its work counts ``1/k`` on each) if
-        ``k >= 2`` and none of those ranks is in ``avoid`` (the ranks of the lane requests in flight: a rank
-        carries one lane at a time, so long prompts never queue behind each other's lanes). Returns the ranks,
-        least loaded first, or ``[]`` with nothing placed (the prompt goes the usual way: :meth:`place`)."""
-        self._check_new("admit_lane", request_id)
-        g = min(_int("Placer.admit_lane", "groups", groups, 1), self.num_ranks)
-        if adaptive:
-            work, own = sorted(self._work), self._work_of(chunks)
-            g = min(range(1, g + 1), key=lambda k: (work[k - 1] + own / k, k))
-        if g < 2:
-            return []
+    def place_lane(self, request_id: int, chunks: list, groups: int) -> list[int]:
+        """The long-prompt lane (``lane.py``): the ``groups`` least-loaded ranks (ties to the lowest rank) share a
+        request's chunks round-robin, chunk ``j`` on ``ranks[j % groups]``, and its cost counts there. Returns
+        the ranks, least loaded first."""
+        self._check_new("place_lane", request_id)
+        g = _int("Placer.place_lane", "groups", groups, 1)
+        if g > self.num_ranks:
+            raise ValueError(f"Placer.place_lane: groups={g} is more than the {self.num_ranks} ranks")
         ranks = sorted(range(self.num_ranks), key=lambda r: (self._work[r], r))[:g]
-        if set(ranks) & set(avoid):
-            return []
-        return self.place_group(request_id, chunks, g)
+        works = [0.0] * g
+        for j, c in enumerate(chunks):
+            works[j % g] += self._work_of([c])
+        for r, w in zip(ranks, works):
+            self._work[r] += w
+        self._held[request_id] = (ranks, works)
+        return ranks
 
     def _check_new(self, fn: str, request_id: int) -> None:
         if request_id in self._held:

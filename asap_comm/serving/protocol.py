@@ -126,11 +126,6 @@ class RuntimeConfig:
     long_prompt_lane: bool = True
     lane_threshold: "int | None" = None
     lane_groups: int = 0
-    # a rank carries one lane at a time (Placer.admit_lane's avoid): a long prompt whose ranks carry a lane in
-    # flight goes the usual way. None: when there are more than 2 attention ranks (with 2, every lane spans both
-    # and a prompt kept off them queues behind a lane chunk on its one rank anyway, while bursts of long prompts
-    # lose the pipelining: issue 21's measurements)
-    lane_exclusive: "bool | None" = None
     # the two ping-pong micro-batches formed together get near-equal tokens (whole chunks, largest first)
     token_balanced: bool = True
 
@@ -156,15 +151,8 @@ class RuntimeConfig:
         for name in ("long_prompt_lane", "token_balanced"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig: {name}={getattr(self, name)!r} must be a bool")
-        if self.lane_exclusive is not None and not isinstance(self.lane_exclusive, bool):
-            raise ValueError(f"RuntimeConfig: lane_exclusive={self.lane_exclusive!r} must be None or a bool")
         if self.sync_collectives not in ("gloo", "shm"):
             raise ValueError(f"RuntimeConfig: sync_collectives={self.sync_collectives!r} must be 'gloo' or 'shm'")
-
-    @property
-    def effective_lane_exclusive(self) -> bool:
-        """``lane_exclusive``, its automatic value resolved."""
-        return self.num_attention_ranks > 2 if self.lane_exclusive is None else self.lane_exclusive
 
     @property
     def effective_chunk_len(self) -> "int | None":

@@ -2,7 +2,7 @@
 
 **Sequence-pipelined lane** (``RuntimeConfig.long_prompt_lane``, the design the runtime builds too): a long
 prompt is split into its chunks (``chunk_len``) and chunk ``j`` runs on group ``g_j``, the chunks spread
-round-robin over the ``g`` least-loaded attention groups when it arrives (``Placer.admit_lane``, ``g <=
+round-robin over the ``g`` least-loaded attention groups when it arrives (``Placer.place_group``, ``g =
 min(lane_groups or A, chunks)``). Each group computes its chunk layer by layer as usual (attention, then the
 MoE layer through the expert ranks as usual). After the attention stage of layer ``l`` of chunk ``j`` its group
 puts that layer's KV latents of chunk ``j`` (``(kv_lora_rank + qk_rope) * activation bytes`` a token) to every
@@ -13,8 +13,8 @@ chunks before it only). Chunks advance as a wavefront: TTFT about ``L + n - 1`` 
 of ``n * L`` on one group. A group runs at most one lane chunk at a time, in one of its two ping-pong slots;
 the other keeps serving short prompts, and while the lane chunk waits for a signal the group computes the
 other slot's work. A group carries one lane prompt at a time: a long prompt whose least-loaded groups are
-not all free of lane requests in flight goes the usual way (all its chunks, in order, on one group), so long
-prompts never queue behind each other's lanes. A chunk starts only once the chunks before it have started (so a waiting chunk never
+not all free of lane work goes the usual way (all its chunks, in order, on one group), so long prompts never
+queue behind each other's lanes. A chunk starts only once the chunks before it have started (so a waiting chunk never
 waits on one queued behind it: no deadlock).
 
 **Which prompts** (:meth:`Lane.wants`): the lane needs ``long_prompt_lane``, two groups or more and a prompt of
@@ -22,10 +22,9 @@ two chunks or more; then ``lane_threshold`` (an int) takes prompts longer than t
 ``lane_threshold=None`` a run that knows its SLO (``simulate(..., slo_s=)``) takes a prompt whose predicted
 TTFT alone on one group (compute and MoE round trips of its chunks in order; no queueing) exceeds
 ``LANE_SLO_FRACTION`` of the SLO, and one that does not takes every prompt of more than one chunk. It spreads
-over the ``k <= g`` least-loaded groups that minimise its expected finish (``Placer.admit_lane``, the rule the
-runtime's front end runs too: the ``k``-th least outstanding work plus its own over ``k``; ``k = 1``: no
-lane), and only if none of them carries a lane request in flight (admitted, result not yet back: what the
-front end knows).
+over the ``k <= g`` least-loaded groups that minimise its expected finish (:meth:`Lane.idle_enough`: the
+``k``-th least outstanding work plus its own over ``k``; ``k = 1``: no lane), and only if none of them holds
+a lane already.
 
 **Design study alternatives** (``lane_study.py``; :func:`design` switches, default ``"pipe"``): ``"cp"`` is
 context parallelism across attention groups per layer: each chunk's tokens are shared by the ``g`` groups
@@ -51,7 +50,7 @@ LANE_SLO_FRACTION = 0.5  # lane when the predicted TTFT alone on one group excee
 DESIGNS = ("pipe", "cp")
 _DESIGN = ["pipe"]
 LANE_SPLIT = [1]  # study knob: lane chunks of chunk_len / this (1: the runtime's chunks)
-ADAPTIVE = [True]  # spread over the groups idle enough only (Placer.admit_lane); False: always g groups
+ADAPTIVE = [True]  # spread over the groups idle enough only (Lane.idle_enough); False: always g groups
 
 
 @contextlib.contextmanager
@@ -156,13 +155,20 @@ class Lane:
             k += len(layers)
         self.steps = k
         self.used = 0  # requests that took the lane
-        self.live: dict = {}  # lane requests in flight -> their groups (admission: Placer.admit_lane's avoid)
         self._predicted: dict = {}  # (prompt length, chunks) -> predicted_s
 
     # ------------------------------------------------------------------ admission
     def groups_for(self, n_chunks: int) -> int:
         cfg = self.sim.cfg
         return min(cfg.lane_groups or self.sim.A, self.sim.A, n_chunks)
+
+    def idle_enough(self, chunks: list, g: int) -> int:
+        """How many of the least-loaded groups the prompt should spread over: the ``k <= g`` that minimises
+        its expected finish, the ``k``-th least outstanding work (``Placer``) plus its own work over ``k``;
+        1 where the other groups are busier than the prompt's gain (no lane)."""
+        work = sorted(self.sim.placer.outstanding)
+        own = sum(c.cost for c in chunks)
+        return min(range(1, g + 1), key=lambda k: (work[k - 1] + own / k, k))
 
     def predicted_s(self, chunks: list) -> float:
         """TTFT of the chunks alone on one group, in order: attention, dense, router, shared and expert compute
@@ -209,14 +215,15 @@ class Lane:
         chunks = split_prompt(r.request_id, r.prompt_len, sim.cfg.effective_chunk_len)
         if len(chunks) < 2 or not self.wants(r, chunks):
             return False
-        # the runtime front end's rule (Placer.admit_lane): spread over the least-loaded groups idle enough, none of
-        # them carrying a lane request in flight (cfg.effective_lane_exclusive); else the usual way
-        avoid = {k for ranks in self.live.values() for k in ranks} if sim.cfg.effective_lane_exclusive else ()
-        ranks = sim.placer.admit_lane(r.request_id, chunks, self.groups_for(len(chunks)), avoid=avoid,
-                                      adaptive=ADAPTIVE[0])
-        if not ranks:
+        g = self.groups_for(len(chunks))
+        if ADAPTIVE[0]:
+            g = self.idle_enough(chunks, g)
+            if g < 2:
+                return False
+        ranks = sim.placer.place_group(r.request_id, chunks, g)
+        if any(self.busy[k] or self.queue[k] or any(k in q.ranks for q in self.cp_waiting) for k in ranks):
+            sim.placer.complete(r.request_id)  # a lane already holds one of them: the usual way
             return False
-        self.live[r.request_id] = ranks
         if LANE_SPLIT[0] > 1 and self.design == "pipe":  # study knob: finer lane chunks (chunk_len / LANE_SPLIT)
             chunks = split_prompt(r.request_id, r.prompt_len, max(1, sim.cfg.effective_chunk_len // LANE_SPLIT[0]))
         sim.records[r.request_id].start_s = sim.engine.now
@@ -373,11 +380,6 @@ class Lane:
             for m in ready:
                 self._layer(m, k)
 
-    def _finished(self, rid: int) -> None:
-        """The request's result reaches the front end: its groups may take a lane again (FrontLane.close)."""
-        self.live.pop(rid, None)
-        self.sim._result(rid)
-
     def _done(self, mb) -> None:
         sim = self.sim
         req, j, _share = mb.lane
@@ -385,13 +387,13 @@ class Lane:
         sim.running[mb.rank] -= 1
         if req.design == "pipe":
             if j == len(req.chunks) - 1:
-                sim.engine.after(sim.msg_result, self._finished, req.rid)
+                sim.engine.after(sim.msg_result, sim._result, req.rid)
         else:
             req.done += 1
             if req.done == req.g:
                 req.next += 1
                 if req.next == len(req.chunks):
-                    sim.engine.after(sim.msg_result, self._finished, req.rid)
+                    sim.engine.after(sim.msg_result, sim._result, req.rid)
                 else:
                     self.cp_waiting.insert(0, req)  # its next chunk first: the request holds its groups
         if self.cp_waiting:
