@@ -21,7 +21,8 @@ context parallelism, ``prefill.EMULATE_DEFAULTS``):
   stretches the window to many minutes, and the window's 20-request burst bounds the p99 from below, so the
   criterion may never flip).
 
-    PYTHONPATH=. python bench/afd_window.py [--loads 2185,4371] [--search] [--cp-threshold 0] [--out bench/results/afd_window]
+    PYTHONPATH=. python bench/afd_window.py [--loads 2185,4371] [--search] [--cp-threshold 0]
+        [--out bench/results/afd_window]
 
 Writes ``afd_window.json`` (every point: offered tok/s, TTFT p50/p90/p99 in modelled seconds, the simulator's,
 the published ones, overruns; with ``--search`` each mode's capacity and bracket, the ratio beside 1.68x).
