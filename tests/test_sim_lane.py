@@ -12,11 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from asap_comm.serving.policies import Chunk
 from asap_comm.serving.protocol import RuntimeConfig
 from asap_comm.serving.traces import Request
 from asap_comm.sim import lane
-from asap_comm.sim.lane import balance_pair, kv_put_s
+from asap_comm.sim.lane import kv_put_s
 from asap_comm.sim.simulate import simulate
 from asap_comm.sim.simulate_async import _AsyncSim
 from sim_fakes import SHAPES, ToyCost
@@ -96,11 +95,14 @@ def test_short_prompts_during_a_long_one_are_not_stalled():
     assert off[1] == pytest.approx(alone, rel=0.05)
     assert on[1] <= off[1] + 1.25 * alone, (on, off, alone)
     assert on[1] < 0.5 * (on[0] - 0.1)  # far from waiting for what was left of the long prompt
-    # a stream of short prompts through a long one, 4 groups: the slowest short one within one short TTFT
+    # a stream of short prompts through a long one, 4 groups: the long prompt's chunks take micro-batch slots in
+    # arrival order beside the short ones (the runtime's rule: no slot is kept for the lane), so the slowest short
+    # one waits longer than without the lane, but by less than two short TTFTs
     reqs = [Request(0, 0.0, 2048)] + [Request(i, 0.001 * i, 100) for i in range(1, 30)]
     off = _ttft(reqs, dataclasses.replace(_cfg(4), long_prompt_lane=False))
     on = _ttft(reqs, _cfg(4))
-    assert max(on[1:]) <= max(off[1:]) + alone, (max(on[1:]), max(off[1:]))
+    assert on[0] < 0.6 * off[0], (on[0], off[0])
+    assert max(on[1:]) <= max(off[1:]) + 2 * alone, (max(on[1:]), max(off[1:]))
 
 
 def test_every_request_completes_under_load_in_both_designs():
@@ -134,24 +136,6 @@ def test_lane_with_a_known_slo_takes_only_prompts_predicted_too_slow():
     assert _ttft([Request(0, 0.0, 2048)], cfg, slo_s=off)[0] == on
     with pytest.raises(ValueError, match="slo_s"):
         simulate("async", [Request(0, 0.0, 10)], ToyCost(), DEEP, cfg, slo_s=-1.0)
-
-
-def test_balance_pair_counts():
-    def ch(rid, n):
-        return Chunk(rid, 0, 0, n, 1)
-
-    a, b = [ch(0, 200), ch(1, 30), ch(2, 20)], [ch(3, 150), ch(4, 100)]
-    x, y = balance_pair(a, b, 256)
-    assert sorted(c.request_id for c in x + y) == [0, 1, 2, 3, 4]
-    tx, ty = sum(c.length for c in x), sum(c.length for c in y)
-    assert abs(tx - ty) <= 30 and max(tx, ty) <= 256, (tx, ty)
-    # a first micro-batch filled to the budget and a small second one become two halves
-    x, y = balance_pair([ch(0, 128), ch(1, 128)], [ch(2, 16)], 256)
-    assert sorted([sum(c.length for c in x), sum(c.length for c in y)]) == [128, 144]
-    # a split that cannot keep the budget: unchanged
-    a, b = [ch(0, 250)], [ch(1, 200), ch(2, 50)]
-    assert balance_pair(a, b, 250) in ((a, b), ([ch(0, 250)], [ch(1, 200), ch(2, 50)]))
-    assert balance_pair([ch(0, 5)], [], 256) == ([ch(0, 5)], [])
 
 
 def test_token_balanced_micro_batches_in_the_simulator(monkeypatch):

@@ -76,12 +76,14 @@ def test_the_simulator_makes_its_decisions_with_the_runtimes_policy_objects(monk
     assert summarize_run(after.records, 1.0).ttft_p90_s > summarize_run(before.records, 1.0).ttft_p90_s
     # and the micro-batcher: one chunk per micro-batch -> more attention jobs (on a loaded single rank)
     monkeypatch.undo()
-    cfg = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=64, chunk_len=64, max_prompt_len=64)
+    # (token_balanced off: the pairs come from next_batches, as in the runtime's worker)
+    cfg = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=64, chunk_len=64, max_prompt_len=64,
+                        token_balanced=False)
     trace = synthetic_trace(5000, num_requests=60, lengths=FixedLengths(20), seed=3)
     before = simulate("async", trace, ToyCost(), SHAPES, cfg)
     orig = policies.MicroBatcher.next_batch
-    def first_only(self):  # keep the first chunk, hand the rest back to the queue in order
-        batch = orig(self)
+    def first_only(self, ready=None):  # keep the first chunk, hand the rest back to the queue in order
+        batch = orig(self, ready)
         for c in reversed(batch[1:]):
             del self._busy[c.request_id]
             self._queue.appendleft(c)

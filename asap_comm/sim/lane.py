@@ -1,56 +1,67 @@
 """The long-prompt lane of ASAP's attention side, simulated (issue 21), and token-balanced micro-batch pairs.
 
 **Sequence-pipelined lane** (``RuntimeConfig.long_prompt_lane``, the design the runtime builds too): a long
-prompt is split into its chunks (``chunk_len``) and chunk ``j`` runs on group ``g_j``, the chunks spread
-round-robin over the ``g`` least-loaded attention groups when it arrives (``Placer.place_group``, ``g =
-min(lane_groups or A, chunks)``). Each group computes its chunk layer by layer as usual (attention, then the
-MoE layer through the expert ranks as usual). After the attention stage of layer ``l`` of chunk ``j`` its group
-puts that layer's KV latents of chunk ``j`` (``(kv_lora_rank + qk_rope) * activation bytes`` a token) to every
-group holding a later chunk, with a signal (:func:`kv_put_s`: one p2p transfer per receiving group over the
-sender's link; on a shared CPU host a copy by the sender). Before the attention stage of layer ``l`` of chunk
-``j`` the group waits for the layer-``l`` KV of every chunk ``< j`` (no barrier: a wait on signals from the
-chunks before it only). Chunks advance as a wavefront: TTFT about ``L + n - 1`` chunk-layer steps instead
-of ``n * L`` on one group. A group runs at most one lane chunk at a time, in one of its two ping-pong slots;
-the other keeps serving short prompts, and while the lane chunk waits for a signal the group computes the
-other slot's work. A group carries one lane prompt at a time: a long prompt whose least-loaded groups are
-not all free of lane work goes the usual way (all its chunks, in order, on one group), so long prompts never
-queue behind each other's lanes. A chunk starts only once the chunks before it have started (so a waiting chunk never
-waits on one queued behind it: no deadlock).
+prompt is split into its chunks (``chunk_len``) and chunk ``j`` runs on group ``ranks[j % g]``, the ``g = min(lane_groups
+or A, chunks)`` least-loaded attention groups when it arrives (``Placer.place_lane``). Each group computes its chunk
+layer by layer as usual (attention, then the MoE layer through the expert ranks as usual). After the attention stage
+of layer ``l`` of chunk ``j`` its group puts that layer's KV latents of chunk ``j`` (``(kv_lora_rank + qk_rope) *
+activation bytes`` a token) to every group holding a later chunk, with a signal (:func:`kv_put_s`: one p2p transfer
+per receiving group over the sender's link; on a shared CPU host a copy by the sender). Before the attention stage of
+layer ``l`` of chunk ``j`` the group waits for the layer-``l`` KV of every chunk ``< j`` (no barrier: a wait on
+signals from the chunks before it only; meanwhile the group computes its other ping-pong slot's work). Chunks
+advance as a wavefront: TTFT about ``L + n - 1`` chunk-layer steps instead of ``n * L`` on one group.
+
+**Admission and scheduling** (``admission("runtime")``, the default; the runtime's ``serving.lane.FrontLane`` and
+``LaneRank``): a prompt of two chunks or more takes the lane while one of ``lane_slots`` lanes is free (lanes may
+share groups). Its chunks queue in their groups' micro-batchers (``MicroBatcher.add(stride=g)``) beside the short
+prompts' chunks, in arrival order; each runs alone in a micro-batch, in either ping-pong slot, and starts only once
+every earlier chunk computed elsewhere has put its first layer's KV (:meth:`Lane.ready_fn`, as
+``LaneRank.can_start``), so lanes sharing groups never hold each other in a cycle of waits. The slot is free again
+when the result reaches the front end.
 
 **Which prompts** (:meth:`Lane.wants`): the lane needs ``long_prompt_lane``, two groups or more and a prompt of
 two chunks or more; then ``lane_threshold`` (an int) takes prompts longer than that many tokens; with
 ``lane_threshold=None`` a run that knows its SLO (``simulate(..., slo_s=)``) takes a prompt whose predicted
 TTFT alone on one group (compute and MoE round trips of its chunks in order; no queueing) exceeds
-``LANE_SLO_FRACTION`` of the SLO, and one that does not takes every prompt of more than one chunk. It spreads
-over the ``k <= g`` least-loaded groups that minimise its expected finish (:meth:`Lane.idle_enough`: the
-``k``-th least outstanding work plus its own over ``k``; ``k = 1``: no lane), and only if none of them holds
-a lane already.
+``LANE_SLO_FRACTION`` of the SLO (the runtime's ``--lane-threshold auto`` of ``examples/prefill.py``), and one that
+does not takes every prompt of more than one chunk.
+
+**The simulator's earlier admission** (``admission("exclusive")``, for studies; the runtime does not have it): the
+prompt spreads over the ``k <= g`` least-loaded groups that minimise its expected finish (:meth:`Lane.idle_enough`:
+the ``k``-th least outstanding work plus its own over ``k``; ``k = 1``: no lane), only if none of them holds a
+lane already; its chunks wait in a lane queue per group that goes before the short prompts, one lane chunk per group
+at a time, and a group keeps a slot free for a lane chunk waiting to start. Until 2026-12-02 this was the
+simulator's only rule, while the runtime had the one above: the emulated validation's ASAP tails were 18-60% off.
 
 **Design study alternatives** (``lane_study.py``; :func:`design` switches, default ``"pipe"``): ``"cp"`` is
 context parallelism across attention groups per layer: each chunk's tokens are shared by the ``g`` groups
 (zig-zag halves, as the baseline's CP: ``attention_s((T, C, g))`` each), every layer all-gathers the KV latents
 among them (``cp_exchange_s``) and couples the ``g`` groups (a group-local barrier before each layer's
-attention); the ``g`` shares of a chunk start together (gang), the chunks run in order.
+attention); the ``g`` shares of a chunk start together (gang), the chunks run in order (admitted by the exclusive
+rule). ``LANE_SPLIT > 1`` (finer lane chunks) also runs with the exclusive rule.
 
 **Token-balanced pairs** (``RuntimeConfig.token_balanced``): when both ping-pong slots of a group are free, the
-two micro-batches are formed together: the batcher's next two micro-batches (under the token budget, each
-request at most once) are re-split by :func:`balance_pair` so their token counts are near equal.
+two micro-batches are formed together by the runtime's ``MicroBatcher.next_batches(2)`` (eligible chunks in arrival
+order up to twice the budget, assigned largest first to the lighter micro-batch).
 """
 from __future__ import annotations
 
 import contextlib
 from collections import deque
 
+from ..serving.lane import lane_slots
 from ..serving.policies import split_prompt
 from .simulate_common import _pairs, _validate
 
-__all__ = ["LANE_SLO_FRACTION", "DESIGNS", "design", "balance_pair", "kv_put_s", "Lane"]
+__all__ = ["LANE_SLO_FRACTION", "DESIGNS", "ADMISSIONS", "design", "admission", "kv_put_s", "Lane"]
 
 LANE_SLO_FRACTION = 0.5  # lane when the predicted TTFT alone on one group exceeds this share of the SLO
 DESIGNS = ("pipe", "cp")
 _DESIGN = ["pipe"]
 LANE_SPLIT = [1]  # study knob: lane chunks of chunk_len / this (1: the runtime's chunks)
-ADAPTIVE = [True]  # spread over the groups idle enough only (Lane.idle_enough); False: always g groups
+ADAPTIVE = [True]  # the "exclusive" admission: spread over the groups idle enough only (Lane.idle_enough)
+ADMISSIONS = ("runtime", "exclusive")
+_ADMISSION = ["runtime"]
 
 
 @contextlib.contextmanager
@@ -67,27 +78,20 @@ def design(name: str):
         _DESIGN[0] = old
 
 
-def balance_pair(a: list, b: list, budget: int) -> tuple:
-    """Two micro-batches' chunks re-split into two of near-equal tokens: whole chunks, largest first, each to the
-    lighter side that stays within ``budget`` (a chunk alone may exceed it, as in ``MicroBatcher``). When that
-    greedy split cannot keep both within the budget, ``(a, b)`` unchanged. The chunks are distinct requests
-    (``MicroBatcher.next_batch`` takes a request once), so the two may run together."""
-    pool = sorted(a + b, key=lambda c: (-c.length, c.request_id))
-    if len(pool) < 2:
-        return a, b
-    bins, tok = ([], []), [0, 0]
-    for c in pool:
-        order = (0, 1) if tok[0] <= tok[1] else (1, 0)
-        for i in order:
-            if not bins[i] or tok[i] + c.length <= budget:
-                bins[i].append(c)
-                tok[i] += c.length
-                break
-        else:
-            return a, b
-    key = a + b  # keep the batcher's FIFO order inside each micro-batch
-    x, y = (sorted(bn, key=key.index) for bn in bins)
-    return (x, y) if x and y else (a, b)
+@contextlib.contextmanager
+def admission(name: str):
+    """Within the block, simulated sequence-pipelined lanes admit prompts by rule ``name``: ``"runtime"`` (the
+    default; the runtime's front end, ``serving.lane.FrontLane``) or ``"exclusive"`` (the simulator's rule before
+    2026-12-02: groups idle enough, one lane per group, lane chunks first). For studies; the runtime has
+    ``"runtime"``."""
+    if name not in ADMISSIONS:
+        raise ValueError(f"lane.admission: {name!r} is not one of {ADMISSIONS}")
+    old = _ADMISSION[0]
+    _ADMISSION[0] = name
+    try:
+        yield
+    finally:
+        _ADMISSION[0] = old
 
 
 def kv_put_s(cost, shapes, tokens: int, fanout: int) -> float:
@@ -155,6 +159,11 @@ class Lane:
             k += len(layers)
         self.steps = k
         self.used = 0  # requests that took the lane
+        # the runtime's admission (FrontLane): lane_slots lanes in flight at most; their chunks queue in the groups'
+        # micro-batchers like any chunk (alone in a micro-batch, gated by Lane.ready_fn)
+        self.fifo = self.design == "pipe" and LANE_SPLIT[0] == 1 and _ADMISSION[0] == "runtime"
+        self.slots = lane_slots(sim.cfg)
+        self.live: dict = {}  # request -> _LaneRequest, lanes in flight (runtime admission)
         self._predicted: dict = {}  # (prompt length, chunks) -> predicted_s
 
     # ------------------------------------------------------------------ admission
@@ -216,6 +225,16 @@ class Lane:
         if len(chunks) < 2 or not self.wants(r, chunks):
             return False
         g = self.groups_for(len(chunks))
+        if self.fifo:  # the runtime's front end: a free slot, the g least-loaded groups, lanes may share them
+            if len(self.live) >= self.slots:
+                return False
+            ranks = sim.placer.place_lane(r.request_id, chunks, g)
+            sim.records[r.request_id].start_s = sim.engine.now
+            req = _LaneRequest(r.request_id, chunks, ranks, self.design, self.steps)
+            self.live[r.request_id] = req
+            self.used += 1
+            sim.engine.after(sim._delivery_s(chunks), self._deliver_fifo, req)
+            return True
         if ADAPTIVE[0]:
             g = self.idle_enough(chunks, g)
             if g < 2:
@@ -231,6 +250,44 @@ class Lane:
         self.used += 1
         sim.engine.after(sim._delivery_s(chunks), self._deliver, req)
         return True
+
+    def _deliver_fifo(self, req: _LaneRequest) -> None:
+        for j, c in enumerate(req.chunks):
+            self.sim.batchers[req.chunk_rank(j)].add(c, stride=req.g)
+        for rank in sorted(set(req.ranks)):
+            self.sim._queued(rank)
+
+    def ready_fn(self, rank: int):
+        """``MicroBatcher.next_batch(ready=)`` of ``rank`` (runtime admission; None otherwise): a lane chunk may
+        start once every earlier chunk that another group computes has put its first layer's KV, as
+        ``serving.lane.LaneRank.can_start`` (so lanes sharing groups never hold each other in a cycle of waits)."""
+        if not self.fifo or not self.live:
+            return None
+
+        def ready(chunk) -> bool:
+            req = self.live.get(chunk.request_id)
+            if req is None or chunk.index == 0:
+                return True
+            for k in range(chunk.index - 1, -1, -1):
+                if req.chunk_rank(k) == rank:
+                    return True
+                if not req.ready[0][k]:
+                    return False
+            return True
+        return ready
+
+    def takes(self, batch: list) -> bool:
+        """Whether a micro-batch the batcher formed is a lane chunk (runtime admission)."""
+        return self.fifo and len(batch) == 1 and batch[0].request_id in self.live
+
+    def run_chunk(self, rank: int, chunk) -> None:
+        """Start a lane chunk the group's batcher handed out (runtime admission)."""
+        req = self.live[chunk.request_id]
+        self._run(self._mb(req, chunk.index, 0, rank))
+
+    def _result(self, rid: int) -> None:
+        self.live.pop(rid, None)  # the front end frees the lane's slot when the result arrives
+        self.sim._result(rid)
 
     def _deliver(self, req: _LaneRequest) -> None:
         if req.design == "pipe":
@@ -374,6 +431,9 @@ class Lane:
 
     def _kv_arrived(self, req: _LaneRequest, j: int, k: int) -> None:
         req.ready[k][j] = True
+        if self.fifo and k == 0:  # a later chunk gated on this one may start now
+            for rank in sorted(set(req.ranks) - {req.chunk_rank(j)}):
+                self.sim._fill(rank)
         if req.waiters[k]:
             ready = [m for m in req.waiters[k] if all(req.ready[k][:m.lane[1]])]
             req.waiters[k] = [m for m in req.waiters[k] if m not in ready]
@@ -386,8 +446,10 @@ class Lane:
         self.busy[mb.rank] -= 1
         sim.running[mb.rank] -= 1
         if req.design == "pipe":
+            if self.fifo:
+                sim.batchers[mb.rank].done(mb.chunks[0])
             if j == len(req.chunks) - 1:
-                sim.engine.after(sim.msg_result, sim._result, req.rid)
+                sim.engine.after(sim.msg_result, self._result, req.rid)
         else:
             req.done += 1
             if req.done == req.g:

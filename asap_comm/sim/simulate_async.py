@@ -6,8 +6,8 @@ import math
 
 from ..serving.policies import ExpertBatcher, MicroBatcher, Placer
 from .engine import Engine, Rank
-from .lane import Lane, balance_pair
-from .simulate_common import Parallelism, _Common, _pairs, rows_per_rank_fraction
+from .lane import Lane
+from .simulate_common import Parallelism, _Common, rows_per_rank_fraction
 
 
 # ----------------------------------------------------------------------------- ASAP
@@ -89,19 +89,20 @@ class _AsyncSim(_Common):
         if self.lane is not None:  # a lane micro-batch first; a slot kept for one that waits to start
             self.lane.start(rank)
             limit -= self.lane.reserved(rank)
+        ready = None if self.lane is None else self.lane.ready_fn(rank)
         if self.cfg.token_balanced and limit - self.running[rank] >= 2:  # the pair formed together, balanced
-            a = self.batchers[rank].next_batch()
-            b = self.batchers[rank].next_batch() if a else []
-            for batch in balance_pair(a, b, self.cfg.token_budget):
-                if batch:
-                    self._start_batch(rank, batch)
+            for batch in self.batchers[rank].next_batches(2, ready):  # as the runtime's rank forms it
+                self._start_batch(rank, batch)
         while self.running[rank] < limit:
-            batch = self.batchers[rank].next_batch()
+            batch = self.batchers[rank].next_batch(ready)
             if not batch:
                 return
             self._start_batch(rank, batch)
 
     def _start_batch(self, rank: int, batch: list) -> None:
+        if self.lane is not None and self.lane.takes(batch):  # a lane chunk, alone in its micro-batch
+            self.lane.run_chunk(rank, batch[0])
+            return
         self.running[rank] += 1
         attn = self.cost.attention_s([(c.length, c.start) for c in batch], self.tp)
         # a TP group's layer also pays its reduce-scatter + all-gather (0 when tp=1)
