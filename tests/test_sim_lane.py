@@ -213,3 +213,58 @@ def test_lane_study_rejects_unknown_deployments(tmp_path):
     r = subprocess.run([sys.executable, "-m", "asap_comm.sim", "lane-study", "--out", str(tmp_path),
                         "--deployments", "48 dies"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "--deployments" in r.stderr and "32 dies" in r.stderr
+
+
+def test_the_simulated_lane_admits_as_the_runtimes_front_end(monkeypatch):
+    """The simulator's lane takes the prompts the runtime's front end (serving.lane.FrontLane) would: every prompt of
+    two chunks or more while one of lane_slots lanes is in flight, lanes sharing groups; a slot frees when its
+    request's result arrives. Replayed against FrontLane on the simulator's own completion times."""
+    from asap_comm.serving import policies
+    from asap_comm.serving.lane import FrontLane, lane_slots
+
+    took = []
+    orig = policies.Placer.place_lane
+
+    def spy(self, rid, chunks, groups):
+        took.append(rid)
+        return orig(self, rid, chunks, groups)
+
+    monkeypatch.setattr(policies.Placer, "place_lane", spy)
+    cfg = _cfg(2)
+    lens = [1024, 100, 700, 3000, 2048, 50, 900, 1500, 300, 2500, 600, 4000]
+    # a burst that fills the slots, then prompts spread out enough that lanes finish and free theirs
+    reqs = [Request(i, 0.001 * i if i < 6 else 0.1 * (i - 4), lens[i]) for i in range(len(lens))]
+    recs = simulate("async", reqs, ToyCost(), DEEP, cfg).records
+    assert all(r.error is None for r in recs)
+    # the replay: FrontLane decides at each arrival, its slots freed at the lanes' simulated completions
+    front = FrontLane(cfg, SimpleNamespace(kv_row_width=1), 2)
+    done = {r.request_id: r.done_s for r in recs}
+    expect, live = [], []
+    for r in reqs:
+        for rid in [x for x in live if done[x] <= r.arrival_s]:
+            live.remove(rid)
+            front.close(rid)
+        n_chunks = -(-r.prompt_len // cfg.effective_chunk_len)
+        if front.groups_for(r.prompt_len, n_chunks):
+            front.open(r.request_id, r.prompt_len, [0, 1])
+            expect.append(r.request_id)
+            live.append(r.request_id)
+    assert took == expect
+    assert len(took) > lane_slots(cfg)  # slots were reused, and lanes ran side by side on the same 2 groups
+    overlap = [(a, b) for a in took for b in took if a < b and reqs[b].arrival_s < done[a]]
+    assert overlap
+    # a prompt of one chunk never takes it; with every slot taken a long prompt goes the usual way (one group)
+    assert not any(reqs[i].prompt_len <= cfg.effective_chunk_len for i in took)
+    assert any(reqs[i].prompt_len > cfg.effective_chunk_len and i not in took for i in range(len(reqs)))
+
+
+def test_the_exclusive_admission_stays_for_studies_and_differs():
+    lens = [1024, 3000, 2048, 900, 1500, 2500, 4000, 700]
+    reqs = [Request(i, 0.001 * i, lens[i]) for i in range(len(lens))]
+    runtime = _ttft(reqs, _cfg(2))
+    with lane.admission("exclusive"):
+        exclusive = _ttft(reqs, _cfg(2))
+    assert runtime != exclusive and all(t > 0 for t in exclusive)
+    with pytest.raises(ValueError, match="lane.admission"):
+        with lane.admission("greedy"):
+            pass
