@@ -36,8 +36,8 @@ from ..errors import TimeoutError as CommTimeoutError
 from .hooks import model_hooks
 from .policies import split_prompt
 
-__all__ = ["LANE_WORDS", "lane_active", "lane_slots", "LaneBuffers", "FrontLane", "LaneRank", "LaneWait",
-           "LaneAborted"]
+__all__ = ["LANE_WORDS", "lane_active", "lane_slots", "chunk_may_start", "LaneBuffers", "FrontLane", "LaneRank",
+           "LaneWait", "LaneAborted"]
 
 LANE_WORDS = 3  # seq, prompt length, number of ranks (then the ranks)
 
@@ -52,6 +52,20 @@ def lane_active(cfg, info) -> bool:
 def lane_slots(cfg) -> int:
     """Lane slots per PE: as many long prompts may run in the lane at once."""
     return 4
+
+
+def chunk_may_start(index: int, ranks: list, me: int, has_put) -> bool:
+    """The lane's start rule for chunk ``index`` of a prompt whose chunk ``k`` runs on ``ranks[k % len(ranks)]``, on
+    rank ``me``: every earlier chunk another rank computes has put its layer 0 (``has_put(k)``), down to the last
+    one ``me`` ran (it started, and so had every chunk before it). ``LaneRank.can_start`` and the simulator's lane
+    (``asap_comm.sim.lane``) both decide with it."""
+    g = len(ranks)
+    for k in range(index - 1, -1, -1):
+        if ranks[k % g] == me:
+            return True
+        if not has_put(k):
+            return False
+    return True
 
 
 def _max_chunks(cfg) -> int:
@@ -189,15 +203,10 @@ class LaneRank:
         that have started too, down to chunk 0, which waits for nothing: two lane prompts sharing ranks cannot
         hold each other's ranks in a cycle of waits."""
         lane = self.lanes.get(chunk.request_id)
-        if lane is None or chunk.index == 0:
+        if lane is None:
             return True
-        g, me = len(lane.ranks), self.comm.rank
-        for k in range(chunk.index - 1, -1, -1):
-            if lane.ranks[k % g] == me:
-                return True  # this rank ran chunk k (and so every chunk before it had started)
-            if self.comm.signal_fetch(self.buf.sig, self.buf.index(lane.slot, 0, k)) != lane.seq:
-                return False
-        return True
+        return chunk_may_start(chunk.index, lane.ranks, self.comm.rank, lambda k: self.comm.signal_fetch(
+            self.buf.sig, self.buf.index(lane.slot, 0, k)) == lane.seq)
 
     def before(self, chunk, cache, layer: int):
         """Generator, before the attention stage of ``layer`` of a lane chunk: wait for (yielding

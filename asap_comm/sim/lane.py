@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 
-from ..serving.lane import lane_slots
+from ..serving.lane import chunk_may_start, lane_slots
 from ..serving.policies import split_prompt
 from .simulate_common import _pairs, _validate
 
@@ -65,33 +65,30 @@ _ADMISSION = ["runtime"]
 
 
 @contextlib.contextmanager
-def design(name: str):
-    """Within the block, simulated lanes use design ``name`` (``"pipe"``: the sequence-pipelined lane;
-    ``"cp"``: context parallelism across attention groups). For the design study; the runtime has ``"pipe"``."""
-    if name not in DESIGNS:
-        raise ValueError(f"lane.design: {name!r} is not one of {DESIGNS}")
-    old = _DESIGN[0]
-    _DESIGN[0] = name
+def _switched(cell: list, name: str, allowed: tuple, who: str):
+    """Within the block, the study knob ``cell`` holds ``name`` (one of ``allowed``; ``who`` names the caller)."""
+    if name not in allowed:
+        raise ValueError(f"lane.{who}: {name!r} is not one of {allowed}")
+    old = cell[0]
+    cell[0] = name
     try:
         yield
     finally:
-        _DESIGN[0] = old
+        cell[0] = old
 
 
-@contextlib.contextmanager
+def design(name: str):
+    """Within the block, simulated lanes use design ``name`` (``"pipe"``: the sequence-pipelined lane;
+    ``"cp"``: context parallelism across attention groups). For the design study; the runtime has ``"pipe"``."""
+    return _switched(_DESIGN, name, DESIGNS, "design")
+
+
 def admission(name: str):
     """Within the block, simulated sequence-pipelined lanes admit prompts by rule ``name``: ``"runtime"`` (the
     default; the runtime's front end, ``serving.lane.FrontLane``) or ``"exclusive"`` (the simulator's rule before
     2026-12-02: groups idle enough, one lane per group, lane chunks first). For studies; the runtime has
     ``"runtime"``."""
-    if name not in ADMISSIONS:
-        raise ValueError(f"lane.admission: {name!r} is not one of {ADMISSIONS}")
-    old = _ADMISSION[0]
-    _ADMISSION[0] = name
-    try:
-        yield
-    finally:
-        _ADMISSION[0] = old
+    return _switched(_ADMISSION, name, ADMISSIONS, "admission")
 
 
 def kv_put_s(cost, shapes, tokens: int, fanout: int) -> float:
@@ -266,14 +263,7 @@ class Lane:
 
         def ready(chunk) -> bool:
             req = self.live.get(chunk.request_id)
-            if req is None or chunk.index == 0:
-                return True
-            for k in range(chunk.index - 1, -1, -1):
-                if req.chunk_rank(k) == rank:
-                    return True
-                if not req.ready[0][k]:
-                    return False
-            return True
+            return req is None or chunk_may_start(chunk.index, req.ranks, rank, lambda k: req.ready[0][k])
         return ready
 
     def takes(self, batch: list) -> bool:
