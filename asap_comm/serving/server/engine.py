@@ -290,7 +290,9 @@ class Engine:
 
     def workers(self) -> list:
         """Each worker's ``pe``, ``role``, ``pid``, ``state`` and ``heartbeat_age_s`` (``/health``)."""
-        self.beats.observe()  # the engine looks every 20 ms, but it may itself have been stalled
+        # The engine looks every 20 ms, but it may itself have been stalled, and /health may answer between two
+        # looks: look now, and log a stall or a recovery before /health reports it, so the two always agree.
+        self._watch_heartbeats()
         rows, ages = self.stats.rows(), self.beats.ages()
         out = []
         for pe in range(self.comm.world_size - 1):
