@@ -284,6 +284,7 @@ def emulated(args, base, mode: str, stats_dir=None):
 def memory_table(args) -> dict:
     """The emulated deployment's per-die memory (asap_comm.sim.memory), both modes, in emulated tokens."""
     from asap_comm.sim.costs import Profile
+    from asap_comm.sim.emulate import rows_per_real_row
     from asap_comm.sim.memory import deployment_memory, with_weights
     from asap_comm.sim.shapes import ModelShapes
 
@@ -291,11 +292,16 @@ def memory_table(args) -> dict:
         args.token_scale
     kw = dict(token_budget=args.token_budget * S, chunk_len=None if args.no_load_aware else args.chunk_len * S,
               max_prompt_len=args.max_prompt_len * S)
+    # an expert die computes one gathered batch at a time: the runtime's --expert-token-budget rows, in emulated rows
+    # per die as simulate_emulated scales them (without --no-expert-batching; with it, one arrival at a time)
+    E_dies = args.expert_ranks * args.expert_dies
+    real = ModelShapes.from_hf_config(StageFactory(args.model, args.seed).describe()["hf_config"], name="served")
+    ex_budget = max(1, int(round(args.expert_token_budget * rows_per_real_row(real, shapes, S, E_dies))))
     return {"profile": prof.name, "weight_bytes": prof.dtype["weight_bytes"],
             "async": deployment_memory("async", prof, shapes, attention_ranks=args.attention_ranks,
                                        attention_tp=args.attention_tp,
-                                       expert_ranks=args.expert_ranks * args.expert_dies,
-                                       ping_pong=not args.no_ping_pong,
+                                       expert_ranks=E_dies, ping_pong=not args.no_ping_pong,
+                                       expert_token_budget=None if args.no_expert_batching else ex_budget,
                                        long_prompt_lane=not args.no_long_prompt_lane and not args.no_load_aware, **kw),
             "sync": deployment_memory("sync", prof, shapes, sync_ranks=sync_workers(args), sync_tp=args.sync_tp, **kw)}
 
@@ -456,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply a trace file's prompt lengths by this (to size a real trace for CPUs)")
     p.add_argument("--token-budget", type=int, default=256, help="tokens per attention micro-batch")
+    p.add_argument("--expert-token-budget", type=int, default=RuntimeConfig.expert_token_budget,
+                   help="rows an expert process gathers for one layer before it computes (optimization 4; with "
+                        "--emulate the memory check sizes an expert die's activations by it, in emulated rows)")
     p.add_argument("--chunk-len", type=int, default=256,
                    help="split longer prompts into chunks of at most this many tokens (with load-aware placement)")
     p.add_argument("--slo", default="auto",
@@ -609,7 +618,8 @@ def main(argv=None) -> int:
     refs, single_process_s = references(factory, requests)
     cfg = RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
                         token_budget=args.token_budget, chunk_len=args.chunk_len,
-                        max_prompt_len=args.max_prompt_len, barrier_free=not args.no_barrier_free,
+                        max_prompt_len=args.max_prompt_len, expert_token_budget=args.expert_token_budget,
+                        barrier_free=not args.no_barrier_free,
                         ping_pong=not args.no_ping_pong, load_aware=not args.no_load_aware,
                         expert_batching=not args.no_expert_batching, progress=True,
                         long_prompt_lane=not args.no_long_prompt_lane, token_balanced=not args.no_token_balanced,

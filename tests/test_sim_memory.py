@@ -213,6 +213,40 @@ def test_example_emulated_default_is_feasible_and_an_infeasible_one_is_refused(t
     assert r.returncode == 2 and len(lines) == 1 and "memory" in lines[0] and "expert die" in lines[0], r.stderr
 
 
+def test_example_sizes_an_expert_die_by_the_runtimes_expert_batch():
+    """An expert process computes one gathered layer batch at a time (--expert-token-budget rows, in emulated rows as
+    simulate_emulated scales them), not every in-flight row at once: the headline's best 64-die split fits so, and
+    is refused when expert batching is off (every arrival computed as it comes: the in-flight bound)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import prefill
+    finally:
+        sys.path.pop(0)
+    from asap_models import StageFactory
+
+    from asap_comm.sim.emulate import rows_per_real_row
+
+    split = ["--emulate", CM, "--attention-ranks", "12", "--attention-tp", "4", "--expert-ranks", "4",
+             "--expert-dies", "4", "--sync-tp", "8", "--cp-threshold", "128", "--chunk-len", "64"]
+    args = prefill.parse_args(split)
+    assert prefill.memory_refusal(args) is None
+    expert = prefill.memory_table(args)["async"][1]
+    assert expert.role == "expert" and expert.dies == 16
+    prof, shapes = Profile.load(CM), ModelShapes.load("deepseek-v3")
+    real = ModelShapes.from_hf_config(StageFactory(args.model, args.seed).describe()["hf_config"], name="served")
+    budget = round(args.expert_token_budget * rows_per_real_row(real, shapes, args.token_scale, 16))
+    want = deployment_memory("async", prof, shapes, attention_ranks=12, attention_tp=4, expert_ranks=16,
+                             token_budget=args.token_budget * args.token_scale,
+                             chunk_len=args.chunk_len * args.token_scale,
+                             max_prompt_len=args.max_prompt_len * args.token_scale, long_prompt_lane=True,
+                             expert_token_budget=budget)[1]
+    assert expert.breakdown == pytest.approx(want.breakdown)
+    bigger = prefill.memory_table(prefill.parse_args(split + ["--expert-token-budget", "4096"]))["async"][1]
+    assert bigger.breakdown["activations"] > expert.breakdown["activations"]
+    line = prefill.memory_refusal(prefill.parse_args(split + ["--no-expert-batching"]))
+    assert line is not None and "memory" in line and "expert die" in line, line
+
+
 def test_simulate_emulated_runs_the_dies_an_expert_rank_stands_for():
     from asap_models import StageFactory
 
