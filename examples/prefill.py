@@ -162,6 +162,7 @@ EMULATE_DEFAULTS = {"model": "tiny", "attention_ranks": 2, "attention_tp": 8, "e
 SWEEP_AUTO_BISECTIONS = 3  # --sweep auto: bisection steps after the doubling phase
 SWEEP_PROBE_S = 45.0  # --sweep auto: a probe's arrivals span at most this many seconds ...
 SWEEP_MIN_REQUESTS = 60  # ... but hold at least this many requests
+SWEEP_MAX_PROBE_S = 300.0  # --sweep auto halves no lower than a rate whose probe's arrivals span this long
 SLO_BASIS = "sync"  # the mode whose unloaded TTFT the automatic SLO is based on
 CALIBRATION_REQUESTS = 5  # per mode; the first is a warm-up of the fresh processes and is not counted
 
@@ -383,11 +384,19 @@ def emulation_stats(stats_dir) -> dict:
     return o
 
 
-def sweep_auto(run_at, start_rate: float, bisections: int = SWEEP_AUTO_BISECTIONS, target: float = 0.9) -> None:
+def sweep_floor(num_requests: int) -> float:
+    """--sweep auto's lowest rate: below it a probe (``probe_requests``) spans more than SWEEP_MAX_PROBE_S."""
+    return min(num_requests, SWEEP_MIN_REQUESTS) / SWEEP_MAX_PROBE_S
+
+
+def sweep_auto(run_at, start_rate: float, bisections: int = SWEEP_AUTO_BISECTIONS, target: float = 0.9,
+               min_rate: float = 0.0) -> "float | None":
     """Search the SLO-compliant rate without a hand-picked list (``asap_comm.sim.study.search_rate``): from
-    ``start_rate``, double (or halve) until the SLO attainment crosses ``target``, then bisect (geometrically)
-    ``bisections`` times. ``run_at(rate) -> slo_attainment`` runs (and records) one load."""
-    study.search_rate(run_at, start_rate, bisections=bisections, target=target)
+    ``start_rate``, double (or halve, not below ``min_rate``) until the SLO attainment crosses ``target``, then
+    bisect (geometrically) ``bisections`` times. ``run_at(rate) -> slo_attainment`` runs (and records) one load.
+    Returns the lowest rate run when none met the target (the search stopped there), else None."""
+    seen = study.search_rate(run_at, start_rate, bisections=bisections, target=target, min_rate=min_rate)
+    return None if any(a >= target for a in seen.values()) else min(seen)
 
 
 def probe_requests(requests: list, rate: float) -> list:
@@ -702,7 +711,12 @@ def main(argv=None) -> int:
             unloaded = slo_info["unloaded_ttft_s"].get(mode) or slo / SLO_MULTIPLIER
             start = sweep_start(workers, unloaded, mean_len, slo_info["p90_prompt_tokens"])
             print(f"{mode}: searching the SLO-compliant rate from {start:.3g} req/s ...", file=sys.stderr, flush=True)
-            sweep_auto(lambda r, m=mode: run_at(m, r), start)
+            floor = sweep_floor(len(requests))
+            lowest = sweep_auto(lambda r, m=mode: run_at(m, r), max(start, floor), min_rate=floor)
+            if lowest is not None:
+                summary[mode]["sweep_lowest_failing_req_s"] = lowest
+                print(f"{mode}: no load met the SLO down to {lowest:.3g} req/s; lower rates are not probed (a probe "
+                      f"there spans over {SWEEP_MAX_PROBE_S:g} s)", file=sys.stderr, flush=True)
     else:
         for rate in rates:
             for mode in modes:

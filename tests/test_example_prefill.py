@@ -151,3 +151,30 @@ def test_parse_args_fills_the_emulate_defaults_of_absent_flags_only():
     with pytest.raises(SystemExit) as e:
         afd_window.main(["--cp-threshold", "-1"])
     assert e.value.code == 2
+
+
+def test_sweep_auto_halves_no_lower_than_its_floor_and_says_where_it_stopped():
+    """--sweep auto on a mode that meets the SLO at no load: halving stops at the rate whose probe would span more
+    than SWEEP_MAX_PROBE_S (before: 8 halvings, the last probes minutes each); the search reports that rate."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import prefill
+    finally:
+        sys.path.pop(0)
+    from asap_comm.sim.study import search_rate
+
+    floor = prefill.sweep_floor(240)
+    assert floor == pytest.approx(prefill.SWEEP_MIN_REQUESTS / prefill.SWEEP_MAX_PROBE_S)
+    assert prefill.sweep_floor(20) == pytest.approx(20 / prefill.SWEEP_MAX_PROBE_S)  # a shorter load: shorter probes
+    ran = []
+    lowest = prefill.sweep_auto(lambda r: ran.append(r) or 0.5, 8.0, min_rate=floor)
+    assert ran == [8.0 / 2 ** k for k in range(len(ran))] and min(ran) >= floor > min(ran) / 2
+    assert lowest == min(ran) and len(ran) < 9  # the floor, not the 8 halvings, ended it
+    # a mode that meets the SLO below the start: the floor does not stop it, and the search bisects as before
+    ran.clear()
+    assert prefill.sweep_auto(lambda r: ran.append(r) or (0.95 if r <= 1.0 else 0.5), 8.0, min_rate=floor) is None
+    assert 1.0 in ran and len(ran) == 4 + prefill.SWEEP_AUTO_BISECTIONS
+    # without a floor: the 8 halvings of before
+    assert len(search_rate(lambda r: 0.0, 8.0)) == 9
+    with pytest.raises(ValueError, match="min_rate"):
+        search_rate(lambda r: 1.0, 8.0, min_rate=-1)

@@ -340,12 +340,16 @@ def search_best(candidates, trace, cost, shapes, slo: float, *, start_rate: floa
 
 # ----------------------------------------------------------------------------- a load search over any runner
 def search_rate(attainment_at, start_rate: float, *, bisections: int = 3, target: float = 0.9,
-                steps: int = 8) -> dict:
+                steps: int = 8, min_rate: float = 0.0) -> dict:
     """Search the SLO-compliant rate of any runner (measured runs: ``examples/prefill.py --sweep auto``): from
     ``start_rate``, double (or halve) until the SLO attainment crosses ``target`` (at most ``steps`` times), then
     bisect (geometrically) ``bisections`` times. ``attainment_at(rate) -> slo_attainment`` runs (and records)
-    one load; each rate runs once. Returns ``{rate: attainment}`` of every rate run; when nothing met the
-    target, even ``2**steps`` below the start, no bisection runs."""
+    one load; each rate runs once. ``min_rate``: halving stops before a rate below it (a measured run there
+    takes too long). Returns ``{rate: attainment}`` of every rate run; when nothing met the target, even
+    ``2**steps`` below the start or down to ``min_rate``, no bisection runs."""
+    if not (isinstance(start_rate, (int, float)) and start_rate > 0) or not (
+            isinstance(min_rate, (int, float)) and min_rate >= 0):
+        raise ValueError(f"search_rate: start_rate={start_rate!r} must be > 0 and min_rate={min_rate!r} >= 0")
     seen: dict = {}
 
     def ok(rate: float) -> bool:
@@ -362,6 +366,8 @@ def search_rate(attainment_at, start_rate: float, *, bisections: int = 3, target
         lo, hi = r, r * 2
     else:
         for _ in range(steps):
+            if r / 2 < min_rate:
+                break
             r /= 2
             if ok(r):
                 break
