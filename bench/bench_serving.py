@@ -4,7 +4,7 @@ Usage::
 
     python bench/bench_serving.py [--rates 6,8,10,12,14,16,18] [--num-requests 40] [--out bench/results]
     python bench/bench_serving.py --emulate ascend-910c-cm384 --rates auto --num-requests 240
-        # the ablation on emulated accelerators, the example's --emulate deployment (about 40 minutes)
+        # the ablation on emulated accelerators, the example's --emulate deployment (about 45 minutes)
     python bench/bench_serving.py --emulate ascend-910c-cm384 --rates 3.5 --slo 3.9 --num-requests 240
         # every variant at one load and a fixed SLO (about 9 minutes)
 
@@ -15,7 +15,11 @@ swept over request rates for each variant, in this order, in one run:
 
 * ``sync``: the synchronous baseline (``run_sync``);
 * ``async``: ASAP with all four optimizations;
-* ``async -barrier_free`` ... ``async -expert_batching``: one optimization off.
+* ``async -barrier_free`` ... ``async -expert_batching``: one optimization off;
+* ``async -long_prompt_lane``: the long-prompt lane off.
+
+The deployment, load and defaults are the example's for the same flags (``prefill.parse_args``; with
+``--emulate`` its memory check, emulated placer weight and lane threshold too).
 
 Per variant: the SLO-compliant throughput (highest offered load, prompt
 tokens/s, at which >= 90% of requests meet the TTFT SLO; the SLO is the
@@ -44,10 +48,30 @@ from asap_comm.serving import slo_compliant_throughput, summarize_run  # noqa: E
 from asap_comm.serving.runtime import RuntimeConfig  # noqa: E402
 
 VARIANTS = [("sync", "sync", {}), ("async", "async", {})] + [
-    (f"async -{opt}", "async", {opt: False}) for opt in ("barrier_free", "ping_pong", "load_aware", "expert_batching")]
+    (f"async -{opt}", "async", {opt: False})
+    for opt in ("barrier_free", "ping_pong", "load_aware", "expert_batching", "long_prompt_lane")]
 
 
-def main(argv=None) -> int:
+def example_args(args) -> argparse.Namespace:
+    """The example's own arguments (``prefill.parse_args``) for this benchmark's flags: the same deployment, load
+    and defaults as ``examples/prefill.py`` given those flags (with ``--emulate``, its EMULATE_DEFAULTS: tiny model,
+    Mooncake trace, afd-plugin's 32 dies), so every flag the example adds reaches the benchmark too."""
+    argv = ["--num-requests", str(args.num_requests), "--slo", str(args.slo)]
+    if not args.emulate or args.model != "small":  # with --emulate the example's model (tiny) unless one is given
+        argv += ["--model", args.model]
+    given = [("--attention-ranks", args.attention_ranks), ("--expert-ranks", args.expert_ranks)]
+    if args.emulate:
+        argv += ["--emulate", args.emulate, "--emulate-model", args.emulate_model, "--time-scale",
+                 repr(args.time_scale), "--token-scale", str(args.token_scale)]
+        given += [("--attention-tp", args.attention_tp), ("--sync-tp", args.sync_tp),
+                  ("--cp-threshold", args.cp_threshold)]
+    for flag, value in given:
+        if value is not None:
+            argv += [flag, str(value)]
+    return prefill.parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="small")
     p.add_argument("--rates", default="6,8,10,12,14,16,18", help="request rates (req/s) of the sweep")
@@ -75,45 +99,46 @@ def main(argv=None) -> int:
     p.add_argument("--cp-threshold", type=int, default=None,
                    help=f"with --emulate: the baseline's context parallelism above this many served tokens "
                         f"(default {d['cp_threshold']}; 0: off)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
+    eargs = example_args(args)
     if args.emulate:
-        d = prefill.EMULATE_DEFAULTS
-        eargs = argparse.Namespace(model="tiny", seed=0, attention_ranks=args.attention_ranks or d["attention_ranks"],
-                                   expert_ranks=args.expert_ranks or d["expert_ranks"], trace="mooncake", rate=3.0,
-                                   num_requests=args.num_requests, burstiness=2.0, median_len=48, max_prompt_len=512,
-                                   length_scale=1.0, token_budget=128, chunk_len=128, emulate=args.emulate,
-                                   emulate_model=args.emulate_model, time_scale=args.time_scale,
-                                   token_scale=args.token_scale, attention_tp=args.attention_tp or d["attention_tp"],
-                                   sync_tp=args.sync_tp or d["sync_tp"], sync_ranks=None, sync_collectives="shm",
-                                   slo=args.slo, cp_threshold=d["cp_threshold"] if args.cp_threshold is None
-                                   else args.cp_threshold)
-        prefill.apply_emulate_defaults(eargs, set(vars(eargs)) - {"trace", "length_scale"})
-        if args.model != "small":
-            eargs.model = args.model
-    else:
-        eargs = argparse.Namespace(model=args.model, seed=0, attention_ranks=args.attention_ranks or 2,
-                                   expert_ranks=args.expert_ranks or 2, trace="synthetic", rate=3.0,
-                                   num_requests=args.num_requests, burstiness=2.0, median_len=48, max_prompt_len=512,
-                                   token_budget=256, chunk_len=256, emulate=None, sync_ranks=None, sync_tp=1,
-                                   attention_tp=1, sync_collectives="gloo", slo=args.slo)
-    factory = prefill.StageFactory(eargs.model, 0)
-    mcfg = factory.config()
-    info = prefill.model_info(mcfg)
-    requests = prefill.make_requests(eargs, mcfg.vocab_size)
+        line = prefill.memory_refusal(eargs)  # the example's check: a deployment the emulated dies cannot hold
+        if line is not None:
+            print(line.replace("prefill.py", "bench_serving.py", 1), file=sys.stderr)
+            return 2
+    try:  # as the example: a bad trace line, an unknown preset, a missing file, a load that cannot be scaled
+        factory = prefill.StageFactory(eargs.model, 0)
+        mcfg = factory.config()
+        info = prefill.model_info(mcfg)
+        requests = prefill.make_requests(eargs, mcfg.vocab_size)
+    except (prefill.TraceError, ValueError, OSError) as e:
+        print(f"bench_serving.py: {e}", file=sys.stderr)
+        return 2
     refs, single_process_s = prefill.references(factory, requests)
     mean_len = sum(int(r.token_ids.numel()) for r in requests) / len(requests)
     auto_rates = args.rates.strip() == "auto"
     rates = [] if auto_rates else [float(x) for x in args.rates.split(",") if x]
     base = RuntimeConfig(num_attention_ranks=eargs.attention_ranks, num_expert_ranks=eargs.expert_ranks,
                          token_budget=eargs.token_budget, chunk_len=eargs.chunk_len,
-                         max_prompt_len=eargs.max_prompt_len, sync_collectives=eargs.sync_collectives)
+                         max_prompt_len=eargs.max_prompt_len, expert_token_budget=eargs.expert_token_budget,
+                         sync_collectives=eargs.sync_collectives)
     cfgs = {m: prefill.mode_config(base, m, eargs) for m in ("async", "sync")}
     if args.emulate:
         single_process_s = max(single_process_s, prefill._emulated_p90_s(eargs, factory, requests))
+        # as the example: the placer weighs work as the emulated device does
+        cfgs = {m: dataclasses.replace(c, placer_linear_weight=prefill.emulated(eargs, factory, m)
+                                       .placer_linear_weight()) for m, c in cfgs.items()}
     slo_info = prefill.resolve_slo(eargs, {m: prefill.emulated(eargs, factory, m) for m in ("async", "sync")}, info,
                                    cfgs, requests, single_process_s, ["sync"])
     slo = slo_info["ttft_s"]
+    # as the example: the long-prompt lane's threshold (with --emulate, the simulator's predicted TTFT against the SLO)
+    cfgs["async"] = dataclasses.replace(cfgs["async"], lane_threshold=prefill.lane_threshold(eargs, factory,
+                                                                                             cfgs["async"], slo))
     print(prefill.describe_slo(slo_info), file=sys.stderr, flush=True)
     chosen = [v for v in VARIANTS if not args.variants or v[0] in args.variants.split(",")]
     print(f"{len(requests)} requests, mean prompt {mean_len:.0f} tokens, SLO {slo:.3f} s, rates {rates}",

@@ -178,3 +178,44 @@ def test_sweep_auto_halves_no_lower_than_its_floor_and_says_where_it_stopped():
     assert len(search_rate(lambda r: 0.0, 8.0)) == 9
     with pytest.raises(ValueError, match="min_rate"):
         search_rate(lambda r: 1.0, 8.0, min_rate=-1)
+
+
+def test_bench_serving_takes_the_examples_arguments_and_memory_check(tmp_path):
+    """bench/bench_serving.py builds its deployment with the example's own parser (before: a hand-built namespace
+    that lacked flags the example added later, such as --routing, so --emulate failed with an AttributeError):
+    the emulated defaults are the example's, every attribute the example's helpers read is there, and a deployment
+    the emulated dies cannot hold exits 2 with one line naming memory."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_serving
+        import prefill
+    finally:
+        del sys.path[:2]
+    from asap_models import StageFactory
+
+    def bench_args(*argv):
+        return bench_serving.build_parser().parse_args(list(argv))
+
+    e = bench_serving.example_args(bench_args("--emulate", "ascend-910c-cm384", "--num-requests", "240",
+                                              "--attention-tp", "4"))
+    want = prefill.parse_args(["--emulate", "ascend-910c-cm384", "--num-requests", "240", "--attention-tp", "4",
+                               "--time-scale", repr(prefill.DEFAULT_TIME_SCALE)])
+    assert vars(e) == vars(want) and e.model == "tiny" and e.routing == "balanced"
+    assert prefill.memory_refusal(e) is None
+    for mode in ("async", "sync"):  # the call that raised AttributeError on the hand-built namespace
+        assert prefill.emulated(e, StageFactory(e.model, 0), mode).describe_emulation()["profile"]
+    plain = bench_serving.example_args(bench_args("--model", "tiny", "--attention-ranks", "3"))
+    assert vars(plain) == vars(prefill.parse_args(["--num-requests", "40", "--slo", "auto", "--model", "tiny",
+                                                   "--attention-ranks", "3"]))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_serving.py"), "--emulate", "ascend-910c-cm384",
+                        "--attention-tp", "1", "--expert-ranks", "1", "--out", str(tmp_path)], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "memory" in lines[0] and "bench_serving.py" in lines[0], r.stderr
+    # a load the example refuses with one line (8 Mooncake requests share one timestamp: no rate to scale to)
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_serving.py"), "--emulate", "ascend-910c-cm384",
+                        "--num-requests", "8", "--rates", "1", "--out", str(tmp_path)], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "arrive at once" in lines[0], r.stderr
