@@ -257,24 +257,29 @@ def test_headline_searches_asap_as_broadly_as_the_baseline():
 
     # the defaults of `headline`
     syncs = sync_grid(64, [1, 2, 4, 8], [None, 16384, 32768], [4096, 8192, 16384], 128, [True], [16384])
-    asyncs = async_grid(64, [16, 32], [1, 2, 4, 8], [8192, 16384], 128, [16384], [0.0005, 0.002], [16384, 32768])
-    assert len(syncs) == 60 and len(asyncs) == 96
+    asyncs = async_grid(64, [16, 32], [1, 2, 4, 8], [4096, 8192, 16384], 128, [16384], [0.0005, 0.002],
+                        [16384, 32768])
+    assert len(syncs) == 60 and len(asyncs) == 160
     labels = [d.label for d in asyncs]
     assert len(set(labels)) == len(labels)  # every searched dimension shows in the label
     assert {d.cfg.expert_deadline_s for d in asyncs} == {0.0005, 0.002}
     assert {d.cfg.expert_token_budget for d in asyncs} == {16384, 32768}
-    assert {(d.cfg.chunk_len, d.cfg.token_budget) for d in asyncs} == {(8192, 8192), (8192, 16384), (16384, 16384)}
+    assert {(d.cfg.chunk_len, d.cfg.token_budget) for d in asyncs} == {
+        (4096, 4096), (4096, 16384), (8192, 8192), (8192, 16384), (16384, 16384)}
+    # both sides search the same chunk sizes
+    assert {d.cfg.chunk_len for d in asyncs} == {d.cfg.chunk_len for d in syncs}
     assert all(d.devices == 64 for d in asyncs + syncs)
-    grid = {"experts": [16, 32], "attention_tp": [1, 2, 4, 8], "chunk": [8192, 16384], "budget": [16384],
+    grid = {"experts": [16, 32], "attention_tp": [1, 2, 4, 8], "chunk": [4096, 8192, 16384], "budget": [16384],
             "expert_deadline": [0.0005, 0.002], "expert_budget": [16384, 32768], "sync_tp": [1, 2, 4, 8],
             "cp": [None, 16384, 32768], "sync_chunk": [4096, 8192, 16384], "sync_budget": [16384], "overlap": [True]}
     b = search_breadth(syncs, asyncs, grid)
-    assert (b["async"], b["sync"]) == (96, 60) and b["async_dimensions"]["expert_deadline"] == [0.0005, 0.002]
+    assert (b["async"], b["sync"]) == (160, 60) and b["async_dimensions"]["expert_deadline"] == [0.0005, 0.002]
 
 
 def test_headline_rejects_bad_search_values(tmp_path, capsys):
     for bad, msg in ((["--expert-deadline", "-1"], "--expert-deadline"), (["--expert-token-budget", "0"],
                                                                           "--expert-token-budget"),
-                     (["--token-budget", "x"], "--token-budget")):
+                     (["--token-budget", "x"], "--token-budget"),
+                     (["--num-requests-sensitivity", "-1"], "--num-requests-sensitivity")):
         rc, _, err = _cli(["headline", "--out", str(tmp_path), *bad], capsys)
         assert rc == 2 and msg in err, (bad, err)

@@ -160,6 +160,13 @@ def test_cli_headline_quick(tmp_path):
     assert len(prof["skew_sensitivity"]) == 2 and len(prof["load_sensitivity"]) == 2
     assert prof["cap_sensitivity"][0]["max_prompt_tokens"] == 8192 and len(prof["split_sensitivity"]) == 2
     assert s["slo_compliant_throughput_ratio"] == prof["slo_compliant_throughput_ratio"]
+    # --num-requests-sensitivity 0 leaves the clipped and skewed traces out (hundreds of devices need long windows)
+    p = _run(["headline", "--out", str(tmp_path / "nosens"), "--quick", "--profiles", "h800-node",
+              "--num-requests-sensitivity", "0"])
+    assert p.returncode == 0, p.stderr
+    prof = json.loads((tmp_path / "nosens" / "summary.json").read_text())["profiles"]["h800-node"]
+    assert prof["skew_sensitivity"] == [] and prof["cap_sensitivity"] == [] and len(prof["load_sensitivity"]) == 2
+    assert not (tmp_path / "nosens" / "ratio_vs_skew_h800-node.png").exists() and "length skew" not in p.stdout
 
 
 @pytest.mark.slow

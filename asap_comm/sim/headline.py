@@ -18,7 +18,9 @@ The documented comparison (docs/design.md, "asap_comm.sim"; issue 6, best-vs-bes
 * **ASAP, searched** (as broadly as the baseline: ``search_breadth`` in the
   summary has both counts): ``E`` expert devices (``--expert-ranks``: 16, 32) and
   ``(devices - E) / T`` attention groups of ``T`` devices (``--attention-tp``:
-  1, 2, 4, 8), chunk size (``--chunk-len``: 8k, 16k) with a micro-batch budget
+  1, 2, 4, 8), chunk size (``--chunk-len``: 4k, 8k, 16k, the baseline's sizes; the chunk is the
+  long-prompt lane's wavefront step, so 4k chunks shorten long prompts on many groups: at 384 dies, 44 x TP8
+  + 32, a 126k prompt's unloaded TTFT is 3.5 s with 4k chunks and 5.9 s with 8k) with a micro-batch budget
   equal to it or ``--token-budget`` (16k), the expert ranks' batching deadline
   (``--expert-deadline``: 0.5, 2 ms) and row budget (``--expert-token-budget``:
   16384, 32768). Why at least 16 expert devices:
@@ -300,10 +302,12 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
         print(f"[{tag}] length sigma {sigma}: ratio {_fmt(row['ratio'])}", file=sys.stderr, flush=True)
     title = f"{tag}, {shapes.name}, {trace_desc}\n{best_a.label} vs {best_s.label}"
     made = plots.ttft_vs_load(out / f"ttft_{tag}.png", res["runs"], slo_s, title=title)
-    made += plots.ratio_plot(out / f"ratio_vs_skew_{tag}.png",
-                             {"SLO-compliant throughput": [(r["sigma"], r["ratio"]) for r in res["skew_sensitivity"]]},
-                             "log-normal sigma of prompt lengths (equal mean)", f"{tag}: best ASAP / best baseline",
-                             target=1.9)
+    if res["skew_sensitivity"]:
+        made += plots.ratio_plot(out / f"ratio_vs_skew_{tag}.png",
+                                 {"SLO-compliant throughput": [(r["sigma"], r["ratio"])
+                                                               for r in res["skew_sensitivity"]]},
+                                 "log-normal sigma of prompt lengths (equal mean)",
+                                 f"{tag}: best ASAP / best baseline", target=1.9)
     made += plots.ratio_plot(out / f"ratio_vs_load_{tag}.png",
                              {"TTFT p90 (baseline / ASAP)": [(r["load_fraction_of_baseline_slo_rate"],
                                                               r["ttft_p90_ratio_sync_over_async"])
@@ -369,7 +373,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-requests-search", type=int, default=400,
                    help="requests of the coarse search over the grid (the first ones of the same trace)")
     p.add_argument("--num-requests-sensitivity", type=int, default=600,
-                   help="requests of each clipped and skewed trace")
+                   help="requests of each clipped and skewed trace (0: leave those sensitivities out, e.g. at "
+                        "hundreds of devices, where each needs thousands of requests to be a sustained load)")
     p.add_argument("--confirm-top", type=int, default=2,
                    help="the best configurations of each mode confirmed on the full --num-requests")
     p.add_argument("--devices", type=int, default=64, help="devices of either deployment (same hardware)")
@@ -382,8 +387,9 @@ def main(argv=None) -> int:
                    help="baseline: devices per DP group (tensor parallelism) searched; devices / T groups")
     p.add_argument("--cp-threshold", default="none,16384,32768", metavar="TOKENS[,TOKENS...]",
                    help="baseline: context-parallelism thresholds searched (none: no CP)")
-    p.add_argument("--chunk-len", default="8192,16384", metavar="TOKENS[,TOKENS...]",
-                   help="ASAP: chunk sizes searched (micro-batch budget 16384 tokens)")
+    p.add_argument("--chunk-len", default="4096,8192,16384", metavar="TOKENS[,TOKENS...]",
+                   help="ASAP: chunk sizes searched (the baseline's; micro-batch budget 16384 tokens); the chunk is "
+                        "the long-prompt lane's wavefront step")
     p.add_argument("--token-budget", default="16384", metavar="TOKENS[,TOKENS...]",
                    help="ASAP: micro-batch token budgets searched, with each chunk size (a budget smaller than the "
                         "chunk is skipped; the chunk size itself is always tried)")
@@ -446,12 +452,17 @@ def main(argv=None) -> int:
     sigmas = (0.0, 0.5, 1.0, 1.5)
     loads = (0.25, 0.5, 0.75, 1.0, 1.25)
     caps = (32768, 8192)
+    if n_side < 0 or n < 1 or n_search < 1:
+        p.error(f"--num-requests {n} and --num-requests-search {args.num_requests_search} must be >= 1 and "
+                f"--num-requests-sensitivity {n_side} >= 0")
     if args.quick:  # a smaller deployment, so that a few hundred requests still make a sustained load
-        n, n_search, n_side = 200, 120, 120
+        n, n_search, n_side = 200, 120, 120 if n_side else 0
         sigmas, loads, caps = (0.0, 1.0), (0.5, 1.0), (8192,)
         grid = {"devices": 8, "experts": [2, 4], "attention_tp": [1, 2], "sync_tp": [1, 2], "cp": [None, 16384],
                 "chunk": [16384], "sync_chunk": [16384], "sync_budget": [16384], "overlap": [False],
                 "budget": [16384], "expert_deadline": [0.001], "expert_budget": [32768]}
+    if n_side == 0:  # the clipped and skewed traces left out (recorded: num_requests_sensitivity 0)
+        sigmas, caps = (), ()
     try:
         factors = [float(x) for x in args.slo_factors.split(",") if x.strip()]
         assert factors and all(f > 0 and math.isfinite(f) for f in factors)
@@ -503,8 +514,9 @@ def main(argv=None) -> int:
                   f"{_tok(x['async'], x['async_saturated'])}, baseline {x['sync_label']} "
                   f"{_tok(x['sync'], x['sync_saturated'])}, "
                   f"ratio {_fmt(x['ratio'], {'async': x['async_saturated'], 'sync': x['sync_saturated']})}")
-        print("    length skew (sigma: ratio): " + ", ".join(f"{x['sigma']:g}: {_fmt(x['ratio'])}"
-                                                         for x in r["skew_sensitivity"]))
+        if r["skew_sensitivity"]:
+            print("    length skew (sigma: ratio): " + ", ".join(f"{x['sigma']:g}: {_fmt(x['ratio'])}"
+                                                             for x in r["skew_sensitivity"]))
         for x in r["split_sensitivity"]:
             print(f"    ASAP split, {x['label']}: {_tok(x['async'], True)}, ratio {_fmt(x['ratio'])} ({x['note']})")
     print(f"artifacts in {out}/ ({summary['wall_s']:.0f} s)")
