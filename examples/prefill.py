@@ -303,7 +303,8 @@ def memory_table(args) -> dict:
                                        attention_tp=args.attention_tp,
                                        expert_ranks=E_dies, ping_pong=not args.no_ping_pong,
                                        expert_token_budget=None if args.no_expert_batching else ex_budget,
-                                       long_prompt_lane=not args.no_long_prompt_lane and not args.no_load_aware, **kw),
+                                       long_prompt_lane=not args.no_long_prompt_lane and not args.no_load_aware,
+                                       lane_tokens=None if args.lane_tokens is None else args.lane_tokens * S, **kw),
             "sync": deployment_memory("sync", prof, shapes, sync_ranks=sync_workers(args), sync_tp=args.sync_tp, **kw)}
 
 
@@ -534,6 +535,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "those whose predicted TTFT alone on one attention group (the simulator's, "
                         "simulate_emulated) exceeds half the SLO, as the simulator's lane decides; without "
                         "--emulate, any prompt of 2+ chunks")
+    p.add_argument("--lane-tokens", type=int, default=None, metavar="TOKENS",
+                   help="the prompt tokens the long-prompt lanes in flight hold together: every attention rank's "
+                        "pool of received KV rows (the memory check charges it); a prompt that wants the lane waits "
+                        "for room (default: --max-prompt-len)")
     p.add_argument("--no-token-balanced", action="store_true",
                    help="ablation: fill an attention rank's first ping-pong micro-batch up to the budget instead of "
                         "balancing the two micro-batches' tokens")
@@ -593,6 +598,8 @@ def main(argv=None) -> int:
             parser.error(f"{', '.join(extra)} {verb} --emulate (emulated devices only)")
     if args.lane_threshold != "auto" and not (args.lane_threshold.isdigit()):
         parser.error(f"--lane-threshold {args.lane_threshold}: give a number of tokens >= 0, or auto")
+    if args.lane_tokens is not None and args.lane_tokens < 1:
+        parser.error(f"--lane-tokens {args.lane_tokens}: give a number of tokens >= 1 (the lanes' KV pool)")
     if args.routing != "balanced" and not args.emulate:
         parser.error(f"--routing {args.routing}: needs --emulate (the served model's own router picks its experts; "
                      "the routing skews the emulated model's work)")
@@ -632,7 +639,7 @@ def main(argv=None) -> int:
                         ping_pong=not args.no_ping_pong, load_aware=not args.no_load_aware,
                         expert_batching=not args.no_expert_batching, progress=True,
                         long_prompt_lane=not args.no_long_prompt_lane, token_balanced=not args.no_token_balanced,
-                        sync_collectives=args.sync_collectives)
+                        lane_tokens=args.lane_tokens, sync_collectives=args.sync_collectives)
     if args.emulate:  # calibration requests take emulated (long) times: space them by the emulated prefill time
         single_process_s = max(single_process_s, _emulated_p90_s(args, factory, requests))
     cfgs = {m: mode_config(cfg, m, args) for m in ("async", "sync")}

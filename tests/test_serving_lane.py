@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asap_comm.serving.frontend import FrontEnd
-from asap_comm.serving.lane import FrontLane, lane_active
+from asap_comm.serving.lane import FrontLane, LanePool, lane_active, lane_tokens
 from asap_comm.serving.policies import Chunk, MicroBatcher, Placer, split_prompt
 from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async
 
@@ -99,19 +99,47 @@ def test_runtime_config_lane_fields_are_checked():
     assert not lane_active(_cfg(num_attention_ranks=1), INFO)
 
 
-def test_front_lane_predicate_and_slots():
+def test_front_lane_predicate_slots_and_pool():
     fl = FrontLane(_cfg(lane_threshold=40, lane_groups=2), INFO, 3)
     assert fl.groups_for(16, 1) == 0  # one chunk
     assert fl.groups_for(40, 3) == 0  # not longer than the threshold
     assert fl.groups_for(41, 3) == 2  # lane_groups
     assert FrontLane(_cfg(), INFO, 3, enabled=False).groups_for(100, 7) == 0  # the baseline's front end
-    fl2 = FrontLane(_cfg(), INFO, 3)
+    fl2 = FrontLane(_cfg(lane_tokens=300), INFO, 3)
     assert fl2.groups_for(17, 2) == 2 and fl2.groups_for(100, 7) == 3
-    for rid in range(len(fl2.free)):  # every slot taken: the next long prompt runs the normal way
-        fl2.open(rid, 100, [0, 1, 2])
-    assert fl2.groups_for(100, 7) == 0
+    assert not fl2.wants(301, 19)  # longer than the pool: never the lane
+    fl2.open(0, 100, [0, 1, 2])
+    fl2.open(1, 128, [0, 1, 2])
+    assert fl2.pool.tokens == 228 and fl2.groups_for(72, 5) == 3 and fl2.groups_for(73, 5) == 0  # 72 rows left
     fl2.close(0)
-    assert fl2.groups_for(100, 7) == 3
+    assert fl2.groups_for(100, 7) == 3  # rows 0..99 free again
+    fl2.waiting.append((9, None, None))
+    assert fl2.groups_for(16 + 1, 2) == 0  # one waits already: first come, first served
+
+
+def test_lane_pool_first_fit_slots_and_cancelled_rows_last():
+    pool = LanePool(2, 100)
+    assert pool.open(1, 30) == (0, 0) and pool.open(2, 50) == (1, 30)
+    assert not pool.fits(10)  # no slot left although 20 rows are
+    pool.close(1)
+    assert pool.fits(30) and not pool.fits(31)  # rows 0..29 and 80..99: no run of 31
+    assert pool.open(3, 20) == (0, 0)  # first fit
+    pool.close(2, cancelled=True)  # rows 30..79 go last
+    assert pool.open(4, 20) == (1, 80)  # not into the cancelled lane's rows while others are free
+    pool.close(4)
+    pool.close(3)
+    assert pool.open(5, 70) == (0, 0)  # only by reusing them
+    with pytest.raises(RuntimeError, match="no room for a lane of 40"):
+        pool.open(6, 40)
+    assert pool.close(6) is False and pool.tokens == 70
+
+
+def test_runtime_config_lane_tokens_is_checked():
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(ValueError, match="lane_tokens="):
+            RuntimeConfig(lane_tokens=bad)
+    assert lane_tokens(_cfg()) == 128 and lane_tokens(_cfg(lane_tokens=500)) == 500
+    assert not lane_active(_cfg(lane_tokens=16), INFO)  # a pool of one chunk holds no lane
 
 
 # ----------------------------------------------------------------------------- the runtime
@@ -138,10 +166,28 @@ def test_lane_prompts_sharing_ranks_with_one_micro_batch_per_rank():
     # once its predecessor started, LaneRank.can_start; this load also completes without that rule, so it guards
     # the mixed load, not the rule itself)
     requests = [_prompt(i, 70 + 13 * i, 0.0) for i in range(3)]
-    result = run_async(TinyFactory(), INFO, requests, _cfg(num_attention_ranks=2, ping_pong=False, timeout_s=60))
+    result = run_async(TinyFactory(), INFO, requests, _cfg(num_attention_ranks=2, ping_pong=False, timeout_s=60,
+                                                           lane_tokens=256))  # room for all three
     assert [r.error for r in result.records] == [None] * 3
     assert check_against_reference(requests, result) == []
     assert all(len(_lane_pes(result, i)) == 2 for i in range(3))
+
+
+@pytest.mark.slow
+def test_lane_prompts_wait_for_room_in_the_kv_pool_and_keep_their_outputs():
+    # a pool of 128 rows (max_prompt_len): three lane prompts of 70-96 tokens arriving together take the lane one
+    # after another, first come first served, each once the one before has answered; short prompts are not held
+    requests = [_prompt(i, 70 + 13 * i, 0.0) for i in range(3)] + [_prompt(3, 9, 0.01), _prompt(4, 12, 0.02)]
+    result = run_async(TinyFactory(), INFO, requests, _cfg(num_attention_ranks=2, timeout_s=60))
+    assert [r.error for r in result.records] == [None] * 5
+    assert check_against_reference(requests, result) == []
+    puts = {i: [sp[3] for sp in result.spans if sp[2].startswith("lane kv") and f" req {i} " in sp[2]]
+            for i in range(3)}
+    assert all(len({sp[0] for sp in result.spans if sp[2].startswith("lane kv") and f" req {i} " in sp[2]}) == 2
+               for i in range(3))
+    assert max(puts[0]) < min(puts[1]) and max(puts[1]) < min(puts[2]), puts  # one lane at a time, in order
+    done = {r.request_id: r.ttft_s for r in result.records}
+    assert done[3] < done[2] and done[4] < done[2]  # the short ones did not wait for the lane
 
 
 @pytest.mark.slow
@@ -211,11 +257,24 @@ def test_front_end_lane_messages_reach_every_lane_rank():
     assert [len(s) for s in sent] == [3, 2, 2]  # 7 chunks round-robin over 3 ranks (all idle: 0, 1, 2)
     assert rank == 0  # chunk 6 on ranks[6 % 3]
     p = sent[1][0]
-    assert int(p[4]) < 0 and p[5:8].tolist() == [1, 100, 3] and p[8:11].tolist() == [0, 1, 2]
-    assert torch.equal(p[11:], toks[15:30])  # chunk 1: tokens 15..29 (7 balanced chunks of 14-15)
+    # seq 1, 100 tokens from pool row 0, 3 ranks, then the ranks and the chunk's tokens
+    assert int(p[4]) < 0 and p[5:9].tolist() == [1, 100, 0, 3] and p[9:12].tolist() == [0, 1, 2]
+    assert torch.equal(p[12:], toks[15:30])  # chunk 1: tokens 15..29 (7 balanced chunks of 14-15)
+    # the pool (max_prompt_len = 128 rows) has no room for a second long prompt: it waits, nothing of it sent
+    assert fe.admit(1, toks[:60]) == -1 and fe.admit(2, toks[:50]) == -1  # and the next waits behind it
+    assert fe.admit(3, toks[:10]) >= 0  # one chunk: not the lane, placed at once
+    assert sum(len(q) for q in fe.pending) == 8 and fe.queued_tokens == 220
     free = len(fe.lane.free)
     assert fe.cancel(0)
-    assert len(fe.lane.free) == free + 1 and not any(fe.pending)  # nothing was sent: no cancel message
+    assert not any(e[0] == 0 for q in fe.pending for e in q)  # its chunks were dropped (none had been sent)
+    # its rows went to the first waiting prompt (60 tokens: only by reusing them), then the second (50) beside
+    # it; each took a slot of its own (the cancelled lane's slot goes last)
+    assert len(fe.lane.free) == free + 1 - 2 and fe.lane.free[-1] == 0
+    assert fe.inflight[1].lane and fe.inflight[2].lane and not fe.lane.waiting
+    assert [fe.inflight[r].waiting for r in (1, 2)] == [False, False]
+    assert sorted((b, n) for _, b, n in fe.lane.pool.spans.values()) == [(0, 60), (60, 50)]
+    fe.admit(4, toks[:100])  # waits (18 rows free) ...
+    assert fe.inflight[4].waiting and fe.cancel(4) and 4 not in fe.inflight and not fe.lane.waiting  # ... until cancelled
     ref = random_init(CFG, seed=0)  # kv rows round trip through the model hooks
     cache = ref.new_cache()
     ref.prefill(toks[:20], cache)
@@ -254,7 +313,7 @@ class _CancelFront:
     def __call__(self, comm, cfg, info, ch, num_targets, label, role_of):
         fe = FrontEnd(comm, cfg, info, ch.box, num_targets, label)
         fe.wait_ready(ch.stats, 60)
-        out, slots = {}, []
+        out, slots, rows = {}, [], []
 
         def pump_until(pred, limit_s=60.0):
             end = time.monotonic() + limit_s
@@ -265,22 +324,25 @@ class _CancelFront:
 
         fe.admit(0, self.prompts[0])
         fe.admit(1, self.prompts[1])
-        slots.append(dict(fe.lane.slot_of))
+        slots.append({r: sp[0] for r, sp in fe.lane.pool.spans.items()})
+        rows.append({r: sp[1:] for r, sp in fe.lane.pool.spans.items()})
         pump_until(lambda: not fe.has_unsent)
         t = time.monotonic()
         pump_until(lambda: time.monotonic() - t > 0.15)  # request 0's chunks are running on both ranks
         assert fe.cancel(0)
         fe.admit(2, self.prompts[2])  # a fresh slot: the cancelled one is reused last
-        slots.append(dict(fe.lane.slot_of))
+        slots.append({r: sp[0] for r, sp in fe.lane.pool.spans.items()})
+        rows.append({r: sp[1:] for r, sp in fe.lane.pool.spans.items()})
         for rid in (3, 4):
             fe.admit(rid, self.prompts[rid])
         pump_until(lambda: all(r in out for r in (1, 2, 3, 4)))
         fe.admit(5, self.prompts[5])  # reuses request 1's or 2's slot (finished: reused first)
-        slots.append(dict(fe.lane.slot_of))
+        slots.append({r: sp[0] for r, sp in fe.lane.pool.spans.items()})
+        rows.append({r: sp[1:] for r, sp in fe.lane.pool.spans.items()})
         pump_until(lambda: 5 in out)
         pump_until(lambda: time.monotonic() - t > 0.3)  # a late result of request 0 would be dropped here
         fe.stop()
-        return out, slots
+        return out, slots, rows
 
 
 @pytest.mark.slow
@@ -290,11 +352,13 @@ def test_cancel_mid_lane_then_reuse_a_finished_slot():
 
     prompts = {0: _prompt(0, 120).token_ids, 1: _prompt(1, 90).token_ids, 2: _prompt(2, 100).token_ids,
                3: _prompt(3, 5).token_ids, 4: _prompt(4, 9).token_ids, 5: _prompt(5, 110).token_ids}
-    cfg = _cfg(num_attention_ranks=2, num_expert_ranks=1, timeout_s=90)
+    cfg = _cfg(num_attention_ranks=2, num_expert_ranks=1, timeout_s=90, lane_tokens=400)
     spec = GroupSpec("async", cfg, INFO, _SlowAttention(), _CancelFront(prompts))
     results = launch(group_main, spec.world_size, spec, timeout=120)
-    out, slots = results[-1][1]
+    out, slots, rows = results[-1][1]
     assert slots[0][0] != slots[1][2] and slots[2][5] in (slots[0][1], slots[1][2]), slots  # a finished one
+    # the pool's rows too: request 2 does not take the cancelled request 0's rows (0..119) while others are free
+    assert rows[0] == {0: (0, 120), 1: (120, 90)} and rows[1][2] == (210, 100), rows
     assert 0 not in out and sorted(out) == [1, 2, 3, 4, 5]
     reqs = [PromptRequest(r, 0.0, prompts[r]) for r in (1, 2, 3, 4, 5)]
 
@@ -314,7 +378,7 @@ def test_can_start_waits_for_the_predecessors_layer_zero():
     try:
         buf = LaneBuffers(comm, cfg, INFO)
         lr = LaneRank(comm, cfg, random_init(CFG, seed=0, experts=[]), buf, set(), [])
-        words = torch.tensor([7, 100, 3, 1, 2, 0], dtype=torch.int64)  # seq 7, 100 tokens, ranks [1, 2, 0]
+        words = torch.tensor([7, 100, 0, 3, 1, 2, 0], dtype=torch.int64)  # seq 7, 100 tokens at row 0, ranks [1, 2, 0]
         chunks = split_prompt(4, 100, 16)
         toks, stride = lr.take(chunks[2], -(1 + 3), torch.cat([words, torch.arange(14)]))
         assert stride == 3 and toks.tolist() == list(range(14)) and lr.is_lane(4)

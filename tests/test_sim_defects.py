@@ -274,12 +274,18 @@ def test_headline_searches_asap_as_broadly_as_the_baseline():
             "cp": [None, 16384, 32768], "sync_chunk": [4096, 8192, 16384], "sync_budget": [16384], "overlap": [True]}
     b = search_breadth(syncs, asyncs, grid)
     assert (b["async"], b["sync"]) == (160, 60) and b["async_dimensions"]["expert_deadline"] == [0.0005, 0.002]
+    assert b["async_dimensions"]["lane_tokens"] == [None]  # the lane's KV pool: the longest prompt by default
+    # --lane-tokens: the lane's KV pool is one more ASAP dimension, shown in the label
+    pools = async_grid(64, [16], [8], [4096], 128, [4096], [0.0005], [16384], [None, 262144])
+    assert [d.cfg.lane_tokens for d in pools] == [None, 262144] and "lane pool 262144" in pools[1].label
+    assert "lane pool" not in pools[0].label
 
 
 def test_headline_rejects_bad_search_values(tmp_path, capsys):
     for bad, msg in ((["--expert-deadline", "-1"], "--expert-deadline"), (["--expert-token-budget", "0"],
                                                                           "--expert-token-budget"),
                      (["--token-budget", "x"], "--token-budget"),
-                     (["--num-requests-sensitivity", "-1"], "--num-requests-sensitivity")):
+                     (["--num-requests-sensitivity", "-1"], "--num-requests-sensitivity"),
+                     (["--lane-tokens", "0"], "--lane-tokens")):
         rc, _, err = _cli(["headline", "--out", str(tmp_path), *bad], capsys)
         assert rc == 2 and msg in err, (bad, err)

@@ -216,11 +216,12 @@ def test_lane_study_rejects_unknown_deployments(tmp_path):
 
 
 def test_the_simulated_lane_admits_as_the_runtimes_front_end(monkeypatch):
-    """The simulator's lane takes the prompts the runtime's front end (serving.lane.FrontLane) would: every prompt of
-    two chunks or more while one of lane_slots lanes is in flight, lanes sharing groups; a slot frees when its
-    request's result arrives. Replayed against FrontLane on the simulator's own completion times."""
+    """The simulator's lane takes the prompts the runtime's front end (serving.lane.FrontLane) would, in the same
+    order: every prompt of two chunks or more that fits the lane's KV pool (lane_tokens), first come first served;
+    one opens only while a slot and pool rows are free, else it waits until a lane's result arrives; lanes share
+    groups. Replayed against FrontLane's pool on the simulator's own open and completion times."""
     from asap_comm.serving import policies
-    from asap_comm.serving.lane import FrontLane, lane_slots
+    from asap_comm.serving.lane import LanePool, lane_slots
 
     took = []
     orig = policies.Placer.place_lane
@@ -230,32 +231,36 @@ def test_the_simulated_lane_admits_as_the_runtimes_front_end(monkeypatch):
         return orig(self, rid, chunks, groups)
 
     monkeypatch.setattr(policies.Placer, "place_lane", spy)
-    cfg = _cfg(2)
-    lens = [1024, 100, 700, 3000, 2048, 50, 900, 1500, 300, 2500, 600, 4000]
-    # a burst that fills the slots, then prompts spread out enough that lanes finish and free theirs
+    cfg = _cfg(2, lane_tokens=5000)
+    lens = [1024, 100, 700, 3000, 2048, 50, 900, 1500, 300, 2500, 600, 4000, 1200, 800]
+    # a burst that fills the pool, then prompts spread out enough that lanes finish and free their rows
     reqs = [Request(i, 0.001 * i if i < 6 else 0.1 * (i - 4), lens[i]) for i in range(len(lens))]
     recs = simulate("async", reqs, ToyCost(), DEEP, cfg).records
     assert all(r.error is None for r in recs)
-    # the replay: FrontLane decides at each arrival, its slots freed at the lanes' simulated completions
-    front = FrontLane(cfg, SimpleNamespace(kv_row_width=1), 2)
+    want = [r.request_id for r in reqs if r.prompt_len > cfg.effective_chunk_len]
+    assert took == want  # every prompt of 2+ chunks (all fit the pool), in arrival order
+    start = {r.request_id: r.start_s for r in recs}
     done = {r.request_id: r.done_s for r in recs}
-    expect, live = [], []
-    for r in reqs:
-        for rid in [x for x in live if done[x] <= r.arrival_s]:
-            live.remove(rid)
-            front.close(rid)
-        n_chunks = -(-r.prompt_len // cfg.effective_chunk_len)
-        if front.groups_for(r.prompt_len, n_chunks):
-            front.open(r.request_id, r.prompt_len, [0, 1])
-            expect.append(r.request_id)
-            live.append(r.request_id)
-    assert took == expect
-    assert len(took) > lane_slots(cfg)  # slots were reused, and lanes ran side by side on the same 2 groups
-    overlap = [(a, b) for a in took for b in took if a < b and reqs[b].arrival_s < done[a]]
-    assert overlap
-    # a prompt of one chunk never takes it; with every slot taken a long prompt goes the usual way (one group)
-    assert not any(reqs[i].prompt_len <= cfg.effective_chunk_len for i in took)
-    assert any(reqs[i].prompt_len > cfg.effective_chunk_len and i not in took for i in range(len(reqs)))
+    # the replay: at each lane's opening, the pool (slots, first-fit rows) had room for it with the lanes still
+    # in flight then; and a lane that did not open on arrival opened when another's result arrived
+    pool, live, waited = LanePool(lane_slots(cfg), 5000), [], 0
+    for rid in took:
+        for x in [x for x in live if done[x] <= start[rid]]:
+            live.remove(x)
+            pool.close(x)
+        assert pool.fits(reqs[rid].prompt_len), (rid, pool.spans)
+        pool.open(rid, reqs[rid].prompt_len)
+        live.append(rid)
+        if start[rid] > reqs[rid].arrival_s + 1e-12:
+            waited += 1
+            assert any(done[x] == start[rid] for x in took if x != rid), rid
+    assert waited >= 2  # the burst's lanes (1024 + 3000 + 2048 > 5000) waited for room
+    overlap = [(a, b) for a in took for b in took if a < b and start[b] < done[a]]
+    assert overlap  # lanes ran side by side on the same 2 groups
+    # a prompt longer than the pool never takes the lane (it runs the usual way, on one group)
+    took.clear()
+    recs = simulate("async", [Request(0, 0.0, 3000)], ToyCost(), DEEP, _cfg(2, lane_tokens=2999)).records
+    assert recs[0].error is None and took == []
 
 
 def test_the_exclusive_admission_stays_for_studies_and_differs():

@@ -282,3 +282,36 @@ def test_the_long_prompt_lane_adds_one_received_prompt_of_kv_to_an_attention_die
     assert on[1].needed_gb == pytest.approx(off[1].needed_gb)
     one = deployment_memory("async", prof, shapes, long_prompt_lane=True, **dict(kw, attention_ranks=1))
     assert "lane KV (received)" not in one[0].breakdown
+    # the pool (RuntimeConfig.lane_tokens) is what a die holds, whatever the lanes in flight: 2.5 prompts' worth
+    pool = deployment_memory("async", prof, shapes, long_prompt_lane=True, lane_tokens=327680, **kw)
+    assert pool[0].breakdown["lane KV (received)"] == pytest.approx(2.5 * lane)
+
+
+def test_the_simulator_and_sim_run_charge_the_lane_pool_and_refuse_one_that_does_not_fit(tmp_path):
+    """memory_of passes RuntimeConfig.lane_tokens; sim run --lane-tokens too big for a die exits 2 naming memory
+    and the lane KV; a bad value is a usage error naming the flag."""
+    import subprocess
+    import sys
+
+    from asap_comm.serving.runtime import RuntimeConfig
+    from asap_comm.sim.memory import memory_of
+    from asap_comm.sim.simulate import Parallelism
+
+    prof, shapes = Profile.load(CM), ModelShapes.load("deepseek-v3")
+    cfg = RuntimeConfig(num_attention_ranks=6, num_expert_ranks=16, token_budget=16384, chunk_len=4096,
+                        max_prompt_len=131072)
+    one = memory_of("async", cfg, Parallelism(attention_tp=8), None, prof, shapes)[0].breakdown["lane KV (received)"]
+    cfg3 = RuntimeConfig(**{**cfg.__dict__, "lane_tokens": 3 * 131072})
+    three = memory_of("async", cfg3, Parallelism(attention_tp=8), None, prof, shapes)[0].breakdown
+    assert three["lane KV (received)"] == pytest.approx(3 * one)
+    base = [sys.executable, "-m", "asap_comm.sim", "run", "--profile", CM, "--model", "deepseek-v3",
+            "--attention-ranks", "6", "--attention-tp", "8", "--expert-ranks", "16", "--sync-ranks", "8",
+            "--sync-tp", "8", "--num-requests", "4", "--out", str(tmp_path / "r")]
+    r = subprocess.run(base + ["--lane-tokens", str(4 * 131072)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "memory" in r.stderr and "lane KV (received)" in r.stderr, r.stderr[-2000:]
+    # without the lane nothing of it is charged (the memory check sees the lane flags)
+    r = subprocess.run(base + ["--lane-tokens", str(4 * 131072), "--no-long-prompt-lane"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run(base + ["--lane-tokens", "0"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--lane-tokens=0" in r.stderr, r.stderr[-2000:]

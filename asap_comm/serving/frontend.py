@@ -81,6 +81,7 @@ class _Admitted:
     chunks: int
     queue_s: "float | None" = None  # admission until its last chunk entered the inbox
     lane: tuple = ()  # the long-prompt lane's ranks (chunk j on lane[j % len(lane)]; empty: not in the lane)
+    waiting: bool = False  # waits for room in the lane (rank -1 until its lane opens)
 
 
 class FrontEnd:
@@ -110,7 +111,8 @@ class FrontEnd:
         self.lane = FrontLane(cfg, info, num_targets, enabled=label == "async")  # the long-prompt lane (lane.py)
 
     def admit(self, request_id: int, token_ids: torch.Tensor, check_bound: bool = True) -> int:
-        """Admit a request or raise :class:`Rejected`; returns the rank it was placed on. A request is over
+        """Admit a request or raise :class:`Rejected`; returns the rank it was placed on (-1: it waits for room in
+        the long-prompt lane, placed when a lane closes). A request is over
         the bound only if others are in flight (a lone one always fits); ``check_bound=False``: the caller
         has decided already (the HTTP service admits a batch whole or not at all)."""
         error = validate(PromptRequest(request_id, 0.0, token_ids), self.info, self.cfg)
@@ -125,18 +127,12 @@ class FrontEnd:
                                          f"the admission bound of {bound}")
         chunks = split_prompt(request_id, n, self.cfg.effective_chunk_len)
         cp, W = self._cp, self.W
-        lane_g = self.lane.groups_for(n, len(chunks))
-        if lane_g:  # the long-prompt lane: chunk j on ranks[j % g]; the last chunk's rank answers
-            ranks = self.placer.place_lane(request_id, chunks, lane_g)
-            word, extra = self.lane.open(request_id, n, ranks)
+        if self.lane.wants(n, len(chunks)):  # the long-prompt lane, now or once it has room
             now = time.monotonic()
-            for j, c in enumerate(chunks):
-                toks = token_ids[c.start:c.start + c.length].to(torch.int64)
-                payload = torch.cat([encode_chunk(c, extra, word), toks])
-                self.pending[ranks[j % lane_g]].append((request_id, payload, request_id, now))
-            self.inflight[request_id] = _Admitted(ranks[(len(chunks) - 1) % lane_g], n, 0, now, len(chunks),
-                                                  len(chunks), lane=tuple(ranks))
+            self.inflight[request_id] = _Admitted(-1, n, 0, now, len(chunks), len(chunks), waiting=True)
             self.queued_tokens += n
+            self.lane.waiting.append((request_id, token_ids, chunks))
+            self._open_lanes()
             return self.inflight[request_id].rank
         if cp is not None and n > cp and W > 1:  # context parallelism: the least-loaded groups share it
             groups = self.placer.place_group(request_id, chunks, min(W, -(-n // cp)))
@@ -151,11 +147,31 @@ class FrontEnd:
         self.queued_tokens += n
         return rank
 
+    def _open_lanes(self) -> None:
+        """Open the lanes of the waiting prompts, first come first served, while the lane has room (``lane.py``):
+        chunk ``j`` on ``ranks[j % g]``; the last chunk's rank answers."""
+        while self.lane.waiting and self.lane.pool.fits(self.inflight[self.lane.waiting[0][0]].tokens):
+            request_id, token_ids, chunks = self.lane.waiting.popleft()
+            a = self.inflight[request_id]
+            g = self.lane.groups(len(chunks))
+            ranks = self.placer.place_lane(request_id, chunks, g)
+            word, extra = self.lane.open(request_id, a.tokens, ranks)
+            now = time.monotonic()
+            for j, c in enumerate(chunks):
+                toks = token_ids[c.start:c.start + c.length].to(torch.int64)
+                payload = torch.cat([encode_chunk(c, extra, word), toks])
+                self.pending[ranks[j % g]].append((request_id, payload, request_id, now))
+            a.rank, a.lane, a.waiting = ranks[(len(chunks) - 1) % g], tuple(ranks), False
+
     def _forget(self, rid: int) -> "_Admitted":
         entry = self.inflight.pop(rid)
         self.queued_tokens -= entry.tokens
-        self.placer.complete(rid)
-        self.lane.close(rid)
+        if entry.waiting:  # never placed: it leaves the lane's queue
+            self.lane.waiting = type(self.lane.waiting)(w for w in self.lane.waiting if w[0] != rid)
+        else:
+            self.placer.complete(rid)
+            self.lane.close(rid)
+        self._open_lanes()
         return entry
 
     def wait_ready(self, stats, timeout_s: float) -> float:
@@ -180,6 +196,9 @@ class FrontEnd:
         a context-parallel request of the baseline, whose shared steps run to the end)."""
         if request_id not in self.inflight:
             return False
+        if self.inflight[request_id].waiting:  # nothing of it was sent
+            self._forget(request_id)
+            return True
         self.lane.close(request_id, cancelled=True)
         a = self._forget(request_id)
         for rank in a.lane or (a.rank,):  # a lane request: every rank of its lane

@@ -17,18 +17,24 @@ attention stage sees positions ``[0, start_j)`` and the result equals the
 one-rank prefill. Only the last chunk's rank sends the result; every rank drops
 the request's cache after its own last chunk (or on cancel).
 
-Buffers (:class:`LaneBuffers`, symmetric, on every PE of an async group):
-``slots`` lane slots of ``[num_layers, max_prompt_len, kv_row_width]`` and
-one signal per (slot, layer, chunk). The front end hands out slots; with none
-free a long prompt runs the normal way on one rank. Signals hold the lane's
-sequence number, not a count, so a slot is reused without resetting anything.
-A chunk message of the lane carries ``groups = -(1 + slot)`` and, before its
-tokens, ``[seq, prompt length, g, ranks...]`` (:data:`LANE_WORDS` + ``g``
-words).
+Buffers (:class:`LaneBuffers`, symmetric, on every PE of an async group): a
+pool of :func:`lane_tokens` rows per layer for the received latents
+(``[num_layers, lane_tokens, kv_row_width]``) and one signal per (slot, layer,
+chunk) of ``lane_slots`` slots. The front end (:class:`FrontLane`,
+:class:`LanePool`) gives each lane a slot and a contiguous range of pool rows
+as long as its prompt; while no slot or no range is free, a prompt that wants
+the lane waits for one, first come first served (a prompt longer than the pool
+never takes the lane). So an attention die holds at most ``lane_tokens`` rows
+of other ranks' latents per layer, whatever the lanes' lengths: the figure the
+memory model charges. Signals hold the lane's sequence number, not a count, so
+a slot is reused without resetting anything. A chunk message of the lane
+carries ``groups = -(1 + slot)`` and, before its tokens, ``[seq, prompt
+length, first pool row, g, ranks...]`` (:data:`LANE_WORDS` + ``g`` words).
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -36,22 +42,90 @@ from ..errors import TimeoutError as CommTimeoutError
 from .hooks import model_hooks
 from .policies import split_prompt
 
-__all__ = ["LANE_WORDS", "lane_active", "lane_slots", "chunk_may_start", "LaneBuffers", "FrontLane", "LaneRank",
-           "LaneWait", "LaneAborted"]
+__all__ = ["LANE_WORDS", "lane_active", "lane_slots", "lane_tokens", "chunk_may_start", "LanePool", "LaneBuffers",
+           "FrontLane", "LaneRank", "LaneWait", "LaneAborted"]
 
-LANE_WORDS = 3  # seq, prompt length, number of ranks (then the ranks)
+LANE_WORDS = 4  # seq, prompt length, first row in the KV pool, number of ranks (then the ranks)
 
 
 def lane_active(cfg, info) -> bool:
     """Whether a group with ``cfg`` runs the long-prompt lane: switched on, chunking on (``load_aware``), at
     least 2 attention ranks, and a model whose KV row width is known (``ModelInfo.kv_row_width``)."""
     return (cfg.long_prompt_lane and cfg.effective_chunk_len is not None and cfg.num_attention_ranks >= 2
-            and info.kv_row_width > 0 and cfg.max_prompt_len > cfg.effective_chunk_len)
+            and info.kv_row_width > 0 and min(cfg.max_prompt_len, lane_tokens(cfg)) > cfg.effective_chunk_len)
 
 
 def lane_slots(cfg) -> int:
-    """Lane slots per PE: as many long prompts may run in the lane at once."""
-    return 4
+    """Lane slots per PE: at most as many long prompts run in the lane at once (their signals)."""
+    return 8
+
+
+def lane_tokens(cfg) -> int:
+    """Rows per layer of every PE's lane KV pool: the prompt tokens the lanes in flight hold together at most
+    (``RuntimeConfig.lane_tokens``; None: ``max_prompt_len``)."""
+    return cfg.max_prompt_len if cfg.lane_tokens is None else cfg.lane_tokens
+
+
+class LanePool:
+    """The lanes' admission: ``slots`` slots and a pool of ``rows`` rows, each lane a slot and a contiguous range
+    as long as its prompt (first fit). The runtime's front end and the simulator's lane both admit with it.
+
+    A cancelled lane's slot and rows are reused last: a rank that has not seen the cancel yet may still put
+    into them (the signals' sequence numbers tell lanes apart, but a late put's rows could overwrite a new
+    lane's), so they are taken again only when nothing else is free."""
+
+    def __init__(self, slots: int, rows: int) -> None:
+        self.rows = rows
+        self.free = list(range(slots))
+        self.spans: dict = {}  # request -> (slot, first row, rows)
+        self.stale: list = []  # (first row, rows) of cancelled lanes, oldest first: reused last
+
+    def _first_fit(self, n: int, taken: list) -> "int | None":
+        at = 0
+        for b, m in sorted(taken):
+            if b - at >= n:
+                return at
+            at = max(at, b + m)
+        return at if self.rows - at >= n else None
+
+    def _place(self, n: int) -> "int | None":
+        live = [(b, m) for _, b, m in self.spans.values()]
+        at = self._first_fit(n, live + self.stale)
+        while at is None and self.stale:
+            self.stale.pop(0)
+            at = self._first_fit(n, live + self.stale)
+        return at
+
+    def fits(self, n: int) -> bool:
+        """A lane of ``n`` tokens could open now."""
+        return bool(self.free) and self._place(n) is not None
+
+    def open(self, request_id: int, n: int) -> tuple:
+        """Take a slot and ``n`` rows (``fits(n)`` must hold): ``(slot, first row)``."""
+        at = self._place(n)
+        if not self.free or at is None:
+            raise RuntimeError(f"LanePool.open: no room for a lane of {n} tokens")
+        slot = self.free.pop(0)
+        self.spans[request_id] = (slot, at, n)
+        return slot, at
+
+    def close(self, request_id: int, cancelled: bool = False) -> bool:
+        """Free the request's slot and rows; False if it held none."""
+        span = self.spans.pop(request_id, None)
+        if span is None:
+            return False
+        slot, at, n = span
+        if cancelled:
+            self.free.append(slot)
+            self.stale.append((at, n))
+        else:
+            self.free.insert(0, slot)
+        return True
+
+    @property
+    def tokens(self) -> int:
+        """Rows the lanes in flight hold."""
+        return sum(m for _, _, m in self.spans.values())
 
 
 def chunk_may_start(index: int, ranks: list, me: int, has_put) -> bool:
@@ -79,7 +153,7 @@ class LaneBuffers:
         self.slots, self.layers, self.chunks = lane_slots(cfg), info.num_layers, _max_chunks(cfg)
         # not zeroed: a row is read only after its signal says it was written, and pages nobody writes (the
         # front end's, the expert ranks', a short run's) are never touched
-        self.kv = comm.empty((self.slots, self.layers, cfg.max_prompt_len, info.kv_row_width), info.dtype)
+        self.kv = comm.empty((self.layers, lane_tokens(cfg), info.kv_row_width), info.dtype)
         self.sig = comm.signals(self.slots * self.layers * self.chunks)
 
     def index(self, slot: int, layer: int, chunk: int) -> int:
@@ -87,43 +161,54 @@ class LaneBuffers:
 
 
 class FrontLane:
-    """The front end's side: which prompt takes the lane, its slot, ranks and chunk messages' lane words."""
+    """The front end's side: which prompt takes the lane, its slot, pool rows, ranks and chunk messages' words,
+    and the prompts that wait for room (``waiting``: the front end's entries, first come first served)."""
 
     def __init__(self, cfg, info, num_targets: int, *, enabled: bool = True) -> None:
         """``enabled=False``: never (the baseline's front end)."""
         self.cfg, self.W = cfg, num_targets
         self.active = enabled and num_targets >= 2 and lane_active(cfg, info)
-        self.free = list(range(lane_slots(cfg))) if self.active else []
+        self.pool = LanePool(lane_slots(cfg) if self.active else 0, lane_tokens(cfg) if self.active else 0)
         self.seq = 0
-        self.slot_of: dict = {}  # request -> its slot
+        self.waiting: deque = deque()
+
+    @property
+    def free(self) -> list:
+        return self.pool.free
+
+    def wants(self, n_tokens: int, num_chunks: int) -> bool:
+        """Whether a prompt of ``n_tokens`` in ``num_chunks`` chunks goes to the lane (now or once there is room):
+        two chunks or more, longer than ``lane_threshold`` and no longer than the pool."""
+        t = self.cfg.lane_threshold
+        return (self.active and num_chunks >= 2 and n_tokens <= self.pool.rows
+                and (t is None or n_tokens > t))
+
+    def groups(self, num_chunks: int) -> int:
+        """How many ranks a lane prompt of ``num_chunks`` chunks shares."""
+        return min(self.cfg.lane_groups or self.W, self.W, num_chunks)
+
+    def fits(self, n_tokens: int) -> bool:
+        """A lane of ``n_tokens`` could open now, and none waits before it."""
+        return not self.waiting and self.pool.fits(n_tokens)
 
     def groups_for(self, n_tokens: int, num_chunks: int) -> int:
-        """How many ranks a prompt of ``n_tokens`` in ``num_chunks`` chunks shares in the lane (0: none)."""
-        t = self.cfg.lane_threshold
-        if not self.active or num_chunks < 2 or not self.free or (t is not None and n_tokens <= t):
+        """How many ranks the prompt shares in the lane if it may open one now (0: not now or never)."""
+        if not self.wants(n_tokens, num_chunks) or not self.fits(n_tokens):
             return 0
-        g = self.cfg.lane_groups or self.W
-        return min(g, self.W, num_chunks)
+        return self.groups(num_chunks)
 
     def open(self, request_id: int, n_tokens: int, ranks: list) -> tuple:
-        """Take a slot: returns ``(groups word, lane words)`` of the request's chunk messages."""
-        slot = self.free.pop(0)
+        """Take a slot and rows: returns ``(groups word, lane words)`` of the request's chunk messages."""
+        slot, base = self.pool.open(request_id, n_tokens)
         self.seq += 1
-        self.slot_of[request_id] = slot
-        words = torch.tensor([self.seq, n_tokens, len(ranks), *ranks], dtype=torch.int64)
+        words = torch.tensor([self.seq, n_tokens, base, len(ranks), *ranks], dtype=torch.int64)
         return -(1 + slot), words
 
     def close(self, request_id: int, cancelled: bool = False) -> None:
         """The request finished (its result arrived: every put of its lane has landed, since the last chunk waited
-        for all of them) or was ``cancelled``: its slot is free again. A finished lane's slot is reused first; a
-        cancelled one's last, since a rank that has not yet seen the cancel may still put into it (the signals'
-        sequence numbers tell lanes apart, but a late put's rows could overwrite a new lane's)."""
-        slot = self.slot_of.pop(request_id, None)
-        if slot is not None:
-            if cancelled:
-                self.free.append(slot)
-            else:
-                self.free.insert(0, slot)
+        for all of them) or was ``cancelled``: its slot and rows are free again (a cancelled one's last:
+        :class:`LanePool`)."""
+        self.pool.close(request_id, cancelled)
 
 
 class LaneAborted(Exception):
@@ -133,8 +218,8 @@ class LaneAborted(Exception):
 class _Lane:
     """One lane request as an attention rank sees it."""
 
-    def __init__(self, slot: int, seq: int, chunks: list, ranks: list, mine: int) -> None:
-        self.slot, self.seq, self.chunks, self.ranks, self.left = slot, seq, chunks, ranks, mine
+    def __init__(self, slot: int, seq: int, base: int, chunks: list, ranks: list, mine: int) -> None:
+        self.slot, self.seq, self.base, self.chunks, self.ranks, self.left = slot, seq, base, chunks, ranks, mine
 
     def targets(self, j: int, me: int) -> list:
         """The other ranks that run a chunk after chunk ``j``."""
@@ -185,13 +270,13 @@ class LaneRank:
     def take(self, chunk, groups: int, toks: torch.Tensor) -> tuple:
         """A chunk message with lane words (``groups < 0``): register the request; returns ``(its tokens,
         stride)`` for the micro-batcher."""
-        seq, n_tokens, g = (int(x) for x in toks[:LANE_WORDS].tolist())
+        seq, n_tokens, base, g = (int(x) for x in toks[:LANE_WORDS].tolist())
         ranks = [int(x) for x in toks[LANE_WORDS:LANE_WORDS + g].tolist()]
         rid = chunk.request_id
         if rid not in self.lanes:
             chunks = split_prompt(rid, n_tokens, self.cfg.effective_chunk_len)
             mine = sum(1 for k in range(len(chunks)) if ranks[k % g] == self.comm.rank)
-            self.lanes[rid] = _Lane(-groups - 1, seq, chunks, ranks, mine)
+            self.lanes[rid] = _Lane(-groups - 1, seq, base, chunks, ranks, mine)
         return toks[LANE_WORDS + g:].clone(), g
 
     def is_lane(self, rid: int) -> bool:
@@ -221,7 +306,7 @@ class LaneRank:
             yield w
         if chunk.request_id in self.cancelled:
             raise LaneAborted(chunk.request_id)
-        rows = self.buf.kv[lane.slot, layer, pos:chunk.start].clone()
+        rows = self.buf.kv[layer, lane.base + pos:lane.base + chunk.start].clone()
         self.model.append_kv_rows(cache, layer, rows)
 
     def after(self, chunk, cache, layer: int) -> None:
@@ -232,7 +317,7 @@ class LaneRank:
             return
         end = chunk.start + chunk.length
         rows = self.model.kv_rows(cache, layer, chunk.start, end).contiguous()
-        dst = self.buf.kv[lane.slot, layer, chunk.start:end]
+        dst = self.buf.kv[layer, lane.base + chunk.start:lane.base + end]
         idx = self.buf.index(lane.slot, layer, chunk.index)
         for pe in targets:
             t0 = time.monotonic()

@@ -126,6 +126,11 @@ class RuntimeConfig:
     long_prompt_lane: bool = True
     lane_threshold: "int | None" = None
     lane_groups: int = 0
+    # the prompt tokens the lanes in flight hold together at most (None: max_prompt_len): every attention rank
+    # keeps a pool of that many rows per layer for the KV latents other ranks put into it, which is what the
+    # memory model charges an attention die; a prompt that wants the lane while the pool has no room waits for
+    # one (first come, first served) instead of running on one rank
+    lane_tokens: "int | None" = None
     # the two ping-pong micro-batches formed together get near-equal tokens (whole chunks, largest first)
     token_balanced: bool = True
 
@@ -148,6 +153,9 @@ class RuntimeConfig:
         g = self.lane_groups
         if isinstance(g, bool) or not isinstance(g, int) or g < 0 or g == 1:
             raise ValueError(f"RuntimeConfig: lane_groups={g!r} must be 0 (all attention ranks) or an int >= 2")
+        lt = self.lane_tokens
+        if lt is not None and (isinstance(lt, bool) or not isinstance(lt, int) or lt < 1):
+            raise ValueError(f"RuntimeConfig: lane_tokens={lt!r} must be None (max_prompt_len) or an int >= 1")
         for name in ("long_prompt_lane", "token_balanced"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig: {name}={getattr(self, name)!r} must be a bool")
@@ -257,7 +265,8 @@ class Channels:
 
 def request_mailbox(comm, cfg: RuntimeConfig, info: ModelInfo, num_targets: int):
     """Collective: requests (front end -> ranks) and results (ranks -> front end) share one mailbox."""
-    # a lane chunk carries lane.LANE_WORDS + A more words (its lane's sequence number, prompt length and ranks)
-    lane = 3 + cfg.num_attention_ranks if cfg.long_prompt_lane else 0
+    # a lane chunk carries lane.LANE_WORDS + A more words (its lane's sequence number, prompt length, pool row and
+    # ranks)
+    lane = 4 + cfg.num_attention_ranks if cfg.long_prompt_lane else 0
     slot = max(8 * (cfg.max_chunk_tokens + HDR + lane), 4 * (info.hidden + 1), 256)
     return comm.mailbox(slot, 8 * (num_targets + 4))

@@ -113,6 +113,10 @@ def lane_args(p: argparse.ArgumentParser) -> None:
                    help="lane for prompts longer than this (default: predicted TTFT on one group vs the SLO)")
     p.add_argument("--lane-groups", type=int, default=0, metavar="G",
                    help="attention groups a lane prompt spreads over (default 0: all)")
+    p.add_argument("--lane-tokens", type=int, default=None, metavar="TOKENS",
+                   help="the prompt tokens the lanes in flight hold together (every attention die's pool of "
+                        "received KV rows, charged by the memory check; a prompt waits for room; default: "
+                        "--max-prompt-len)")
     p.add_argument("--no-token-balanced", action="store_true",
                    help="fill the first ping-pong micro-batch up to the budget instead of balancing the pair")
 
@@ -124,10 +128,11 @@ def lane_config(p: argparse.ArgumentParser, args, cfg: RuntimeConfig) -> Runtime
     try:
         return dataclasses.replace(cfg, long_prompt_lane=not args.no_long_prompt_lane,
                                    lane_threshold=args.lane_threshold, lane_groups=args.lane_groups,
-                                   token_balanced=not args.no_token_balanced)
+                                   lane_tokens=args.lane_tokens, token_balanced=not args.no_token_balanced)
     except ValueError as e:
         p.error(str(e).replace("RuntimeConfig: lane_threshold", "--lane-threshold")
-                .replace("RuntimeConfig: lane_groups", "--lane-groups"))
+                .replace("RuntimeConfig: lane_groups", "--lane-groups")
+                .replace("RuntimeConfig: lane_tokens", "--lane-tokens"))
 
 
 def _runtime_config(args) -> RuntimeConfig:
@@ -243,13 +248,13 @@ def cmd_run(argv) -> int:
     target = slo_target(p, args)
     slo_s = slo_arg(p, args.slo)
     cost, shapes = CostModel.load(args.profile, args.model), ModelShapes.load(args.model)
-    cost, memory = check_memory(p, args, cost, shapes, _runtime_config(args), par, W)
+    cfg = lane_config(p, args, _runtime_config(args))  # the lane's flags first: its KV pool is charged too
+    cost, memory = check_memory(p, args, cost, shapes, cfg, par, W)
     routing = parse_routing_arg(p, args.routing)
     cost = routed_cost(cost, routing)  # every simulated run below charges this routing (routing.py)
     if max(par.attention_tp, par.sync_tp) > 1 and cost.cores is not None:
         p.error(f"--attention-tp / --sync-tp above 1 need a profile of dedicated devices; {cost.name!r} shares "
                 f"{cost.cores} CPU cores between its ranks")
-    cfg = lane_config(p, args, _runtime_config(args))
     trace = _trace(args, cfg.max_prompt_len)
     try:
         slo = unloaded_slo(trace, cost, shapes, cfg, sync_ranks=W, par=par) if slo_s is None else slo_s

@@ -186,6 +186,8 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
         expert_token_budget=max(1, int(round(cfg.expert_token_budget * row_scale))),
         expert_deadline_s=cfg.expert_deadline_s / K,
         cp_threshold=None if cfg.cp_threshold is None else int(round(cfg.cp_threshold * S)),
+        lane_threshold=None if cfg.lane_threshold is None else int(round(cfg.lane_threshold * S)),
+        lane_tokens=None if cfg.lane_tokens is None else int(round(cfg.lane_tokens * S)),
         placer_linear_weight=None if cfg.placer_linear_weight is None else cfg.placer_linear_weight * S)
     res = simulate(mode, reqs, cost, emu, scaled, sync_ranks=ranks, spans=spans, par=par, layers=layers,
                    routing=factory.routing)

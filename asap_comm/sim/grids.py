@@ -18,10 +18,12 @@ LANE = {"long_prompt_lane": True}  # --no-long-prompt-lane sets it off for every
 
 
 def headline_config(attention: int = 32, expert: int = 32, chunk: int = 16384, budget: int = 16384,
-                    expert_budget: int = 32768, expert_deadline: float = 0.001) -> RuntimeConfig:
+                    expert_budget: int = 32768, expert_deadline: float = 0.001,
+                    lane_tokens: "int | None" = None) -> RuntimeConfig:
     return RuntimeConfig(num_attention_ranks=attention, num_expert_ranks=expert, token_budget=budget,
                          chunk_len=chunk, max_prompt_len=131072, expert_token_budget=expert_budget,
-                         expert_deadline_s=expert_deadline, long_prompt_lane=LANE["long_prompt_lane"])
+                         expert_deadline_s=expert_deadline, long_prompt_lane=LANE["long_prompt_lane"],
+                         lane_tokens=lane_tokens)
 
 
 def mooncake_trace(n: int) -> tuple[list, str]:
@@ -62,10 +64,11 @@ def sync_grid(devices: int, tps, cps, chunks, heads: int, overlaps=(False,), bud
 
 
 def async_grid(devices: int, experts, tps, chunks, heads: int, budgets=(16384,), deadlines=(0.001,),
-               expert_budgets=(32768,)) -> list:
+               expert_budgets=(32768,), lane_tokens=(None,)) -> list:
     """ASAP candidates: ``E`` expert devices and ``(devices - E) / T`` attention groups of ``T`` devices, chunk
     size, micro-batch token budget (each of ``budgets`` at least the chunk, and the chunk itself, as the
-    baseline's), and the expert ranks' batching: deadline (s) and row budget."""
+    baseline's), the expert ranks' batching: deadline (s) and row budget, and the lane's KV pool (``lane_tokens``;
+    None: the longest prompt)."""
     out = []
     for chunk in chunks:
         for budget in sorted({chunk, *(b for b in budgets if b >= chunk)}):
@@ -75,16 +78,18 @@ def async_grid(devices: int, experts, tps, chunks, heads: int, budgets=(16384,),
                         continue
                     for dl in deadlines:
                         for eb in expert_budgets:
-                            out.append(Deployment("async", headline_config((devices - e) // t, e, chunk, budget, eb,
-                                                                           dl), Parallelism(attention_tp=t)))
+                            for lt in lane_tokens:
+                                out.append(Deployment("async", headline_config((devices - e) // t, e, chunk, budget,
+                                                                               eb, dl, lt),
+                                                      Parallelism(attention_tp=t)))
     return out
 
 
 def search_breadth(syncs, asyncs, grid: dict) -> dict:
     """How broadly each mode was searched: candidate counts and the values of each searched dimension."""
     return {"async": len(asyncs), "sync": len(syncs),
-            "async_dimensions": {k: grid[k] for k in ("experts", "attention_tp", "chunk", "budget", "expert_deadline",
-                                                      "expert_budget")},
+            "async_dimensions": {k: grid.get(k, [None]) for k in ("experts", "attention_tp", "chunk", "budget",
+                                                                  "expert_deadline", "expert_budget", "lane_tokens")},
             "sync_dimensions": {k: grid[k] for k in ("sync_tp", "cp", "sync_chunk", "sync_budget", "overlap")}}
 
 

@@ -151,7 +151,7 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
     syncs = sync_grid(D, grid["sync_tp"], grid["cp"], grid["sync_chunk"], shapes.heads, grid["overlap"],
                       grid["sync_budget"])
     asyncs = async_grid(D, grid["experts"], grid["attention_tp"], grid["chunk"], shapes.heads, grid["budget"],
-                        grid["expert_deadline"], grid["expert_budget"])
+                        grid["expert_deadline"], grid["expert_budget"], grid.get("lane_tokens", [None]))
     if not syncs or not asyncs:
         raise ValueError(f"headline: the grid has no {'baseline' if not syncs else 'ASAP'} configuration for "
                          f"{D} devices")
@@ -397,6 +397,9 @@ def main(argv=None) -> int:
                    help="ASAP: expert ranks' batching deadlines searched")
     p.add_argument("--expert-token-budget", default="16384,32768", metavar="ROWS[,ROWS...]",
                    help="ASAP: expert ranks' batch row budgets searched")
+    p.add_argument("--lane-tokens", default="none", metavar="TOKENS[,TOKENS...]",
+                   help="ASAP: the long-prompt lane's KV pools searched (prompt tokens the lanes in flight hold "
+                        "together, charged to every attention die; none: the longest prompt, 131072)")
     p.add_argument("--sync-chunk-len", default="4096,8192,16384", metavar="TOKENS[,TOKENS...]",
                    help="baseline: chunk sizes searched")
     p.add_argument("--sync-token-budget", default="16384", metavar="TOKENS[,TOKENS...]",
@@ -444,6 +447,7 @@ def main(argv=None) -> int:
             "chunk": _ints(p, "--chunk-len", args.chunk_len), "budget": _ints(p, "--token-budget", args.token_budget),
             "expert_deadline": _floats(p, "--expert-deadline", args.expert_deadline),
             "expert_budget": _ints(p, "--expert-token-budget", args.expert_token_budget),
+            "lane_tokens": _ints(p, "--lane-tokens", args.lane_tokens, none_ok=True),
             "sync_chunk": _ints(p, "--sync-chunk-len", args.sync_chunk_len),
             "sync_budget": _ints(p, "--sync-token-budget", args.sync_token_budget),
             "overlap": _onoff(p, args.sync_overlap)}
@@ -460,7 +464,7 @@ def main(argv=None) -> int:
         sigmas, loads, caps = (0.0, 1.0), (0.5, 1.0), (8192,)
         grid = {"devices": 8, "experts": [2, 4], "attention_tp": [1, 2], "sync_tp": [1, 2], "cp": [None, 16384],
                 "chunk": [16384], "sync_chunk": [16384], "sync_budget": [16384], "overlap": [False],
-                "budget": [16384], "expert_deadline": [0.001], "expert_budget": [32768]}
+                "budget": [16384], "expert_deadline": [0.001], "expert_budget": [32768], "lane_tokens": [None]}
     if n_side == 0:  # the clipped and skewed traces left out (recorded: num_requests_sensitivity 0)
         sigmas, caps = (), ()
     try:

@@ -12,8 +12,9 @@ signals from the chunks before it only; meanwhile the group computes its other p
 advance as a wavefront: TTFT about ``L + n - 1`` chunk-layer steps instead of ``n * L`` on one group.
 
 **Admission and scheduling** (``admission("runtime")``, the default; the runtime's ``serving.lane.FrontLane`` and
-``LaneRank``): a prompt of two chunks or more takes the lane while one of ``lane_slots`` lanes is free (lanes may
-share groups). Its chunks queue in their groups' micro-batchers (``MicroBatcher.add(stride=g)``) beside the short
+``LaneRank``): a prompt of two chunks or more takes the lane (lanes may share groups) once one of ``lane_slots``
+slots and ``len`` contiguous rows of the ``lane_tokens`` KV pool are free (``serving.lane.LanePool``); until then it
+waits, first come first served (a prompt longer than the pool goes the usual way). Its chunks queue in their groups' micro-batchers (``MicroBatcher.add(stride=g)``) beside the short
 prompts' chunks, in arrival order; each runs alone in a micro-batch, in either ping-pong slot, and starts only once
 every earlier chunk computed elsewhere has put its first layer's KV (:meth:`Lane.ready_fn`, as
 ``LaneRank.can_start``), so lanes sharing groups never hold each other in a cycle of waits. The slot is free again
@@ -49,7 +50,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 
-from ..serving.lane import chunk_may_start, lane_slots
+from ..serving.lane import LanePool, chunk_may_start, lane_slots, lane_tokens
 from ..serving.policies import split_prompt
 from .simulate_common import _pairs, _validate
 
@@ -159,7 +160,8 @@ class Lane:
         # the runtime's admission (FrontLane): lane_slots lanes in flight at most; their chunks queue in the groups'
         # micro-batchers like any chunk (alone in a micro-batch, gated by Lane.ready_fn)
         self.fifo = self.design == "pipe" and LANE_SPLIT[0] == 1 and _ADMISSION[0] == "runtime"
-        self.slots = lane_slots(sim.cfg)
+        self.pool = LanePool(lane_slots(sim.cfg), lane_tokens(sim.cfg))  # slots and KV pool rows, as FrontLane
+        self.waiting: deque = deque()  # (request, chunks) waiting for room in the pool, first come first served
         self.live: dict = {}  # request -> _LaneRequest, lanes in flight (runtime admission)
         self._predicted: dict = {}  # (prompt length, chunks) -> predicted_s
 
@@ -222,15 +224,11 @@ class Lane:
         if len(chunks) < 2 or not self.wants(r, chunks):
             return False
         g = self.groups_for(len(chunks))
-        if self.fifo:  # the runtime's front end: a free slot, the g least-loaded groups, lanes may share them
-            if len(self.live) >= self.slots:
+        if self.fifo:  # the runtime's front end: a slot and pool rows (or wait for them), the g least-loaded
+            if r.prompt_len > self.pool.rows:  # groups, lanes may share them
                 return False
-            ranks = sim.placer.place_lane(r.request_id, chunks, g)
-            sim.records[r.request_id].start_s = sim.engine.now
-            req = _LaneRequest(r.request_id, chunks, ranks, self.design, self.steps)
-            self.live[r.request_id] = req
-            self.used += 1
-            sim.engine.after(sim._delivery_s(chunks), self._deliver_fifo, req)
+            self.waiting.append((r, chunks))
+            self._open_waiting()
             return True
         if ADAPTIVE[0]:
             g = self.idle_enough(chunks, g)
@@ -247,6 +245,19 @@ class Lane:
         self.used += 1
         sim.engine.after(sim._delivery_s(chunks), self._deliver, req)
         return True
+
+    def _open_waiting(self) -> None:
+        """Open the waiting prompts' lanes, first come first served, while the pool has room (``FrontLane``)."""
+        sim = self.sim
+        while self.waiting and self.pool.fits(self.waiting[0][0].prompt_len):
+            r, chunks = self.waiting.popleft()
+            self.pool.open(r.request_id, r.prompt_len)
+            ranks = sim.placer.place_lane(r.request_id, chunks, self.groups_for(len(chunks)))
+            sim.records[r.request_id].start_s = sim.engine.now
+            req = _LaneRequest(r.request_id, chunks, ranks, self.design, self.steps)
+            self.live[r.request_id] = req
+            self.used += 1
+            sim.engine.after(sim._delivery_s(chunks), self._deliver_fifo, req)
 
     def _deliver_fifo(self, req: _LaneRequest) -> None:
         for j, c in enumerate(req.chunks):
@@ -276,8 +287,10 @@ class Lane:
         self._run(self._mb(req, chunk.index, 0, rank))
 
     def _result(self, rid: int) -> None:
-        self.live.pop(rid, None)  # the front end frees the lane's slot when the result arrives
         self.sim._result(rid)
+        if self.live.pop(rid, None) is not None:  # the front end frees the lane's slot and rows on the result
+            self.pool.close(rid)
+            self._open_waiting()
 
     def _deliver(self, req: _LaneRequest) -> None:
         if req.design == "pipe":

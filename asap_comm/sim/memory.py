@@ -193,15 +193,18 @@ def deployment_memory(mode: str, profile: Profile, shapes: ModelShapes, *, atten
                       attention_tp: int = 1, expert_ranks: int = 1, sync_ranks: int = 1, sync_tp: int = 1,
                       token_budget: int, chunk_len: "int | None", max_prompt_len: int,
                       ping_pong: bool = True, sync_overlap: bool = False,
-                      expert_token_budget: "int | None" = None, long_prompt_lane: bool = False) -> list:
+                      expert_token_budget: "int | None" = None, long_prompt_lane: bool = False,
+                      lane_tokens: "int | None" = None) -> list:
     """The dies of one deployment, one :class:`DieMemory` per role.
 
     ``mode="async"`` (ASAP): ``attention_ranks`` groups of ``attention_tp`` devices and ``expert_ranks`` expert
     dies; ``mode="sync"`` (baseline): ``sync_ranks`` DP groups of ``sync_tp`` devices, EP over all of them.
     ``token_budget``/``chunk_len``/``max_prompt_len``: the runtime's, in the modelled model's tokens;
     ``expert_token_budget``: the rows an expert die computes in one batch (None: every in-flight row at once).
-    ``long_prompt_lane`` (ASAP with at least 2 attention groups): a group also holds the KV latents another group's
-    lane prompt puts into it, one ``max_prompt_len`` prompt at most (a group carries one lane at a time).
+    ``long_prompt_lane`` (ASAP with at least 2 attention groups): a group also holds the KV latents other groups'
+    lane prompts put into it, in a pool of ``lane_tokens`` rows per layer (None: ``max_prompt_len``; the runtime's
+    ``RuntimeConfig.lane_tokens``: the lanes in flight hold at most that many prompt tokens together, and a prompt
+    waits for room, so the pool bounds what a die holds however many lanes share it).
     """
     for nm, v in (("attention_ranks", attention_ranks), ("attention_tp", attention_tp),
                   ("expert_ranks", expert_ranks), ("sync_ranks", sync_ranks), ("sync_tp", sync_tp),
@@ -220,7 +223,8 @@ def deployment_memory(mode: str, profile: Profile, shapes: ModelShapes, *, atten
         att = _attention_side(profile, s, t, T, S, max_prompt_len)
         att["symmetric buffers"] = buffers
         if long_prompt_lane and A >= 2:
-            att["lane KV (received)"] = max_prompt_len * (s.kv_lora_rank + s.qk_rope) * a * s.num_layers / GB
+            rows = max_prompt_len if lane_tokens is None else lane_tokens
+            att["lane KV (received)"] = rows * (s.kv_lora_rank + s.qk_rope) * a * s.num_layers / GB
         rows = min(A * S * T * min(k, math.ceil(s.num_experts / E)), EXPERT_HEADROOM * A * S * T * k / E)
         if expert_token_budget:  # one batch at a time: the budget, or one micro-batch's rows if more
             rows = min(rows, max(expert_token_budget, EXPERT_HEADROOM * T * k / E))
@@ -248,7 +252,7 @@ def memory_of(mode: str, cfg, par, sync_ranks: "int | None", profile: Profile, s
                              chunk_len=cfg.effective_chunk_len, max_prompt_len=cfg.max_prompt_len,
                              ping_pong=cfg.ping_pong, sync_overlap=par.sync_overlap,
                              expert_token_budget=cfg.expert_token_budget,
-                             long_prompt_lane=cfg.long_prompt_lane and cfg.load_aware)
+                             long_prompt_lane=cfg.long_prompt_lane and cfg.load_aware, lane_tokens=cfg.lane_tokens)
 
 
 def memory_problems(dies: list, profile_name: str) -> list:

@@ -257,7 +257,8 @@ class Deployment:
             # the expert side's batching, where it is not the headline's default (1 ms, 32768 rows)
             ex = ("" if (c.expert_deadline_s, c.expert_token_budget) == (0.001, 32768)
                   else f", experts {1e3 * c.expert_deadline_s:g} ms / {c.expert_token_budget} rows")
-            return f"ASAP {c.num_attention_ranks}{tp} + {c.num_expert_ranks}, {chunk}{ex}"
+            lane = "" if c.lane_tokens is None or not c.long_prompt_lane else f", lane pool {c.lane_tokens}"
+            return f"ASAP {c.num_attention_ranks}{tp} + {c.num_expert_ranks}, {chunk}{ex}{lane}"
         tp = "" if self.par.sync_tp == 1 else f" x TP{self.par.sync_tp}"
         cp = "no CP" if self.par.cp_threshold is None else f"CP > {self.par.cp_threshold}"
         overlap = ", overlap" if self.par.sync_overlap else ""
@@ -270,7 +271,7 @@ class Deployment:
         if self.mode == "async":
             d.update(attention_ranks=c.num_attention_ranks, attention_tp=self.par.attention_tp,
                      expert_ranks=c.num_expert_ranks, expert_deadline_s=c.expert_deadline_s,
-                     expert_token_budget=c.expert_token_budget)
+                     expert_token_budget=c.expert_token_budget, lane_tokens=c.lane_tokens)
         else:
             d.update(sync_ranks=self.sync_ranks, sync_tp=self.par.sync_tp, cp_threshold=self.par.cp_threshold,
                      sync_overlap=self.par.sync_overlap)
