@@ -150,9 +150,14 @@ class FrontEnd:
     def _open_lanes(self) -> None:
         """Open the lanes of the waiting prompts, first come first served, while the lane has room (``lane.py``):
         chunk ``j`` on ``ranks[j % g]``; the last chunk's rank answers."""
-        while self.lane.waiting and self.lane.pool.fits(self.inflight[self.lane.waiting[0][0]].tokens):
+        while self.lane.waiting:
+            a = self.inflight.get(self.lane.waiting[0][0])
+            if a is None:  # forgotten without _forget (a failed group's requests): nothing to open
+                self.lane.waiting.popleft()
+                continue
+            if not self.lane.pool.fits(a.tokens):
+                return
             request_id, token_ids, chunks = self.lane.waiting.popleft()
-            a = self.inflight[request_id]
             g = self.lane.groups(len(chunks))
             ranks = self.placer.place_lane(request_id, chunks, g)
             word, extra = self.lane.open(request_id, a.tokens, ranks)
