@@ -4,7 +4,9 @@
 default) or two (262144), memory checked; coarse on 200 requests, the best two confirmed on 600 (the headline's
 trace and windows). The baseline has no lane: its figures stand (headline-p90.log / headline-p99.log).
 Run from the repository root: ``PYTHONPATH=. python docs/results/headline/lane_pool.py 0.90 4.53 none,262144``
-(p90 at the 3x SLO, 5 min) and ``... 0.99 15.1 none,262144`` (p99 at the 10x SLO, 8 min).
+(p90 at the 3x SLO, 5 min) and ``... 0.99 15.1 none,262144`` (p99 at the 10x SLO, 8 min); a 4th argument
+names the profile: ``... 0.90 1.73 none,262144 h800-node`` and ``... 0.99 5.77 none,262144 h800-node`` (the H800
+headline's SLOs; logs in docs/results/headline-h800/lane_pool-*).
 """
 import sys
 
@@ -16,7 +18,8 @@ from asap_comm.sim.study import capacity_rate, search_best
 
 target, slo = float(sys.argv[1]), float(sys.argv[2])
 pools = [None if x == "none" else int(x) for x in sys.argv[3].split(",")]
-cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.load("deepseek-v3")
+profile = sys.argv[4] if len(sys.argv) > 4 else "ascend-910c-cm384"
+cost, shapes = CostModel.load(profile, "deepseek-v3"), ModelShapes.load("deepseek-v3")
 trace, _desc = mooncake_trace(600)
 probe = trace[:200]
 cands = async_grid(64, [16], [2, 4, 8], [4096, 8192], shapes.heads, [16384], [0.0005], [16384], pools)
