@@ -172,7 +172,7 @@ class FrontEnd:
         entry = self.inflight.pop(rid)
         self.queued_tokens -= entry.tokens
         if entry.waiting:  # never placed: it leaves the lane's queue
-            self.lane.waiting = type(self.lane.waiting)(w for w in self.lane.waiting if w[0] != rid)
+            self.lane.waiting = deque(w for w in self.lane.waiting if w[0] != rid)
         else:
             self.placer.complete(rid)
             self.lane.close(rid)

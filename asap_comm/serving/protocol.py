@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from .lane import LANE_WORDS
 from .policies import Chunk, check_linear_weight
 
 __all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "HDR", "STOP", "CANCEL", "encode_chunk",
@@ -265,8 +266,7 @@ class Channels:
 
 def request_mailbox(comm, cfg: RuntimeConfig, info: ModelInfo, num_targets: int):
     """Collective: requests (front end -> ranks) and results (ranks -> front end) share one mailbox."""
-    # a lane chunk carries lane.LANE_WORDS + A more words (its lane's sequence number, prompt length, pool row and
-    # ranks)
-    lane = 4 + cfg.num_attention_ranks if cfg.long_prompt_lane else 0
+    # a lane chunk carries LANE_WORDS + A more words (its lane's sequence number, prompt length, pool row and ranks)
+    lane = LANE_WORDS + cfg.num_attention_ranks if cfg.long_prompt_lane else 0
     slot = max(8 * (cfg.max_chunk_tokens + HDR + lane), 4 * (info.hidden + 1), 256)
     return comm.mailbox(slot, 8 * (num_targets + 4))
