@@ -178,6 +178,7 @@ def _write_and_die(path):
     s = _Stats(path)
     s.add(1.0, 2.0, 2.0)
     s.add(1.0, 0.5, 1.0)
+    s.route(3.0, 2.0)
     os._exit(0)  # as a spawned worker ends: no atexit, no flush
 
 
@@ -189,6 +190,7 @@ def test_counters_survive_a_worker_exit_without_cleanup(tmp_path):
     (s,) = read_stats(tmp_path)
     assert (s["role"], s["pid"], s["calls"], s["overruns"]) == ("expert", 42, 2, 1)
     assert s["modelled_s"] == 2.0 and s["real_s"] == 2.5
+    assert (s["route_rows_max"], s["route_rows_mean"]) == (3.0, 2.0)
 
 
 def test_factory_validates_and_pickles(tmp_path):
@@ -430,7 +432,12 @@ def test_validate_in_the_emulated_regime(tmp_path):
     assert c["slo_s"] > 0 and res["compared"] >= 16 and c["cp_threshold"] == 96
     # the host overhead was fitted first, on an unloaded probe of 4 other requests, both modes
     ho = c["host_overhead"]
-    assert res["host_overhead"] is True and 0.0 <= ho["async_job_s"] <= 0.1 and 0.0 <= ho["sync_layer_s"] <= 0.1
+    assert res["host_overhead"] is True
+    for key in ("async_job_s", "expert_job_s", "async_layer_s", "sync_layer_s"):
+        assert 0.0 <= ho[key] <= 0.1, key
+    # the served router's skew, measured in each mode's probe (the tiny model's random router is not balanced)
+    assert ho["async_skew"] >= 1.0 and ho["sync_skew"] >= 1.0 and ho["measured"]["attention_jobs"] > 0
+    assert ho["measured"]["expert_batches"] > 0 and ho["measured"]["async_skew"] == ho["async_skew"]
     for mode in ("async", "sync"):
         pr = ho["probe"][mode]
         assert len(pr["real_ttft_s"]) == len(pr["sim_ttft_s"]) == len(pr["lengths"]) == 4

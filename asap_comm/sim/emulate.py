@@ -120,8 +120,13 @@ def rows_per_real_row(real: ModelShapes, emu: ModelShapes, token_scale: float, n
     return token_scale * r_emu / r_real
 
 
+# simulate_emulated(host_overhead=)'s keys (wall seconds) -> the CostModel.runtime factors they set (model seconds)
+HOST_OVERHEAD_KEYS = {"async_job_s": "async_job_overhead_s", "expert_job_s": "async_expert_job_overhead_s",
+                      "async_layer_s": "async_layer_overhead_s", "sync_layer_s": "sync_layer_overhead_s"}
+
+
 def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, spans: bool = False,
-                      host_overhead: "dict | None" = None):
+                      host_overhead: "dict | None" = None, expert_skew: float = 1.0):
     """The simulator's prediction of an emulated run, in the run's own units.
 
     ``factory``: the :class:`EmulatedFactory` the run uses (its profile, emulated model, dilation, token scale
@@ -134,11 +139,16 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
     profile's device time, dilated; an expert rank's transfers held after its compute, as the emulator holds them
     (``Parallelism.serial_expert_transfers``). Returns a ``SimResult`` whose records are in wall-clock seconds and real
     tokens, so ``summarize_run`` compares them with the run's. What the simulator does not model here: the
-    runtime's own overheads between stages, unless ``host_overhead`` gives them:
-    ``{"async_job_s": ..., "sync_layer_s": ...}`` in wall seconds on this host (``emulate_fit.fit_host_overhead``),
-    charged as busy time of every attention-rank job (ASAP) and as time added to every MoE layer of the
-    baseline's lock-step (``CostModel.runtime``'s ``async_job_overhead_s`` / ``sync_layer_overhead_s``, divided
-    by the dilation).
+    runtime's own overheads between stages, unless ``host_overhead`` gives them, in wall seconds on this host
+    (``emulate_fit.fit_host_overhead``; each key optional): ``async_job_s``, busy time of every ASAP attention-rank
+    job; ``expert_job_s``, busy time of every ASAP expert-rank batch; ``async_layer_s``, latency added to every
+    ASAP micro-batch's expert round trip; ``sync_layer_s``, time added to every MoE layer of the baseline's
+    lock-step (``CostModel.runtime``'s ``async_job_overhead_s``, ``async_expert_job_overhead_s``,
+    ``async_layer_overhead_s``, ``sync_layer_overhead_s``, divided by the dilation); nor the served model's routing,
+    unless ``expert_skew`` gives it: the slowest expert process's (or baseline worker's) expert work over the mean's,
+    which every dispatch waits for (the served model's router is not DeepSeek-V3's balanced one; each emulated rank
+    holds for the rows it really receives), charged on ASAP's expert batches and the baseline's expert stage
+    (``CostModel.runtime``'s ``expert_skew``).
     """
     import dataclasses
 
@@ -152,14 +162,17 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
     S, K = factory.token_scale, factory.time_scale
     cost = factory.cost()
     if host_overhead:
-        unknown = set(host_overhead) - {"async_job_s", "sync_layer_s"}
+        unknown = set(host_overhead) - set(HOST_OVERHEAD_KEYS)
         bad = {k: v for k, v in host_overhead.items() if isinstance(v, bool) or not isinstance(v, (int, float))
                or not v >= 0}
         if unknown or bad:
-            raise ValueError(f"simulate_emulated: host_overhead={host_overhead!r} takes async_job_s and sync_layer_s, "
-                             "wall seconds >= 0")
-        cost.runtime = {**cost.runtime, "async_job_overhead_s": host_overhead.get("async_job_s", 0.0) / K,
-                        "sync_layer_overhead_s": host_overhead.get("sync_layer_s", 0.0) / K}
+            raise ValueError(f"simulate_emulated: host_overhead={host_overhead!r} takes "
+                             f"{', '.join(HOST_OVERHEAD_KEYS)}, wall seconds >= 0")
+        cost.runtime = {**cost.runtime, **{HOST_OVERHEAD_KEYS[k]: v / K for k, v in host_overhead.items()}}
+    if isinstance(expert_skew, bool) or not isinstance(expert_skew, (int, float)) or not 1.0 <= expert_skew < 100:
+        raise ValueError(f"simulate_emulated: expert_skew={expert_skew!r} must be a number in [1, 100): the slowest "
+                         "expert rank's work over the mean's")
+    cost.runtime = {**cost.runtime, "expert_skew": float(expert_skew)}
     real, emu = factory.real_shapes, cost.shapes
     dense_w, moe_w = layer_weights(real, emu)
     layers = [(bool(m), moe_w if m else dense_w) for m in real.moe_layers]
@@ -329,6 +342,10 @@ class EmulatedModel(ModelHooks):
                  time_scale: float, token_scale: float, num_expert_ranks: int, stats: _Stats, *,
                  attention_tp: int = 1, expert_devices: int = 1, routing=None) -> None:
         self.inner, self.cost, self.role, self.stats = inner, cost, role, stats
+        from ..moe.plan import expert_placement  # torch: a model is built where it runs (emulate imports no torch)
+
+        self._route_ranks = max(1, int(num_expert_ranks))  # the served experts' ranks, for _count_route
+        self._rank_of_expert = expert_placement(max(1, real.num_experts), self._route_ranks)
         # A rank may be a group of devices: attention-side work runs tensor-parallel on attention_tp devices
         # (per-device time from the cost model, plus the group's all-reduces); a rank's routed experts are
         # spread over expert_devices devices (EP over every device of a baseline group).
@@ -436,7 +453,24 @@ class EmulatedModel(ModelHooks):
         out = self.inner.route(layer, mlp_input)
         n = self._tokens(max(0, int(mlp_input.shape[0]) + self._cp_mlp))
         self._hold(t0, self._layer_weight(layer) * self.cost.router_s(self._per_device(n)))
+        self._count_route(getattr(out, "topk_ids", None))  # after the hold: host time, not the device's
         return out
+
+    def _count_route(self, topk_ids) -> None:
+        """Record how unevenly this router call loads the expert-holding ranks (``num_expert_ranks`` of them, the
+        runtime's contiguous placement of the served model's experts): the rows its tokens send to the most loaded
+        rank and to the mean rank. The emulated ranks hold for the rows they really get, so a served router that
+        is not balanced makes every dispatch wait for its hottest rank (``emulate_fit`` reads it)."""
+        import torch
+
+        if topk_ids is None or not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or not topk_ids.numel():
+            return
+        R = self._route_ranks
+        ranks = self._rank_of_expert[topk_ids.long().clamp(0, self._rank_of_expert.numel() - 1)]
+        hit = torch.zeros(topk_ids.shape[0], R, dtype=torch.bool)
+        hit.scatter_(1, ranks, True)
+        rows = hit.sum(0)
+        self.stats.route(float(rows.max()), float(rows.sum()) / R)
 
     def _per_device(self, tokens: int) -> int:
         """Tokens of one device of the group after the attention's reduce-scatter (all of them when tp=1)."""

@@ -10,7 +10,9 @@ from pathlib import Path
 
 __all__ = ["STAT_FIELDS", "read_stats", "overrun_summary", "collective_summary"]
 
-STAT_FIELDS = ("calls", "overruns", "modelled_s", "real_s", "overrun_s", "held_s")
+# route_rows_max / route_rows_mean: summed over the model's router calls, the rows its tokens send to the most
+# loaded expert-holding rank and to the mean rank (the served router's skew; emulate_fit.fit_host_overhead)
+STAT_FIELDS = ("calls", "overruns", "modelled_s", "real_s", "overrun_s", "held_s", "route_rows_max", "route_rows_mean")
 _FMT = "<" + "d" * len(STAT_FIELDS)
 _SIZE = struct.calcsize(_FMT)
 
@@ -38,6 +40,14 @@ class _Stats:
         if real > modelled:
             v[1] += 1
             v[4] += real - modelled
+        if self._mm is not None:
+            struct.pack_into(_FMT, self._mm, 0, *v)
+
+    def route(self, max_rows: float, mean_rows: float) -> None:
+        """One router call: the rows its tokens send to the most loaded expert-holding rank, and to the mean one."""
+        v = self.values
+        v[6] += max_rows
+        v[7] += mean_rows
         if self._mm is not None:
             struct.pack_into(_FMT, self._mm, 0, *v)
 
@@ -111,7 +121,8 @@ def read_stats(stats_dir: "str | Path") -> list[dict]:
         out.append({"role": "+".join(sorted(e["roles"])), "pid": pid, "calls": calls, "overruns": int(e["overruns"]),
                     "overrun_fraction": e["overrun_s"] / e["modelled_s"] if e["modelled_s"] else 0.0,
                     "overrun_calls_fraction": e["overruns"] / calls if calls else 0.0,
-                    **{k: e[k] for k in ("modelled_s", "real_s", "overrun_s", "held_s")}})
+                    **{k: e[k] for k in ("modelled_s", "real_s", "overrun_s", "held_s", "route_rows_max",
+                                         "route_rows_mean")}})
     return out
 
 

@@ -71,6 +71,7 @@ class OpCoef:
 
 RUNTIME_FACTORS = {
     "async_attention": 1.0, "async_expert": 1.0, "async_layer_overhead_s": 0.0, "async_job_overhead_s": 0.0,
+    "async_expert_job_overhead_s": 0.0, "expert_skew": 1.0,
     "sync_compute": 1.0, "sync_layer_overhead_s": 0.0, "sync_poll_weight": 1.0,
 }
 
@@ -84,6 +85,11 @@ def _runtime_factors(profile: "Profile") -> dict:
     lengthens its lock-step, so every rank pays it); ``async_job_overhead_s`` is busy time added to each
     attention-rank job (a layer segment up to a dispatch, or the tail): work the rank's own process does
     outside the operators (packing, puts, the loop), which keeps its other micro-batch waiting;
+    ``async_expert_job_overhead_s`` the same for each expert-rank batch (merging, the loop, the combine's puts);
+    ``expert_skew``: the slowest expert-holding rank's expert work over the mean's for one prompt's tokens, for a
+    served router that does not spread them evenly over the ranks (both modes wait for the slowest; an emulated
+    run's served model, measured by ``emulate_fit``): multiplies ASAP's expert-rank batch and the baseline's expert
+    stage, its excess shrinking with the batch's spread over prompts (``simulate_common.batch_skew``);
     ``sync_poll_weight``: on a shared CPU host, the share of a core that a baseline rank waiting in a
     collective takes from the ranks computing (1: a full polling process, 0: it sleeps).
     Absent: the neutral values (cluster profiles).

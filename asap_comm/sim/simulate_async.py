@@ -7,7 +7,7 @@ import math
 from ..serving.policies import ExpertBatcher, MicroBatcher, Placer
 from .engine import Engine, Rank
 from .lane import Lane
-from .simulate_common import Parallelism, _Common, rows_per_rank_fraction
+from .simulate_common import Parallelism, _Common, batch_skew, rows_per_rank_fraction
 
 
 # ----------------------------------------------------------------------------- ASAP
@@ -54,6 +54,8 @@ class _AsyncSim(_Common):
         self.k_att, self.k_exp, self.layer_overhead = (rt["async_attention"], rt["async_expert"],
                                                        rt["async_layer_overhead_s"])
         self.job_overhead = rt["async_job_overhead_s"]  # busy time of each attention-rank job outside operators
+        # busy time of each expert-rank batch outside operators; the slowest expert rank's work over the mean's
+        self.ex_job_overhead, self.ex_skew = rt["async_expert_job_overhead_s"], rt["expert_skew"]
         self.serial_tx = par.serial_expert_transfers  # transfers held by the expert rank after computing
         self.slo_s = None  # the run's TTFT SLO when known (simulate(..., slo_s=)): the lane's predicate
         self.lane = Lane(self) if cfg.long_prompt_lane and A > 1 else None  # lane.py
@@ -211,7 +213,15 @@ class _AsyncSim(_Common):
         elif self.serial_tx:  # the batch's dispatch + combine held after computing it (the emulator's hold_transfer)
             r = sum(rows if self.tp == 1 else self._rows(mb.tokens) for mb, rows in items)
             work += w * (self.cost.dispatch_s(r) + self.cost.combine_s(r)) / self.k_exp
-        self.ex.submit(work * self.k_exp, lambda: self._experts_done(items), f"experts seg {layer} ({len(items)} mb)")
+        skew = self.ex_skew
+        if skew != 1.0:  # a served router's skew, averaged over the batch's prompts
+            per: dict = {}
+            for mb, _ in items:
+                for c in mb.chunks:
+                    per[c.request_id] = per.get(c.request_id, 0) + c.length
+            skew = batch_skew(skew, per)
+        self.ex.submit(work * self.k_exp * skew + self.ex_job_overhead, lambda: self._experts_done(items),
+                       f"experts seg {layer} ({len(items)} mb)")
 
     def _wake(self) -> None:
         self.ex_wake = None

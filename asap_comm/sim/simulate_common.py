@@ -13,7 +13,7 @@ from .costs import RUNTIME_FACTORS
 from .engine import Engine, Host
 from .routing import routing_of
 
-__all__ = ["Parallelism", "rows_per_rank_fraction", "SYNC_IDLE_POLL_S"]
+__all__ = ["Parallelism", "rows_per_rank_fraction", "SYNC_IDLE_POLL_S", "batch_skew"]
 
 SYNC_IDLE_POLL_S = 0.001  # asap_comm.serving.sync_worker.IDLE_S: the idle baseline's heartbeat
 _RESULT_BYTES_PER_HIDDEN = 4  # the result message carries the float32 final hidden state
@@ -65,6 +65,18 @@ def rows_per_rank_fraction(num_experts: int, top_k: int, local_experts: int) -> 
                          f"num_experts={num_experts}")
     miss = math.comb(num_experts - local_experts, top_k) / math.comb(num_experts, top_k)
     return 1.0 - miss
+
+
+def batch_skew(skew: float, tokens_by_request: dict) -> float:
+    """The slowest expert rank's work over the mean's for one batch, when one prompt's tokens alone give ``skew``
+    (``CostModel.runtime``'s ``expert_skew``). A served router sends one prompt's tokens alike (they share its
+    context) and different prompts' independently, so the batch's excess over the mean shrinks as its load spreads
+    over more prompts: ``1 + (skew - 1) * sqrt(sum t**2) / sum t`` over the batch's tokens ``t`` per request
+    (``tokens_by_request``), ``skew`` for one prompt, ``1 + (skew - 1) / sqrt(n)`` for ``n`` equal ones."""
+    total = sum(tokens_by_request.values())
+    if skew == 1.0 or total <= 0:
+        return skew
+    return 1.0 + (skew - 1.0) * math.sqrt(sum(t * t for t in tokens_by_request.values())) / total
 
 
 def _pairs(tokens: int, shapes, local_experts: int) -> list:

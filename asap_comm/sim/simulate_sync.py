@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..serving.policies import MicroBatcher, Placer, split_prompt
 from ..serving.traces import Request
 from .engine import ps_makespan
-from .simulate_common import SYNC_IDLE_POLL_S, Parallelism, _Common, _validate, rows_per_rank_fraction
+from .simulate_common import SYNC_IDLE_POLL_S, Parallelism, _Common, _validate, batch_skew, rows_per_rank_fraction
 
 
 # ----------------------------------------------------------------------------- synchronous DP+EP baseline
@@ -43,6 +43,7 @@ class _SyncSim(_Common):
         self.segs = self._segments()
         self.steps = 0
         self.k, self.layer_overhead = self.cost.runtime["sync_compute"], self.cost.runtime["sync_layer_overhead_s"]
+        self.skew = self.cost.runtime["expert_skew"]  # the step waits for the device whose experts work longest
         self.cp_threshold = par.cp_threshold if W > 1 else None
         self.cp: list = []  # unfinished context-parallel requests, in arrival order
 
@@ -137,7 +138,17 @@ class _SyncSim(_Common):
         # every token of every rank may choose this rank's experts: its share of the (token, expert) pairs
         # is sum(tokens) * top_k * local / N (see _pairs)
         k = self.k
-        expert_work = k * cost.experts_s(self._expert_pairs(sum(tokens))) if sum(tokens) else 0.0
+        skew = self.skew
+        if skew != 1.0:  # a served router's skew, averaged over the step's prompts
+            per: dict = {}
+            for b in batches:
+                for c in b:
+                    per[c.request_id] = per.get(c.request_id, 0) + c.length
+            for sh in shares or ():
+                for req, _c, n, _i in sh:
+                    per[req.request_id] = per.get(req.request_id, 0) + n
+            skew = batch_skew(skew, per)
+        expert_work = k * skew * cost.experts_s(self._expert_pairs(sum(tokens))) if sum(tokens) else 0.0
         # the busiest device: what it sends (its rows for each of its D - 1 peers) or receives (from D - 1 devices)
         a2a_rows = max(max(rows) * (D - 1), round(sum(rows) * tp * (D - 1) / D))
         if self.load is not None:  # skewed: a device sends to the ranks its tokens reach; the hottest receives most

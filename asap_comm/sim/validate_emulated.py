@@ -16,9 +16,11 @@ For each configuration, load and mode:
 * **simulated**: ``simulate_emulated`` replays the same requests (same
   arrivals, same prompts) through the simulator with the same profile,
   emulated model, dilation, token scale and device groups, plus the
-  emulation's **host overhead**: the runtime's own work outside the held
-  stages, fitted first per mode on an unloaded probe of 12 other requests
-  (``emulate_fit``; ``--no-host-overhead`` leaves it out). Only that probe
+  emulation's **host overhead** (the runtime's own work outside the held
+  stages) and the **served router's skew** (each emulated expert rank holds
+  for the rows the served model's router really sends it), measured and
+  fitted first per mode on an unloaded probe of 12 other requests
+  (``emulate_fit``; ``--no-host-overhead`` leaves both out). Only that probe
   enters the fit; the loads below are predictions.
 
 The load is the shared Mooncake trace (lengths divided by the token scale;
@@ -165,7 +167,9 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
             more = _trace(kind, num_requests + n_probe, token_scale, 2 * cfg.effective_chunk_len, seed)
             fitted = fit_host_overhead({m: factory(m) for m in mode_cfg}, mode_cfg, info,
                                        lengths=[r.prompt_len for r in more[num_requests:]], progress=progress)
-        ho = None if fitted is None else {k: fitted[k] for k in ("async_job_s", "sync_layer_s")}
+        ho = {m: None if fitted is None else {k: fitted[k] for k in keys}
+              for m, keys in (("async", ("async_job_s", "expert_job_s", "async_layer_s")), ("sync", ("sync_layer_s",)))}
+        skew = {m: 1.0 if fitted is None else fitted[f"{m}_skew"] for m in ("async", "sync")}
         lens = sorted(r.prompt_len for r in base_trace)
         p90 = lens[min(len(lens) - 1, int(0.9 * len(lens)))]
         mean_len = sum(lens) / len(lens)
@@ -182,8 +186,8 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
             trace = scale_trace(base_trace, target_rate=rate)
             reqs = [PromptRequest(r.request_id, r.arrival_s, tokens[r.request_id]) for r in trace]
             for mode in ("async", "sync"):
-                sim = summarize_run(simulate_emulated(factory(mode), mode, trace, mode_cfg[mode],
-                                                      host_overhead=ho).records, cfg_slo).as_dict()
+                sim = summarize_run(simulate_emulated(factory(mode), mode, trace, mode_cfg[mode], host_overhead=ho[mode],
+                                                      expert_skew=skew[mode]).records, cfg_slo).as_dict()
                 reals = []
                 for rep in range(repeats):
                     stats_dir = out / "stats" / f"{configs}-{rate:g}-{mode}-{rep}"
@@ -263,8 +267,11 @@ def table(result: dict) -> str:
                      f"{result['repeats']}; real -> simulated, relative error)")
         ho = c.get("host_overhead")
         lines.append("host overhead: not simulated (--no-host-overhead)" if not ho else
-                     f"host overhead (fitted unloaded, wall): ASAP {ho['async_job_s'] * 1e3:.1f} ms per attention "
-                     f"job, baseline {ho['sync_layer_s'] * 1e3:.1f} ms per MoE layer")
+                     f"host overhead (unloaded probe, wall): ASAP measured {ho['async_job_s'] * 1e3:.1f} ms per "
+                     f"attention job and {ho['expert_job_s'] * 1e3:.1f} ms per expert batch, fitted "
+                     f"{ho['async_layer_s'] * 1e3:.1f} ms per expert round trip; baseline fitted "
+                     f"{ho['sync_layer_s'] * 1e3:.1f} ms per MoE layer; served router's hottest expert rank "
+                     f"{ho['async_skew']:.2f}x / {ho['sync_skew']:.2f}x the mean rows")
         lines.append(f"{'req/s':>5s} {'mode':5s} " + " ".join(f"{_LABEL[m]:>24s}" for m in METRICS)
                      + f" {'attainment':>12s} {'overruns':>8s}")
         for row in c["runs"]:
