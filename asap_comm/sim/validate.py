@@ -207,8 +207,9 @@ def main(argv=None) -> int:
     e.add_argument("--token-scale", type=int, default=128, help="emulated tokens per real token")
     e.add_argument("--repeats", type=int, default=3, help="real runs per point; each metric is their median")
     e.add_argument("--no-host-overhead", action="store_true",
-                   help="simulate without the emulation's host overhead (by default it is fitted first on an "
-                        "unloaded probe of other requests: asap_comm.sim.emulate_fit)")
+                   help="simulate without the emulation's host overhead and the served router's skew (by "
+                        "default both are measured and fitted first on an unloaded probe of other requests: "
+                        "asap_comm.sim.emulate_fit)")
     e.add_argument("--slo", type=float, default=None, help="SLO in seconds (default: 3x the simulated unloaded "
                    "TTFT of the baseline on the p90 prompt)")
     args = p.parse_args(argv)
