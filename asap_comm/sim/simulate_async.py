@@ -213,13 +213,8 @@ class _AsyncSim(_Common):
         elif self.serial_tx:  # the batch's dispatch + combine held after computing it (the emulator's hold_transfer)
             r = sum(rows if self.tp == 1 else self._rows(mb.tokens) for mb, rows in items)
             work += w * (self.cost.dispatch_s(r) + self.cost.combine_s(r)) / self.k_exp
-        skew = self.ex_skew
-        if skew != 1.0:  # a served router's skew, averaged over the batch's prompts
-            per: dict = {}
-            for mb, _ in items:
-                for c in mb.chunks:
-                    per[c.request_id] = per.get(c.request_id, 0) + c.length
-            skew = batch_skew(skew, per)
+        # a served router's skew, averaged over the batch's prompts
+        skew = batch_skew(self.ex_skew, ((c.request_id, c.length) for mb, _ in items for c in mb.chunks))
         self.ex.submit(work * self.k_exp * skew + self.ex_job_overhead, lambda: self._experts_done(items),
                        f"experts seg {layer} ({len(items)} mb)")
 

@@ -67,16 +67,22 @@ def rows_per_rank_fraction(num_experts: int, top_k: int, local_experts: int) -> 
     return 1.0 - miss
 
 
-def batch_skew(skew: float, tokens_by_request: dict) -> float:
+def batch_skew(skew: float, tokens_by_request) -> float:
     """The slowest expert rank's work over the mean's for one batch, when one prompt's tokens alone give ``skew``
     (``CostModel.runtime``'s ``expert_skew``). A served router sends one prompt's tokens alike (they share its
     context) and different prompts' independently, so the batch's excess over the mean shrinks as its load spreads
     over more prompts: ``1 + (skew - 1) * sqrt(sum t**2) / sum t`` over the batch's tokens ``t`` per request
-    (``tokens_by_request``), ``skew`` for one prompt, ``1 + (skew - 1) / sqrt(n)`` for ``n`` equal ones."""
-    total = sum(tokens_by_request.values())
-    if skew == 1.0 or total <= 0:
+    (``tokens_by_request``: ``{request id: tokens}``, or ``(request id, tokens)`` pairs, summed per request),
+    ``skew`` for one prompt, ``1 + (skew - 1) / sqrt(n)`` for ``n`` equal ones."""
+    if skew == 1.0:
         return skew
-    return 1.0 + (skew - 1.0) * math.sqrt(sum(t * t for t in tokens_by_request.values())) / total
+    per: dict = {}
+    for rid, t in (tokens_by_request.items() if isinstance(tokens_by_request, dict) else tokens_by_request):
+        per[rid] = per.get(rid, 0) + t
+    total = sum(per.values())
+    if total <= 0:
+        return skew
+    return 1.0 + (skew - 1.0) * math.sqrt(sum(t * t for t in per.values())) / total
 
 
 def _pairs(tokens: int, shapes, local_experts: int) -> list:

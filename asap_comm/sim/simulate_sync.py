@@ -2,6 +2,8 @@
 per MoE layer, context parallelism (``simulate.py`` has the modelling choices)."""
 from __future__ import annotations
 
+import itertools
+
 from ..serving.policies import MicroBatcher, Placer, split_prompt
 from ..serving.traces import Request
 from .engine import ps_makespan
@@ -138,16 +140,9 @@ class _SyncSim(_Common):
         # every token of every rank may choose this rank's experts: its share of the (token, expert) pairs
         # is sum(tokens) * top_k * local / N (see _pairs)
         k = self.k
-        skew = self.skew
-        if skew != 1.0:  # a served router's skew, averaged over the step's prompts
-            per: dict = {}
-            for b in batches:
-                for c in b:
-                    per[c.request_id] = per.get(c.request_id, 0) + c.length
-            for sh in shares or ():
-                for req, _c, n, _i in sh:
-                    per[req.request_id] = per.get(req.request_id, 0) + n
-            skew = batch_skew(skew, per)
+        # a served router's skew, averaged over the step's prompts (its own chunks and its CP shares)
+        skew = batch_skew(self.skew, itertools.chain(((c.request_id, c.length) for b in batches for c in b),
+                                                     ((req.request_id, n) for sh in shares or () for req, _c, n, _i in sh)))
         expert_work = k * skew * cost.experts_s(self._expert_pairs(sum(tokens))) if sum(tokens) else 0.0
         # the busiest device: what it sends (its rows for each of its D - 1 peers) or receives (from D - 1 devices)
         a2a_rows = max(max(rows) * (D - 1), round(sum(rows) * tp * (D - 1) / D))
