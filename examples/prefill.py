@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -59,12 +60,15 @@ from pathlib import Path
 
 import torch
 
-from asap_comm.serving import ChromeTrace, load_trace, slo_compliant_throughput, summarize_run
+from asap_comm.serving import ChromeTrace, load_trace, served_at_load, slo_compliant_throughput, summarize_run
+from asap_comm.serving.lane import lane_tokens
 from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig, run_async
 from asap_comm.serving.traces import LogNormalLengths, TraceError, synthetic_trace
 from asap_comm.sim import plots, study
 from asap_comm.sim.costs import known_profiles
 from asap_comm.sim.emulate import DEFAULT_TIME_SCALE as EMULATE_TIME_SCALE
+from asap_comm.sim.lane import LANE_WAIT_SLO
+from asap_comm.sim.memory import LANE_POOL_PROMPTS
 
 try:
     from asap_comm.serving.sync import run_sync
@@ -308,6 +312,18 @@ def memory_table(args) -> dict:
             "sync": deployment_memory("sync", prof, shapes, sync_ranks=sync_workers(args), sync_tp=args.sync_tp, **kw)}
 
 
+def default_lane_tokens(args) -> "tuple | None":
+    """--emulate without --lane-tokens: ``(tokens, prompts)``, the lanes' KV pool of the most longest prompts (up to
+    ``LANE_POOL_PROMPTS``) that the emulated attention dies hold (``asap_comm.sim.memory.fitting_lane_tokens``),
+    in served tokens; None without --emulate or with the lane off (the runtime's default: one longest prompt)."""
+    from asap_comm.sim.memory import fitting_lane_tokens
+
+    if not args.emulate or args.no_long_prompt_lane or args.no_load_aware:
+        return None
+    return fitting_lane_tokens(lambda n: memory_table(argparse.Namespace(**{**vars(args), "lane_tokens": n}))["async"],
+                               args.max_prompt_len)
+
+
 def memory_refusal(args) -> "str | None":
     """--emulate: the one line refusing a deployment whose emulated dies cannot hold it (None: it fits, or
     --ignore-memory)."""
@@ -535,10 +551,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "those whose predicted TTFT alone on one attention group (the simulator's, "
                         "simulate_emulated) exceeds half the SLO, as the simulator's lane decides; without "
                         "--emulate, any prompt of 2+ chunks")
-    p.add_argument("--lane-tokens", type=int, default=None, metavar="TOKENS",
+    p.add_argument("--lane-tokens", default=None, metavar="TOKENS|auto",
                    help="the prompt tokens the long-prompt lanes in flight hold together: every attention rank's "
                         "pool of received KV rows (the memory check charges it); a prompt that wants the lane waits "
-                        "for room (default: --max-prompt-len)")
+                        "for room (default: --max-prompt-len, one longest prompt; auto, with --emulate: the most "
+                        "longest prompts, up to 4, that the emulated attention dies hold)")
+    p.add_argument("--lane-wait", default="auto", metavar="SECONDS|auto|none",
+                   help="a prompt that has waited this long for room in the lane runs on one attention rank instead, "
+                        "so a lane pool too small for the long prompts' arrivals does not queue them without bound "
+                        f"(auto: {LANE_WAIT_SLO:g} x the TTFT SLO; none: it waits for a lane to close)")
     p.add_argument("--no-token-balanced", action="store_true",
                    help="ablation: fill an attention rank's first ping-pong micro-batch up to the budget instead of "
                         "balancing the two micro-batches' tokens")
@@ -575,9 +596,38 @@ def main(argv=None) -> int:
         rates = [] if auto_sweep else [float(x) for x in args.sweep.split(",") if x] or [args.rate]
     except ValueError:
         parser.error(f"--sweep {args.sweep!r}: give comma-separated rates (req/s) or auto")
+    lane_pool = None  # --lane-tokens auto: (tokens, prompts) of the lanes' KV pool the emulated memory allows
+    if args.lane_tokens is not None and args.lane_tokens != "auto":
+        try:
+            args.lane_tokens = int(args.lane_tokens)
+            if args.lane_tokens < 1:
+                raise ValueError
+        except ValueError:
+            parser.error(f"--lane-tokens {args.lane_tokens}: give a number of tokens >= 1 (the lanes' KV pool), "
+                         "or auto")
+    if args.lane_tokens == "auto" and not args.emulate:
+        parser.error("--lane-tokens auto needs --emulate (the memory model of the emulated dies sizes the pool)")
+    if args.lane_wait not in ("auto", "none"):
+        try:
+            args.lane_wait = float(args.lane_wait)
+            if not (args.lane_wait >= 0 and math.isfinite(args.lane_wait)):
+                raise ValueError
+        except ValueError:
+            parser.error(f"--lane-wait {args.lane_wait}: give seconds >= 0, auto or none")
     if args.emulate:
         if args.expert_dies < 1:
             parser.error(f"--expert-dies {args.expert_dies}: give a number of devices >= 1")
+        if args.lane_tokens == "auto":
+            args.lane_tokens = None
+            try:
+                lane_pool = default_lane_tokens(args)
+            except ValueError:
+                lane_pool = None  # a bad deployment: memory_refusal names it
+            if lane_pool is not None:
+                args.lane_tokens = lane_pool[0]
+                print(f"long-prompt lane: a KV pool of {lane_pool[0]} tokens ({lane_pool[1]} longest prompt"
+                      f"{'s' if lane_pool[1] > 1 else ''}, what the emulated attention dies hold, up to "
+                      f"{LANE_POOL_PROMPTS})", file=sys.stderr, flush=True)
         line = memory_refusal(args)  # before the factories, whose own check is the experts' share only
         if line is not None:
             print(line, file=sys.stderr)
@@ -598,8 +648,6 @@ def main(argv=None) -> int:
             parser.error(f"{', '.join(extra)} {verb} --emulate (emulated devices only)")
     if args.lane_threshold != "auto" and not (args.lane_threshold.isdigit()):
         parser.error(f"--lane-threshold {args.lane_threshold}: give a number of tokens >= 0, or auto")
-    if args.lane_tokens is not None and args.lane_tokens < 1:
-        parser.error(f"--lane-tokens {args.lane_tokens}: give a number of tokens >= 1 (the lanes' KV pool)")
     if args.routing != "balanced" and not args.emulate:
         parser.error(f"--routing {args.routing}: needs --emulate (the served model's own router picks its experts; "
                      "the routing skews the emulated model's work)")
@@ -651,12 +699,17 @@ def main(argv=None) -> int:
     slo = slo_info["ttft_s"]
     print(describe_slo(slo_info), file=sys.stderr, flush=True)
     threshold = lane_threshold(args, factory, cfgs["async"], slo)
-    cfgs["async"] = dataclasses.replace(cfgs["async"], lane_threshold=threshold)
+    wait = {"auto": LANE_WAIT_SLO * slo, "none": None}.get(args.lane_wait, args.lane_wait)
+    cfgs["async"] = dataclasses.replace(cfgs["async"], lane_threshold=threshold, lane_wait_s=wait)
     if not args.no_long_prompt_lane and "async" in modes:
         print("long-prompt lane: " + ("prompts of 2+ chunks" if threshold is None else
-                                      f"prompts longer than {threshold} tokens"), file=sys.stderr, flush=True)
+                                      f"prompts longer than {threshold} tokens")
+              + ("" if wait is None else f"; one that waits {wait:.3g} s for room runs on one attention rank"),
+              file=sys.stderr, flush=True)
     mean_len = sum(int(r.token_ids.numel()) for r in requests) / len(requests)
-    summary = {"config": vars(args), "slo": slo_info, "runs": [], "lane_threshold": threshold}
+    summary = {"config": vars(args), "slo": slo_info, "runs": [], "lane_threshold": threshold,
+               "lane_tokens": {"tokens": lane_tokens(cfgs["async"]), "auto": lane_pool is not None},
+               "lane_wait_s": wait}
     if args.emulate:
         summary["emulation"] = emulated(args, factory, "async").describe_emulation()
         summary["ignore_memory"] = args.ignore_memory
@@ -733,6 +786,8 @@ def main(argv=None) -> int:
         for mode in modes:
             pts = sorted((r["offered_tokens_per_s"], r["slo_attainment"]) for r in summary["runs"] if r["mode"] == mode)
             summary[mode]["slo_compliant_throughput"] = slo_compliant_throughput(pts)
+            summary[mode]["at_slo_compliant_load"] = served_at_load(
+                [r for r in summary["runs"] if r["mode"] == mode], summary[mode]["slo_compliant_throughput"])
     if args.emulate:
         for mode in modes:  # by time (asap_comm.sim.emulate_stats.overrun_summary), and by calls
             calls = sum(e["calls"] for e in emu_runs[mode])
@@ -754,7 +809,10 @@ def main(argv=None) -> int:
     if auto_sweep or len(rates) > 1:
         sct = {m: summary[m].get("slo_compliant_throughput") for m in modes}
         for mode in modes:
-            print(f"SLO-compliant throughput ({mode}): {sct[mode]} tokens/s")
+            at = summary[mode].get("at_slo_compliant_load")
+            print(f"SLO-compliant throughput ({mode}): {sct[mode]} tokens/s" + (
+                "" if at is None else f" (there: served {at['served_tokens_per_s']:.0f} tokens/s, "
+                f"{at['served_fraction']:.0%} of offered, TTFT p99 {at['ttft_p99_s']:.2f} s)"))
         if sct.get("async") and sct.get("sync"):
             print(f"ASAP / baseline: {sct['async'] / sct['sync']:.2f}x")
     if args.emulate:

@@ -41,6 +41,9 @@ def test_prefill_example_end_to_end(tmp_path):
                     "num_requests", "num_failed", "slo_compliant_throughput"):
             assert key in summary[mode], (mode, key)
         assert summary[mode]["num_requests"] == 8 and summary[mode]["num_failed"] == 0
+        sct, at = summary[mode]["slo_compliant_throughput"], summary[mode]["at_slo_compliant_load"]
+        assert (at is None) if sct is None else (at["offered_tokens_per_s"] == sct and at["runs"] == 1
+                                                 and at["served_tokens_per_s"] > 0)
     assert summary["correctness"]["checked"] == 32 and summary["correctness"]["mismatches"] == 0
     assert len(summary["runs"]) == 4 and {run["mode"] for run in summary["runs"]} == {"async", "sync"}
 

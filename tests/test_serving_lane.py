@@ -191,6 +191,17 @@ def test_lane_prompts_wait_for_room_in_the_kv_pool_and_keep_their_outputs():
 
 
 @pytest.mark.slow
+def test_a_prompt_that_waits_lane_wait_s_runs_on_one_rank_and_keeps_its_output():
+    # the pool holds one prompt (128 rows); three lane prompts arrive together. With lane_wait_s=0 the two that
+    # find no room run the usual way at once, each on one rank (no lane KV of theirs); outputs stay the reference
+    requests = [_prompt(i, 70 + 13 * i, 0.0) for i in range(3)]
+    result = run_async(TinyFactory(), INFO, requests, _cfg(num_attention_ranks=2, timeout_s=60, lane_wait_s=0.0))
+    assert [r.error for r in result.records] == [None] * 3
+    assert check_against_reference(requests, result) == []
+    assert len(_lane_pes(result, 0)) == 2 and not _lane_pes(result, 1) and not _lane_pes(result, 2)
+
+
+@pytest.mark.slow
 def test_lane_off_is_the_old_runtime():
     requests = [_prompt(0, 100)] + [PromptRequest(i + 1, r.arrival_s, r.token_ids)
                                     for i, r in enumerate(make_trace(5, seed=4))]

@@ -154,3 +154,20 @@ def test_chrome_trace_rejects_bad_spans(tmp_path):
     tl.complete("y", 0, 0, 0.0, 1.0, args={"v": math.nan})
     with pytest.raises(ValueError):  # NaN is not JSON: refused at write time, not in the viewer
         tl.write(tmp_path / "t.json")
+
+
+def test_served_at_load_reports_what_the_compliant_load_served():
+    """served_at_load: the median served tokens/s, served fraction and p99 of the runs at exactly that offered load;
+    None without a load or a run there (a mode that met p90 while serving half its offered load shows it)."""
+    from asap_comm.serving import served_at_load
+
+    runs = [{"offered_tokens_per_s": 100.0, "throughput_tokens_per_s": 99.0, "ttft_p99_s": 1.0},
+            {"offered_tokens_per_s": 200.0, "throughput_tokens_per_s": 100.0, "ttft_p99_s": 30.0},
+            {"offered_tokens_per_s": 200.0, "throughput_tokens_per_s": 120.0, "ttft_p99_s": 40.0},
+            {"offered_tokens_per_s": 200.0, "throughput_tokens_per_s": 140.0, "ttft_p99_s": None}]
+    at = served_at_load(runs, 200.0)
+    assert at == {"offered_tokens_per_s": 200.0, "served_tokens_per_s": 120.0, "served_fraction": 0.6,
+                  "ttft_p99_s": 35.0, "runs": 3}
+    assert served_at_load(runs, 100.0)["served_fraction"] == pytest.approx(0.99)
+    assert served_at_load(runs, None) is None and served_at_load(runs, 150.0) is None
+    assert served_at_load([], 100.0) is None

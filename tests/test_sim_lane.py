@@ -263,6 +263,48 @@ def test_the_simulated_lane_admits_as_the_runtimes_front_end(monkeypatch):
     assert recs[0].error is None and took == []
 
 
+def test_a_prompt_that_waits_lane_wait_s_for_the_lane_runs_on_one_group(monkeypatch):
+    """RuntimeConfig.lane_wait_s: a prompt still waiting for room in the lane that long after it arrived runs the
+    usual way (one group, as the runtime's FrontEnd does); one that got room before that takes the lane; None
+    waits for a lane to close."""
+    from asap_comm.serving import policies
+
+    took, usual = [], []
+    orig_lane, orig_place = policies.Placer.place_lane, policies.Placer.place
+
+    def spy_lane(self, rid, chunks, groups):
+        took.append(rid)
+        return orig_lane(self, rid, chunks, groups)
+
+    def spy_place(self, rid, chunks):
+        usual.append(rid)
+        return orig_place(self, rid, chunks)
+
+    monkeypatch.setattr(policies.Placer, "place_lane", spy_lane)
+    monkeypatch.setattr(policies.Placer, "place", spy_place)
+    # a pool of one 3000-token prompt: three arrive together; the first takes the lane
+    reqs = [Request(i, 0.001 * i, 3000) for i in range(3)]
+    alone = simulate("async", reqs[:1], ToyCost(), DEEP, _cfg(2, lane_tokens=3000)).records[0].ttft_s
+    took.clear()
+    waited = simulate("async", reqs, ToyCost(), DEEP, _cfg(2, lane_tokens=3000)).records
+    assert took == [0, 1, 2] and usual == []  # no bound: one lane after another
+    took.clear()
+    bound = 0.25 * alone  # shorter than the first lane: the two others give up and run on one group each
+    recs = simulate("async", reqs, ToyCost(), DEEP, _cfg(2, lane_tokens=3000, lane_wait_s=bound)).records
+    assert all(r.error is None for r in recs)
+    assert took == [0] and usual == [1, 2]
+    assert all(recs[i].start_s == pytest.approx(reqs[i].arrival_s + bound) for i in (1, 2))
+    assert recs[2].ttft_s < waited[2].ttft_s  # the third no longer waits for two lanes
+    took.clear()
+    usual.clear()
+    recs = simulate("async", reqs, ToyCost(), DEEP, _cfg(2, lane_tokens=3000, lane_wait_s=10 * alone)).records
+    assert took == [0, 1, 2] and usual == []  # room came before the bound
+    with pytest.raises(ValueError, match="lane_wait_s"):
+        _cfg(2, lane_wait_s=-1.0)
+    with pytest.raises(ValueError, match="lane_wait_s"):
+        _cfg(2, lane_wait_s=float("nan"))
+
+
 def test_the_exclusive_admission_stays_for_studies_and_differs():
     lens = [1024, 3000, 2048, 900, 1500, 2500, 4000, 700]
     reqs = [Request(i, 0.001 * i, lens[i]) for i in range(len(lens))]

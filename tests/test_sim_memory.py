@@ -315,3 +315,76 @@ def test_the_simulator_and_sim_run_charge_the_lane_pool_and_refuse_one_that_does
     assert r.returncode == 0, r.stderr[-2000:]
     r = subprocess.run(base + ["--lane-tokens", "0"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--lane-tokens=0" in r.stderr, r.stderr[-2000:]
+
+
+def test_fitting_lane_tokens_takes_the_most_longest_prompts_the_attention_dies_hold():
+    """The deployment tools' default lane KV pool: up to LANE_POOL_PROMPTS longest prompts, fewer when the
+    attention die cannot hold them (only the attention dies are asked), one when even that does not fit."""
+    from asap_comm.serving.runtime import RuntimeConfig
+    from asap_comm.sim.memory import LANE_POOL_PROMPTS, fitting_lane_tokens, memory_of
+    from asap_comm.sim.simulate import Parallelism
+
+    prof, shapes = Profile.load(CM), ModelShapes.load("deepseek-v3")
+    cfg = RuntimeConfig(num_attention_ranks=6, num_expert_ranks=16, token_budget=16384, chunk_len=4096,
+                        max_prompt_len=131072)
+
+    def dies(n):
+        return memory_of("async", RuntimeConfig(**{**cfg.__dict__, "lane_tokens": n}), Parallelism(attention_tp=8),
+                         None, prof, shapes)
+
+    tokens, prompts = fitting_lane_tokens(dies, 131072)
+    assert LANE_POOL_PROMPTS == 4 and 1 <= prompts < LANE_POOL_PROMPTS and tokens == prompts * 131072
+    assert dies(tokens)[0].feasible and not dies(tokens + 131072)[0].feasible  # the most that fit
+    # 32k prompts: four fit; most=2 caps it
+    assert fitting_lane_tokens(dies, 32768) == (4 * 32768, 4)
+    assert fitting_lane_tokens(dies, 32768, most=2) == (2 * 32768, 2)
+    # an expert die that does not fit does not shrink the pool (the memory check refuses it by itself)
+    small_e = lambda n: memory_of("async", RuntimeConfig(**{**cfg.__dict__, "num_expert_ranks": 4, "lane_tokens": n}),
+                                  Parallelism(attention_tp=8), None, prof, shapes)
+    assert not small_e(32768)[1].feasible and fitting_lane_tokens(small_e, 32768) == (4 * 32768, 4)
+    # not even one prompt fits: one (what the refusal then names)
+    assert fitting_lane_tokens(dies, 8 * 131072) == (8 * 131072, 1)
+    for bad in ((0, 4), (131072, 0), (True, 4), (131072, 2.0)):
+        with pytest.raises(ValueError, match="fitting_lane_tokens"):
+            fitting_lane_tokens(dies, *bad)
+
+
+def test_lane_tokens_auto_sizes_the_pool_to_what_memory_holds_in_sim_run_and_the_example(tmp_path):
+    """--lane-tokens auto: sim run and examples/prefill.py --emulate size the lane's KV pool by the memory model
+    (fitting_lane_tokens) and record it; without it the pool is one longest prompt; --lane-tokens auto needs
+    --emulate in the example; bad --lane-tokens / --lane-wait values are usage errors naming the flag."""
+    base = [sys.executable, "-m", "asap_comm.sim", "run", "--profile", CM, "--model", "deepseek-v3",
+            "--attention-ranks", "6", "--attention-tp", "8", "--expert-ranks", "16", "--sync-ranks", "8",
+            "--sync-tp", "8", "--num-requests", "4", "--modes", "async"]
+    r = subprocess.run(base + ["--lane-tokens", "auto", "--out", str(tmp_path / "auto")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads((tmp_path / "auto" / "summary.json").read_text())
+    pool = s["memory"]["lane_pool"]
+    assert pool["auto"] and pool["tokens"] == pool["prompts"] * 131072 and pool["prompts"] >= 2
+    assert s["config"]["runtime"]["lane_tokens"] == pool["tokens"] and "KV pool of" in r.stderr
+    att = s["memory"]["per_die"]["async"][0]
+    assert att["feasible"] and att["breakdown_gb"]["lane KV (received)"] == pytest.approx(
+        pool["prompts"] * 131072 * (512 + 64) * 2 * 61 / GB, rel=1e-3)
+    r = subprocess.run(base + ["--lane-wait", "3.5", "--out", str(tmp_path / "one")], capture_output=True,
+                       text=True, timeout=300)
+    s = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert r.returncode == 0 and s["memory"]["lane_pool"] is None and s["config"]["runtime"]["lane_tokens"] is None
+    assert s["config"]["runtime"]["lane_wait_s"] == 3.5
+    for flag, value in (("--lane-tokens", "many"), ("--lane-wait", "-1")):
+        r = subprocess.run(base + [flag, value, "--out", str(tmp_path / "bad")], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 2 and flag in r.stderr, r.stderr[-2000:]
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import prefill
+    finally:
+        sys.path.pop(0)
+    args = prefill.parse_args(["--emulate", CM])
+    assert args.lane_tokens is None and args.lane_wait == "auto"
+    assert prefill.default_lane_tokens(args) == (4 * args.max_prompt_len, 4)  # the emulated default holds four
+    assert prefill.default_lane_tokens(prefill.parse_args(["--emulate", CM, "--no-long-prompt-lane"])) is None
+    for argv, flag in ((["--lane-tokens", "auto"], "--lane-tokens auto needs --emulate"),
+                       (["--lane-tokens", "0"], "--lane-tokens 0"), (["--lane-wait", "soon"], "--lane-wait soon")):
+        r = _example(*argv, "--out", str(tmp_path / "ex"))
+        assert r.returncode == 2 and flag in r.stderr, r.stderr[-2000:]

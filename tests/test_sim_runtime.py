@@ -144,6 +144,14 @@ def test_cli_run_writes_the_runtime_keys_utilisation_and_plots(tmp_path):
             assert key in s[mode], (mode, key)
         assert s[mode]["num_requests"] == 80 and s[mode]["num_failed"] == 0
         assert all(0.0 <= r["utilisation"] <= 1.0 and r["idle_s"] >= 0 for r in s[mode]["ranks"])
+        at = s[mode]["at_slo_compliant_load"]  # what the mode served at its SLO-compliant load
+        if s[mode]["slo_compliant_throughput"] is None:
+            assert at is None
+        else:
+            there = [r for r in s["runs"] if r["mode"] == mode
+                     and r["offered_tokens_per_s"] == s[mode]["slo_compliant_throughput"]]
+            assert len(there) == 1 and at["served_tokens_per_s"] == there[0]["throughput_tokens_per_s"]
+            assert 0 < at["served_fraction"] < 1.1  # offered is the nominal rate x mean prompt: a window can pass 1
     assert len(s["runs"]) == 4
     assert (tmp_path / "ttft.png").stat().st_size > 0 and (tmp_path / "utilisation.png").stat().st_size > 0
     bad = _run(["explode", "--out", str(tmp_path)])

@@ -30,8 +30,8 @@ The HTTP service is ``server`` (with ``client`` for load).
 Layering: this package never imports ``models``; ``asap_comm`` itself does not
 import this package (``import asap_comm.serving`` explicitly).
 """
-from .metrics import (ChromeTrace, RequestRecord, RunSummary, percentile, slo_compliant_throughput,
-                      summarize_run)
+from .metrics import (ChromeTrace, RequestRecord, RunSummary, percentile, served_at_load,
+                      slo_compliant_throughput, summarize_run)
 from .protocol import ModelInfo, PromptRequest, RunResult, RuntimeConfig
 from .runtime import run_async
 from .sync import run_sync
@@ -46,5 +46,6 @@ __all__ = [
     "UniformLengths", "LogNormalLengths", "EmpiricalLengths", "synthetic_trace", "load_mooncake", "load_azure",
     "load_trace", "scale_trace", "TraceSummary", "summarize_trace",
     "attention_cost", "Chunk", "split_prompt", "Placer", "MicroBatcher", "ExpertBatcher",
-    "percentile", "RequestRecord", "RunSummary", "summarize_run", "slo_compliant_throughput", "ChromeTrace",
+    "percentile", "RequestRecord", "RunSummary", "summarize_run", "slo_compliant_throughput", "served_at_load",
+    "ChromeTrace",
 ]

@@ -140,12 +140,36 @@ class FrontEnd:
         else:
             rank, mask = self.placer.place(request_id, chunks), 0
         now = time.monotonic()
-        for c in chunks:
-            self.pending[rank].append((request_id, encode_chunk(c, token_ids[c.start:c.start + c.length], mask),
-                                       request_id, now))
+        self._queue_chunks(request_id, token_ids, chunks, rank, mask, now)
         self.inflight[request_id] = _Admitted(rank, n, mask, now, len(chunks), len(chunks))
         self.queued_tokens += n
         return rank
+
+    def _queue_chunks(self, request_id: int, token_ids: torch.Tensor, chunks: list, rank: int, mask: int,
+                      now: float) -> None:
+        for c in chunks:
+            self.pending[rank].append((request_id, encode_chunk(c, token_ids[c.start:c.start + c.length], mask),
+                                       request_id, now))
+
+    def _lane_give_up(self, now: "float | None" = None) -> None:
+        """``RuntimeConfig.lane_wait_s``: a prompt that has waited that long for room in the lane runs the usual
+        way, on the least-loaded attention rank (its wait counts in its TTFT; the simulator's lane does the same)."""
+        wait = self.cfg.lane_wait_s
+        if wait is None or not self.lane.waiting:
+            return
+        now = time.monotonic() if now is None else now
+        keep = deque()
+        for entry in self.lane.waiting:
+            a = self.inflight.get(entry[0])
+            if a is not None and now - a.admitted_at >= wait:
+                request_id, token_ids, chunks = entry
+                a.rank = self.placer.place(request_id, chunks)
+                a.waiting = False
+                self._queue_chunks(request_id, token_ids, chunks, a.rank, 0, now)
+                self.lane.gave_up += 1
+            else:
+                keep.append(entry)
+        self.lane.waiting = keep
 
     def _open_lanes(self) -> None:
         """Open the lanes of the waiting prompts, first come first served, while the lane has room (``lane.py``):
@@ -258,7 +282,9 @@ class FrontEnd:
 
     def pump(self, timeout: float = 0.0) -> list:
         """Send what is queued; return the results that arrived, waiting up to ``timeout`` for the first one
-        (less while messages wait for room). Raises ``PeerFailure`` if a PE the group needs died."""
+        (less while messages wait for room or prompts for the lane). Raises ``PeerFailure`` if a PE the group needs
+        died."""
+        self._lane_give_up()
         self._flush()
         out = []
         while (m := self.box.poll()) is not None:
@@ -269,6 +295,8 @@ class FrontEnd:
             self._flush()
             return out
         wait = min(timeout, 0.001) if self.has_unsent else timeout
+        if self.lane.waiting and self.cfg.lane_wait_s is not None:  # back in time to move a waiting prompt on
+            wait = min(wait, 0.01)
         if wait > 0:
             try:
                 c = self._result(self.box.recv(timeout=wait))

@@ -170,6 +170,7 @@ class FrontLane:
         self.active = enabled and num_targets >= 2 and lane_active(cfg, info)
         self.pool = LanePool(lane_slots(cfg) if self.active else 0, lane_tokens(cfg) if self.active else 0)
         self.seq = 0
+        self.gave_up = 0  # prompts that waited lane_wait_s for room and ran on one rank
         self.waiting: deque = deque()
 
     @property

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -26,6 +27,7 @@ __all__ = [
     "RunSummary",
     "summarize_run",
     "slo_compliant_throughput",
+    "served_at_load",
     "ChromeTrace",
 ]
 
@@ -169,6 +171,28 @@ def slo_compliant_throughput(points: Iterable[tuple[float, float]], target: floa
             break
         best = load
     return best
+
+
+def served_at_load(runs: Iterable[dict], load: "float | None") -> "dict | None":
+    """What a sweep served at one offered load, beside its SLO-compliant throughput: that metric looks only at the
+    attainment, and on a finite window a mode can meet a p90 SLO by letting its longest tenth queue (served
+    tokens/s then stay below the offered load and p99 grows).
+
+    ``runs``: a sweep's run summaries (dicts with ``offered_tokens_per_s``, ``throughput_tokens_per_s``,
+    ``ttft_p99_s``), any order; ``load``: an offered load in tokens/s (None: returns None). Returns the
+    median over the runs at exactly that load of ``served_tokens_per_s``, ``served_fraction`` (served over
+    offered; the offered load is nominal, the rate times the mean prompt, so a window can show a little over 1)
+    and ``ttft_p99_s``, with ``runs`` (how many); None if no run is at that load."""
+    if load is None:
+        return None
+    at = [r for r in runs if r["offered_tokens_per_s"] == load]
+    if not at:
+        return None
+    served = statistics.median(r["throughput_tokens_per_s"] for r in at)
+    p99 = [r["ttft_p99_s"] for r in at if r.get("ttft_p99_s") is not None]
+    return {"offered_tokens_per_s": load, "served_tokens_per_s": served,
+            "served_fraction": served / load if load > 0 else None,
+            "ttft_p99_s": statistics.median(p99) if p99 else None, "runs": len(at)}
 
 
 @dataclass

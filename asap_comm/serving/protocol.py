@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
 import os
 import time
 
@@ -132,6 +133,10 @@ class RuntimeConfig:
     # memory model charges an attention die; a prompt that wants the lane while the pool has no room waits for
     # one (first come, first served) instead of running on one rank
     lane_tokens: "int | None" = None
+    # seconds a prompt waits for room in the lane at most: one that has waited this long runs the usual way, on
+    # one attention rank (the least loaded then), so a pool too small for the long prompts' arrival rate does not
+    # queue them without bound; None: it waits until a lane closes
+    lane_wait_s: "float | None" = None
     # the two ping-pong micro-batches formed together get near-equal tokens (whole chunks, largest first)
     token_balanced: bool = True
 
@@ -157,6 +162,10 @@ class RuntimeConfig:
         lt = self.lane_tokens
         if lt is not None and (isinstance(lt, bool) or not isinstance(lt, int) or lt < 1):
             raise ValueError(f"RuntimeConfig: lane_tokens={lt!r} must be None (max_prompt_len) or an int >= 1")
+        w = self.lane_wait_s
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)
+                              or w < 0):
+            raise ValueError(f"RuntimeConfig: lane_wait_s={w!r} must be None (wait for room) or seconds >= 0")
         for name in ("long_prompt_lane", "token_balanced"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig: {name}={getattr(self, name)!r} must be a bool")

@@ -113,10 +113,13 @@ def lane_args(p: argparse.ArgumentParser) -> None:
                    help="lane for prompts longer than this (default: predicted TTFT on one group vs the SLO)")
     p.add_argument("--lane-groups", type=int, default=0, metavar="G",
                    help="attention groups a lane prompt spreads over (default 0: all)")
-    p.add_argument("--lane-tokens", type=int, default=None, metavar="TOKENS",
+    p.add_argument("--lane-tokens", default=None, metavar="TOKENS|auto",
                    help="the prompt tokens the lanes in flight hold together (every attention die's pool of "
                         "received KV rows, charged by the memory check; a prompt waits for room; default: "
-                        "--max-prompt-len)")
+                        "--max-prompt-len; auto: the most longest prompts, up to 4, that the attention dies hold)")
+    p.add_argument("--lane-wait", type=float, default=None, metavar="SECONDS",
+                   help="a prompt that has waited this long for room in the lane runs on one group instead "
+                        "(default: it waits for a lane to close)")
     p.add_argument("--no-token-balanced", action="store_true",
                    help="fill the first ping-pong micro-batch up to the budget instead of balancing the pair")
 
@@ -125,14 +128,22 @@ def lane_config(p: argparse.ArgumentParser, args, cfg: RuntimeConfig) -> Runtime
     """``cfg`` with the lane flags of :func:`lane_args`; a bad value is a usage error naming the flag."""
     import dataclasses
 
+    tokens = args.lane_tokens
+    if tokens is not None and tokens != "auto":  # auto: check_memory sizes the pool
+        try:
+            tokens = int(tokens)
+        except ValueError:
+            p.error(f"--lane-tokens={tokens!r}: give a number of tokens >= 1, or auto")
     try:
         return dataclasses.replace(cfg, long_prompt_lane=not args.no_long_prompt_lane,
                                    lane_threshold=args.lane_threshold, lane_groups=args.lane_groups,
-                                   lane_tokens=args.lane_tokens, token_balanced=not args.no_token_balanced)
+                                   lane_tokens=None if tokens == "auto" else tokens, lane_wait_s=args.lane_wait,
+                                   token_balanced=not args.no_token_balanced)
     except ValueError as e:
         p.error(str(e).replace("RuntimeConfig: lane_threshold", "--lane-threshold")
                 .replace("RuntimeConfig: lane_groups", "--lane-groups")
-                .replace("RuntimeConfig: lane_tokens", "--lane-tokens"))
+                .replace("RuntimeConfig: lane_tokens", "--lane-tokens")
+                .replace("RuntimeConfig: lane_wait_s", "--lane-wait"))
 
 
 def _runtime_config(args) -> RuntimeConfig:
@@ -249,7 +260,7 @@ def cmd_run(argv) -> int:
     slo_s = slo_arg(p, args.slo)
     cost, shapes = CostModel.load(args.profile, args.model), ModelShapes.load(args.model)
     cfg = lane_config(p, args, _runtime_config(args))  # the lane's flags first: its KV pool is charged too
-    cost, memory = check_memory(p, args, cost, shapes, cfg, par, W)
+    cost, memory, cfg = check_memory(p, args, cost, shapes, cfg, par, W)
     routing = parse_routing_arg(p, args.routing)
     cost = routed_cost(cost, routing)  # every simulated run below charges this routing (routing.py)
     if max(par.attention_tp, par.sync_tp) > 1 and cost.cores is not None:
@@ -298,10 +309,12 @@ def cmd_run(argv) -> int:
                          "sim_wall_s": res.wall_s, "sim_events": res.events}
         timelines[mode] = res.spans
         if args.sweep or len(rates) > 1:
-            from ..serving.metrics import slo_compliant_throughput
+            from ..serving.metrics import served_at_load, slo_compliant_throughput
 
             pts = [(r["offered_tokens_per_s"], r["slo_attainment"]) for r in summary["runs"] if r["mode"] == mode]
             summary[mode]["slo_compliant_throughput"] = slo_compliant_throughput(pts, target)
+            summary[mode]["at_slo_compliant_load"] = served_at_load(
+                [r for r in summary["runs"] if r["mode"] == mode], summary[mode]["slo_compliant_throughput"])
     summary["sim_wall_s"] = time.perf_counter() - t0
     _write(out, "summary.json", summary)
     made = plots.ttft_vs_load(out / "ttft.png", summary["runs"], slo, title=f"{cost.name}, {shapes.name}")
@@ -324,6 +337,11 @@ def _print_summary(summary: dict, modes, slo: float) -> None:
         print(f"{m:6s} {_f(s['ttft_p50_s']):>11s} {_f(s['ttft_p90_s']):>9s} {_f(s['ttft_p99_s']):>9s} "
               f"{s['throughput_tokens_per_s']:11.0f} {s['slo_attainment']:9.2f} {s['num_failed']:7d} "
               f"{'-' if sct is None else f'{sct:.0f}':>20s}")
+    for m in modes:
+        at = summary[m].get("at_slo_compliant_load")
+        if at is not None:
+            print(f"{m}: at its SLO-compliant load served {at['served_tokens_per_s']:.0f} tok/s "
+                  f"({at['served_fraction']:.0%} of offered), TTFT p99 {at['ttft_p99_s']:.3f} s")
     if "slo_compliant_throughput_ratio" in summary and summary["slo_compliant_throughput_ratio"]:
         print(f"SLO-compliant throughput, ASAP / baseline: {summary['slo_compliant_throughput_ratio']:.2f}x "
               f"(TTFT SLO {slo:.3f} s)")
@@ -343,14 +361,27 @@ def memory_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_memory(p: argparse.ArgumentParser, args, cost: CostModel, shapes: ModelShapes, cfg, par, W: int) -> tuple:
-    """(the cost model with --weights applied, the summary's memory table); an infeasible deployment exits 2 with
-    one line naming the die, what it needs and what it has, unless --ignore-memory."""
-    from .memory import memory_of, memory_problems, refusal, with_weights
+    """(the cost model with --weights applied, the summary's memory table, ``cfg`` with the lane's KV pool); an
+    infeasible deployment exits 2 with one line naming the die, what it needs and what it has, unless
+    --ignore-memory. With ``--lane-tokens auto``, ASAP's lane pool holds the most longest prompts, up to
+    ``LANE_POOL_PROMPTS``, that its attention dies hold (``fitting_lane_tokens``)."""
+    import dataclasses
+
+    from .memory import fitting_lane_tokens, memory_of, memory_problems, refusal, with_weights
 
     try:
         cost = CostModel(with_weights(cost.profile, args.weights), shapes)
     except ValueError as e:
         p.error(str(e))
+    pool = None
+    if args.lane_tokens == "auto" and cfg.long_prompt_lane and cfg.load_aware and cfg.num_attention_ranks >= 2:
+        tokens, prompts = fitting_lane_tokens(
+            lambda n: memory_of("async", dataclasses.replace(cfg, lane_tokens=n), par, W, cost.profile, shapes),
+            cfg.max_prompt_len)
+        cfg = dataclasses.replace(cfg, lane_tokens=tokens)
+        pool = {"tokens": tokens, "prompts": prompts, "auto": True}
+        print(f"long-prompt lane: a KV pool of {tokens} tokens ({prompts} longest prompt{'s' if prompts > 1 else ''}"
+              f", what the attention dies hold)", file=sys.stderr, flush=True)
     table = {m: [d.describe() for d in dies] for m, dies in
              (("async", memory_of("async", cfg, par, W, cost.profile, shapes)),
               ("sync", memory_of("sync", cfg, par, W, cost.profile, shapes)))}
@@ -362,7 +393,7 @@ def check_memory(p: argparse.ArgumentParser, args, cost: CostModel, shapes: Mode
             + " or --ignore-memory"
         print(refusal("sim " + p.prog.split()[-1], problems, hint), file=sys.stderr)
         sys.exit(2)
-    return cost, {"per_die": table, "problems": problems}
+    return cost, {"per_die": table, "problems": problems, "lane_pool": pool}, cfg
 
 
 def cmd_memory(argv) -> int:

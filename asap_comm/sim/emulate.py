@@ -198,6 +198,7 @@ def simulate_emulated(factory: "EmulatedFactory", mode: str, trace, cfg, *, span
         chunk_len=None if cfg.chunk_len is None else int(round(cfg.chunk_len * S)),
         expert_token_budget=max(1, int(round(cfg.expert_token_budget * row_scale))),
         expert_deadline_s=cfg.expert_deadline_s / K,
+        lane_wait_s=None if cfg.lane_wait_s is None else cfg.lane_wait_s / K,
         cp_threshold=None if cfg.cp_threshold is None else int(round(cfg.cp_threshold * S)),
         lane_threshold=None if cfg.lane_threshold is None else int(round(cfg.lane_threshold * S)),
         lane_tokens=None if cfg.lane_tokens is None else int(round(cfg.lane_tokens * S)),

@@ -65,8 +65,8 @@ from .hardware import Profile
 from .shapes import ModelShapes
 
 __all__ = ["DieMemory", "HBM", "profile_hbm", "weight_params", "deployment_memory", "memory_of", "memory_problems",
-           "deployment_problems", "headline_memory", "check_expert_devices", "memory_table", "refusal",
-           "with_weights", "WEIGHT_DTYPES", "main"]
+           "fitting_lane_tokens", "LANE_POOL_PROMPTS", "deployment_problems", "headline_memory",
+           "check_expert_devices", "memory_table", "refusal", "with_weights", "WEIGHT_DTYPES", "main"]
 
 GB = 1e9
 WEIGHT_DTYPES = ("bf16", "int8")
@@ -253,6 +253,29 @@ def memory_of(mode: str, cfg, par, sync_ranks: "int | None", profile: Profile, s
                              ping_pong=cfg.ping_pong, sync_overlap=par.sync_overlap,
                              expert_token_budget=cfg.expert_token_budget,
                              long_prompt_lane=cfg.long_prompt_lane and cfg.load_aware, lane_tokens=cfg.lane_tokens)
+
+
+LANE_POOL_PROMPTS = 4  # the deployment tools' default lane KV pool: up to this many longest prompts
+
+
+def fitting_lane_tokens(dies_of, max_prompt_len: int, most: int = LANE_POOL_PROMPTS) -> tuple:
+    """The lane KV pool a deployment tool gives ASAP when the user gives none: ``(tokens, prompts)``, the most
+    longest prompts (``most`` down to 1) whose pool every attention die still holds. ``dies_of(lane_tokens)``
+    returns the async deployment's dies (:func:`deployment_memory`) with that pool; only the attention dies
+    are asked (the pool is theirs). With one prompt's pool too large, one prompt (the memory check then
+    refuses the deployment, naming the lane).
+
+    A pool of one prompt serves long prompts one at a time in the lane: at 64 emulated dies ASAP's served
+    throughput stayed at 370-400 tok/s at every offered load while the p90 SLO was met by letting the longest
+    tenth queue (p99 33-42 s); four prompts served 636 tok/s (``docs/results/emulated-64-pool2048``)."""
+    if isinstance(max_prompt_len, bool) or not isinstance(max_prompt_len, int) or max_prompt_len < 1:
+        raise ValueError(f"fitting_lane_tokens: max_prompt_len={max_prompt_len!r} must be an int >= 1")
+    if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+        raise ValueError(f"fitting_lane_tokens: most={most!r} must be an int >= 1")
+    for k in range(most, 0, -1):
+        if all(d.feasible for d in dies_of(k * max_prompt_len) if d.role == "attention"):
+            return k * max_prompt_len, k
+    return max_prompt_len, 1
 
 
 def memory_problems(dies: list, profile_name: str) -> list:

@@ -66,6 +66,10 @@ class _AsyncSim(_Common):
             return
         super().arrive(r)
 
+    def arrive_usual(self, r) -> None:
+        """Admit ``r`` the usual way (one group), now: a prompt that waited too long for the lane (lane.py)."""
+        super().arrive(r)
+
     def _rows(self, tokens: int) -> int:
         return max(1, round(tokens * self.frac)) if tokens else 0
 
