@@ -308,14 +308,16 @@ def memory_table(args) -> dict:
                                        expert_ranks=E_dies, ping_pong=not args.no_ping_pong,
                                        expert_token_budget=None if args.no_expert_batching else ex_budget,
                                        long_prompt_lane=not args.no_long_prompt_lane and not args.no_load_aware,
-                                       lane_tokens=None if args.lane_tokens is None else args.lane_tokens * S, **kw),
+                                       lane_tokens=None if args.lane_tokens in (None, "auto")  # auto: not sized yet
+                                       else int(args.lane_tokens) * S, **kw),
             "sync": deployment_memory("sync", prof, shapes, sync_ranks=sync_workers(args), sync_tp=args.sync_tp, **kw)}
 
 
 def default_lane_tokens(args) -> "tuple | None":
-    """--emulate without --lane-tokens: ``(tokens, prompts)``, the lanes' KV pool of the most longest prompts (up to
-    ``LANE_POOL_PROMPTS``) that the emulated attention dies hold (``asap_comm.sim.memory.fitting_lane_tokens``),
-    in served tokens; None without --emulate or with the lane off (the runtime's default: one longest prompt)."""
+    """``--lane-tokens auto`` (with --emulate): ``(tokens, prompts)``, the lanes' KV pool of the most longest prompts
+    (up to ``LANE_POOL_PROMPTS``) that the emulated attention dies hold (``asap_comm.sim.memory.fitting_lane_tokens``),
+    in served tokens; None without --emulate or with the lane off (then the runtime's default: one longest
+    prompt)."""
     from asap_comm.sim.memory import fitting_lane_tokens
 
     if not args.emulate or args.no_long_prompt_lane or args.no_load_aware:

@@ -255,19 +255,20 @@ def memory_of(mode: str, cfg, par, sync_ranks: "int | None", profile: Profile, s
                              long_prompt_lane=cfg.long_prompt_lane and cfg.load_aware, lane_tokens=cfg.lane_tokens)
 
 
-LANE_POOL_PROMPTS = 4  # the deployment tools' default lane KV pool: up to this many longest prompts
+LANE_POOL_PROMPTS = 4  # --lane-tokens auto (sim run, examples/prefill.py): up to this many longest prompts
 
 
 def fitting_lane_tokens(dies_of, max_prompt_len: int, most: int = LANE_POOL_PROMPTS) -> tuple:
-    """The lane KV pool a deployment tool gives ASAP when the user gives none: ``(tokens, prompts)``, the most
-    longest prompts (``most`` down to 1) whose pool every attention die still holds. ``dies_of(lane_tokens)``
+    """The lane KV pool of ``--lane-tokens auto``: ``(tokens, prompts)``, the most longest prompts (``most`` down
+    to 1) whose pool every attention die still holds. ``dies_of(lane_tokens)``
     returns the async deployment's dies (:func:`deployment_memory`) with that pool; only the attention dies
     are asked (the pool is theirs). With one prompt's pool too large, one prompt (the memory check then
     refuses the deployment, naming the lane).
 
-    A pool of one prompt serves long prompts one at a time in the lane: at 64 emulated dies ASAP's served
-    throughput stayed at 370-400 tok/s at every offered load while the p90 SLO was met by letting the longest
-    tenth queue (p99 33-42 s); four prompts served 636 tok/s (``docs/results/emulated-64-pool2048``)."""
+    A bigger pool serves more long prompts at once but holds the short ones longer: four prompts starved no
+    long prompt at 64 emulated dies (636 tok/s served against 377 with one) but cut the 32-die default from 1.04x
+    to 0.90x, so the tools' default stays one prompt, with a wait bound (``RuntimeConfig.lane_wait_s``).
+    """
     if isinstance(max_prompt_len, bool) or not isinstance(max_prompt_len, int) or max_prompt_len < 1:
         raise ValueError(f"fitting_lane_tokens: max_prompt_len={max_prompt_len!r} must be an int >= 1")
     if isinstance(most, bool) or not isinstance(most, int) or most < 1:
