@@ -165,6 +165,10 @@ def test_cli_headline_quick(tmp_path):
     s = json.loads((tmp_path / "summary.json").read_text())
     prof = s["profiles"]["h800-node"]
     assert prof["async"]["slo_compliant_throughput"] > 0 and prof["sync"]["slo_compliant_throughput"] > 0
+    for mode in ("async", "sync"):  # what the best deployment served at its SLO-compliant load
+        at = prof[mode]["at_slo_compliant_load"]
+        assert at["offered_tokens_per_s"] == prof[mode]["slo_compliant_throughput"] and at["served_tokens_per_s"] > 0
+    assert "served" in p.stdout and "p99" in p.stdout
     assert len(prof["skew_sensitivity"]) == 2 and len(prof["load_sensitivity"]) == 2
     assert prof["cap_sensitivity"][0]["max_prompt_tokens"] == 8192 and len(prof["split_sensitivity"]) == 2
     assert s["slo_compliant_throughput_ratio"] == prof["slo_compliant_throughput_ratio"]

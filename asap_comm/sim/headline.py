@@ -245,6 +245,7 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
         res[d.mode] = {k: s[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s",
                                          "slo_attainment", "num_requests", "num_failed")}
         res[d.mode].update(rate_req_s=base_rate, slo_compliant_throughput=_sct(found[d.mode]["best_sweep"]),
+                           at_slo_compliant_load=found[d.mode]["best_sweep"]["at_slo_compliant_load"],
                            deployment=d.label, ranks=r.ranks,
                            idle_s_total=sum(x["idle_s"] * x["stands_for"] for x in r.ranks),
                            mean_utilisation=s["mean_utilisation"])
@@ -503,7 +504,11 @@ def main(argv=None) -> int:
         print(f"\n{prof}: SLO {r['slo_s']:.3g} s ({r['slo_rule']}); search breadth: "
               f"{r['search_breadth']['sync']} baseline, {r['search_breadth']['async']} ASAP configurations")
         for mode, name in (("sync", "best baseline"), ("async", "best ASAP")):
-            print(f"  {name:14s} {b[mode]['label']:50s} {_tok(b[mode]['slo_compliant_throughput'], sat[mode])}")
+            at = (r.get(mode) or {}).get("at_slo_compliant_load")
+            served = "" if at is None else (f"  (served {at['served_tokens_per_s']:,.0f} tok/s there, "
+                                            f"p99 {at['ttft_p99_s']:.3g} s)")
+            print(f"  {name:14s} {b[mode]['label']:50s} {_tok(b[mode]['slo_compliant_throughput'], sat[mode])}"
+                  + served)
         print(f"  ratio          {_fmt(b['ratio'], sat)}")
         print("  sensitivity:")
         for x in r["slo_sensitivity"][1:]:

@@ -29,7 +29,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from ..serving.metrics import slo_compliant_throughput, summarize_run
+from ..serving.metrics import served_at_load, slo_compliant_throughput, summarize_run
 from ..serving.protocol import RuntimeConfig
 from ..serving.traces import Request, scale_trace
 from .simulate import Parallelism, simulate
@@ -187,6 +187,7 @@ def find_slo_throughput(mode: str, trace, cost, shapes, cfg: RuntimeConfig, slo:
         arrivals = at_rate(trace, lo)
         span = (arrivals[-1].arrival_s - arrivals[0].arrival_s) / slo
     return {"points": sorted(points, key=lambda p: p["rate_req_s"]), "slo_compliant_throughput": sct,
+            "at_slo_compliant_load": served_at_load(points, sct),
             "slo_compliant_rate_req_s": lo, "saturated": hi is not None, "arrival_span_over_slo": span}
 
 
