@@ -365,3 +365,17 @@ def test_the_deadline_of_python_3_10_times_out_and_otherwise_stays_out_of_the_wa
         return "ok"
 
     assert asyncio.run(run()) == "ok"
+
+
+def test_the_service_takes_the_lane_flags_and_refuses_a_bad_wait(capsys):
+    """--lane-tokens / --lane-wait-s reach the runtime's config; a negative wait is refused at start-up with one
+    line naming the field (exit 2), before any process starts."""
+    from asap_comm.serving.server import build_parser
+    from asap_comm.serving.server.cli import main
+
+    args = build_parser().parse_args(["--lane-tokens", "4096", "--lane-wait-s", "2.5"])
+    assert args.lane_tokens == 4096 and args.lane_wait_s == 2.5
+    assert build_parser().parse_args([]).lane_wait_s is None
+    assert main(["--lane-wait-s", "-1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "lane_wait_s=-1.0" in err and err.count("\n") == 1, err

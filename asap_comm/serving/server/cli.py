@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--token-budget", type=int, default=512)
     ap.add_argument("--chunk-len", type=int, default=512)
     ap.add_argument("--sync-collectives", choices=["gloo", "shm"], default="shm")
+    ap.add_argument("--lane-tokens", type=int, default=None,
+                    help="ASAP's long-prompt lane: the prompt tokens the lanes in flight hold together (every "
+                         "attention rank's pool of received KV rows); unset: --max-prompt-len")
+    ap.add_argument("--lane-wait-s", type=float, default=None,
+                    help="a prompt that has waited this long for room in the lane runs on one attention rank "
+                         "instead; unset: it waits for a lane to close (examples/prefill.py uses 2 x its SLO)")
     ap.add_argument("--max-queued-tokens", type=int, default=65536,
                     help="admission bound: prompt tokens admitted and not finished; a call over it on its own gets "
                          "413, others wait their turn (first come, first served)")
@@ -87,7 +93,8 @@ def main(argv=None) -> int:
         info = model_info_of(factory)
         cfg = RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
                             token_budget=args.token_budget, max_prompt_len=args.max_prompt_len,
-                            chunk_len=args.chunk_len, sync_collectives=args.sync_collectives)
+                            chunk_len=args.chunk_len, sync_collectives=args.sync_collectives,
+                            lane_tokens=args.lane_tokens, lane_wait_s=args.lane_wait_s)
         opts = service_options(args, os.environ)
     except (ValueError, LookupError, OSError) as e:
         print(f"asap serve: {e}", file=sys.stderr)
