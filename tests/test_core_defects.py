@@ -464,7 +464,7 @@ def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while (time.monotonic() < deadline and p.poll() is None
-               and (not pids.exists() or len(pids.read_text().split()) < 2)):
+               and (not pids.exists() or len(pids.read_text().splitlines()) < 2)):  # a line per rank
             time.sleep(0.1)
         assert pids.exists(), (tmp_path / "launcher.log").read_text()[-3000:]
         lines = [x.split() for x in pids.read_text().splitlines()]
