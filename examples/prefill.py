@@ -737,6 +737,8 @@ def main(argv=None) -> int:
         c, b, d = check(result, refs)
         checked, mismatches, details = checked + c, mismatches + b, details + d
         entry = {"mode": mode, "rate_req_s": rate, "offered_tokens_per_s": rate * mean_len, "requests": len(load), **s}
+        if result.lane:  # what the long-prompt lane's admission did in this run (serving.lane.LaneCounts)
+            entry["lane"] = result.lane
         if emu is not None:
             entry["overrun_fraction"] = emu["overrun_fraction"]
             entry["emulation"] = {k: v for k, v in emu.items() if k != "overrun_fraction"}
@@ -762,9 +764,11 @@ def main(argv=None) -> int:
         rows.append([mode, f"{rate:g}", f"{rate * mean_len:.0f}", fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]),
                      fmt(s["ttft_p99_s"]), f"{s['throughput_tokens_per_s']:.0f}", f"{s['slo_attainment']:.2f}",
                      s["num_failed"]] + ([f"{emu['overrun_fraction']:.3f}"] if emu is not None else []))
+        lane = result.lane
         print(f"  [{mode}] {rate:g} req/s: SLO attainment {s['slo_attainment']:.2f}, TTFT p90 {fmt(s['ttft_p90_s'])} s"
-              + (f", overruns {emu['overrun_fraction']:.1%}" if emu is not None else ""), file=sys.stderr,
-              flush=True)
+              + (f", overruns {emu['overrun_fraction']:.1%}" if emu is not None else "")
+              + (f", lanes {lane['opened']} (waited {lane['waited']}, gave up {lane['gave_up']})" if lane else ""),
+              file=sys.stderr, flush=True)
         return s["slo_attainment"]
 
     if auto_sweep:

@@ -122,7 +122,7 @@ def run(comm, args) -> int:
     if role != "front":
         store.set(key + str(rank), pickle.dumps((comm.hosts[rank], role, t_sync, payload)))
         return 0
-    records, outputs = payload
+    records, outputs, lane = payload
     spans, roles = [], {}
     for pe in range(W - 1):
         try:
@@ -133,7 +133,7 @@ def run(comm, args) -> int:
             continue
         roles[pe] = (host, prole)
         spans += [(p, track, name, start - t0, dur) for p, track, name, start, dur in pspans]
-    result = RunResult(records, outputs, spans, args.mode)
+    result = RunResult(records, outputs, spans, args.mode, lane)
     refs = {}
     model = factory.full()
     for r in requests:

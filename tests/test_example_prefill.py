@@ -46,6 +46,12 @@ def test_prefill_example_end_to_end(tmp_path):
                                                  and at["served_tokens_per_s"] > 0)
     assert summary["correctness"]["checked"] == 32 and summary["correctness"]["mismatches"] == 0
     assert len(summary["runs"]) == 4 and {run["mode"] for run in summary["runs"]} == {"async", "sync"}
+    for run in summary["runs"]:  # the long-prompt lane's counts: ASAP's runs only (the baseline has no lane)
+        assert ("lane" in run) == (run["mode"] == "async"), run
+        if "lane" in run:
+            lane = run["lane"]
+            assert set(lane) == {"opened", "waited", "gave_up", "wait_s_mean", "wait_s_max"}, lane
+            assert lane["gave_up"] <= lane["waited"] and lane["opened"] <= 8 and lane["wait_s_max"] >= 0
 
     # the automatic SLO: 3x the baseline's unloaded TTFT, measured on the served system, above both modes'
     slo = summary["slo"]

@@ -117,6 +117,34 @@ def test_front_lane_predicate_slots_and_pool():
     assert fl2.groups_for(16 + 1, 2) == 0  # one waits already: first come, first served
 
 
+def test_the_service_exports_the_lanes_counts_as_prometheus_metrics():
+    """``GET /metrics`` of the HTTP service (server/metrics.py, LaneCollector): the front lane's counts and the
+    prompts waiting now; nothing where the lane is off (the baseline's front end)."""
+    pytest.importorskip("prometheus_client")
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from asap_comm.serving.server.metrics import LaneCollector
+
+    def scrape(lane) -> dict:
+        reg = CollectorRegistry()
+        reg.register(LaneCollector(SimpleNamespace(fe=SimpleNamespace(lane=lane))))
+        return {s.name: s.value for f in text_string_to_metric_families(generate_latest(reg).decode())
+                for s in f.samples if not s.name.endswith("_created")}
+
+    fl = FrontLane(_cfg(lane_tokens=300), INFO, 3)
+    fl.counts.open(0.0)
+    fl.counts.open(1.5)
+    fl.counts.waited, fl.counts.gave_up = 3, 1
+    fl.waiting.append((9, None, None))
+    assert scrape(fl) == {"asap_lane_opened_total": 2.0, "asap_lane_waited_total": 3.0,
+                          "asap_lane_gave_up_total": 1.0, "asap_lane_waiting": 1.0}
+    assert fl.counts.as_dict() == {"opened": 2, "waited": 3, "gave_up": 1, "wait_s_mean": 0.75, "wait_s_max": 1.5}
+    assert scrape(FrontLane(_cfg(), INFO, 3, enabled=False)) == {}
+
+
 def test_lane_pool_first_fit_slots_and_cancelled_rows_last():
     pool = LanePool(2, 100)
     assert pool.open(1, 30) == (0, 0) and pool.open(2, 50) == (1, 30)
@@ -199,6 +227,10 @@ def test_a_prompt_that_waits_lane_wait_s_runs_on_one_rank_and_keeps_its_output()
     assert [r.error for r in result.records] == [None] * 3
     assert check_against_reference(requests, result) == []
     assert len(_lane_pes(result, 0)) == 2 and not _lane_pes(result, 1) and not _lane_pes(result, 2)
+    # what the front end's lane admission did (RunResult.lane, LaneCounts): one lane, two waited and gave up
+    lane = result.lane
+    assert (lane["opened"], lane["waited"], lane["gave_up"]) == (1, 2, 2), lane
+    assert 0.0 <= lane["wait_s_mean"] <= lane["wait_s_max"]
 
 
 @pytest.mark.slow
@@ -208,6 +240,7 @@ def test_lane_off_is_the_old_runtime():
     result = run_async(TinyFactory(), INFO, requests, _cfg(long_prompt_lane=False))
     assert check_against_reference(requests, result) == []
     assert not [sp for sp in result.spans if sp[2].startswith("lane kv")]
+    assert result.lane == {}  # no lane, no counts
 
 
 @pytest.mark.slow

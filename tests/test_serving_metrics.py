@@ -171,3 +171,8 @@ def test_served_at_load_reports_what_the_compliant_load_served():
     assert served_at_load(runs, 100.0)["served_fraction"] == pytest.approx(0.99)
     assert served_at_load(runs, None) is None and served_at_load(runs, 150.0) is None
     assert served_at_load([], 100.0) is None
+    # runs that report the long-prompt lane's counts (LaneCounts.as_dict): summed there, the longest wait kept
+    lane = {"opened": 3, "waited": 2, "gave_up": 1, "wait_s_mean": 0.5, "wait_s_max": 2.0}
+    laned = [dict(r, lane=dict(lane, wait_s_max=w)) for r, w in zip(runs[1:3], (2.0, 3.5))]
+    assert served_at_load(laned, 200.0)["lane"] == {"opened": 6, "waited": 4, "gave_up": 2, "wait_s_max": 3.5}
+    assert "lane" not in served_at_load(runs, 200.0)

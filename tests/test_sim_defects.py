@@ -279,6 +279,18 @@ def test_headline_searches_asap_as_broadly_as_the_baseline():
     pools = async_grid(64, [16], [8], [4096], 128, [4096], [0.0005], [16384], [None, 262144])
     assert [d.cfg.lane_tokens for d in pools] == [None, 262144] and "lane pool 262144" in pools[1].label
     assert "lane pool" not in pools[0].label
+    # --lane-wait: the lane's wait bound, in SLOs, bound to each search's SLO and re-scaled with it
+    from asap_comm.sim.grids import rebind_lane_wait, with_lane_wait
+
+    waits = with_lane_wait(pools, 4.0, [None, 0.5, 2.0])
+    assert [(d.cfg.lane_tokens, d.cfg.lane_wait_s) for d in waits] == [
+        (None, None), (None, 2.0), (None, 8.0), (262144, None), (262144, 2.0), (262144, 8.0)]
+    assert waits[0] is pools[0] and "lane wait 8 s" in waits[2].label and "lane wait" not in waits[0].label
+    assert len({d.label for d in waits}) == 6
+    assert rebind_lane_wait(waits[2], 4.0, 10.0).cfg.lane_wait_s == pytest.approx(20.0)  # still 2 SLOs
+    assert rebind_lane_wait(waits[0], 4.0, 10.0) is waits[0] and rebind_lane_wait(syncs[0], 4.0, 1.0) is syncs[0]
+    b = search_breadth(syncs, waits, dict(grid, lane_wait_slo=[None, 0.5, 2.0]))
+    assert b["async"] == 6 and b["async_dimensions"]["lane_wait_slo"] == [None, 0.5, 2.0]
 
 
 def test_headline_rejects_bad_search_values(tmp_path, capsys):
@@ -286,6 +298,7 @@ def test_headline_rejects_bad_search_values(tmp_path, capsys):
                                                                           "--expert-token-budget"),
                      (["--token-budget", "x"], "--token-budget"),
                      (["--num-requests-sensitivity", "-1"], "--num-requests-sensitivity"),
-                     (["--lane-tokens", "0"], "--lane-tokens")):
+                     (["--lane-tokens", "0"], "--lane-tokens"), (["--lane-wait", "-1"], "--lane-wait"),
+                     (["--lane-wait", "x"], "--lane-wait"), (["--lane-wait", ","], "--lane-wait")):
         rc, _, err = _cli(["headline", "--out", str(tmp_path), *bad], capsys)
         assert rc == 2 and msg in err, (bad, err)

@@ -286,12 +286,19 @@ def test_a_prompt_that_waits_lane_wait_s_for_the_lane_runs_on_one_group(monkeypa
     reqs = [Request(i, 0.001 * i, 3000) for i in range(3)]
     alone = simulate("async", reqs[:1], ToyCost(), DEEP, _cfg(2, lane_tokens=3000)).records[0].ttft_s
     took.clear()
-    waited = simulate("async", reqs, ToyCost(), DEEP, _cfg(2, lane_tokens=3000)).records
+    res = simulate("async", reqs, ToyCost(), DEEP, _cfg(2, lane_tokens=3000))
+    waited = res.records
     assert took == [0, 1, 2] and usual == []  # no bound: one lane after another
+    # SimResult.lane (LaneCounts, as the runtime's RunResult.lane): three lanes, two of them waited for room
+    assert (res.lane["opened"], res.lane["waited"], res.lane["gave_up"]) == (3, 2, 0), res.lane
+    assert res.lane["wait_s_max"] == pytest.approx(max(waited[i].start_s - reqs[i].arrival_s for i in range(3)))
+    assert res.lane["wait_s_max"] > 0.5 * alone  # the third waited for at least one lane to finish
     took.clear()
     bound = 0.25 * alone  # shorter than the first lane: the two others give up and run on one group each
-    recs = simulate("async", reqs, ToyCost(), DEEP, _cfg(2, lane_tokens=3000, lane_wait_s=bound)).records
+    res = simulate("async", reqs, ToyCost(), DEEP, _cfg(2, lane_tokens=3000, lane_wait_s=bound))
+    recs = res.records
     assert all(r.error is None for r in recs)
+    assert (res.lane["opened"], res.lane["waited"], res.lane["gave_up"]) == (1, 2, 2), res.lane
     assert took == [0] and usual == [1, 2]
     assert all(recs[i].start_s == pytest.approx(reqs[i].arrival_s + bound) for i in (1, 2))
     assert recs[2].ttft_s < waited[2].ttft_s  # the third no longer waits for two lanes

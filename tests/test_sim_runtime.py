@@ -160,10 +160,15 @@ def test_cli_run_writes_the_runtime_keys_utilisation_and_plots(tmp_path):
 
 @pytest.mark.slow
 def test_cli_headline_quick(tmp_path):
-    p = _run(["headline", "--out", str(tmp_path), "--quick", "--profiles", "h800-node"])
+    p = _run(["headline", "--out", str(tmp_path), "--quick", "--profiles", "h800-node", "--lane-wait", "none,1"])
     assert p.returncode == 0, p.stderr
     s = json.loads((tmp_path / "summary.json").read_text())
     prof = s["profiles"]["h800-node"]
+    # --lane-wait none,1: every ASAP configuration searched with and without a bound of one SLO
+    assert prof["search_breadth"]["async_dimensions"]["lane_wait_slo"] == [None, 1.0]
+    waits = [r for r in prof["search"]["async"] if "lane wait" in r["label"]]
+    assert waits and len(waits) * 2 == len(prof["search"]["async"])
+    assert all(f"lane wait {prof['slo_s']:.3g} s" in r["label"] for r in waits)
     assert prof["async"]["slo_compliant_throughput"] > 0 and prof["sync"]["slo_compliant_throughput"] > 0
     for mode in ("async", "sync"):  # what the best deployment served at its SLO-compliant load
         at = prof[mode]["at_slo_compliant_load"]

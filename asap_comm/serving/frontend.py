@@ -133,6 +133,8 @@ class FrontEnd:
             self.queued_tokens += n
             self.lane.waiting.append((request_id, token_ids, chunks))
             self._open_lanes()
+            if self.inflight[request_id].waiting:  # no room now: it waits (at most lane_wait_s)
+                self.lane.counts.waited += 1
             return self.inflight[request_id].rank
         if cp is not None and n > cp and W > 1:  # context parallelism: the least-loaded groups share it
             groups = self.placer.place_group(request_id, chunks, min(W, -(-n // cp)))
@@ -166,7 +168,7 @@ class FrontEnd:
                 a.rank = self.placer.place(request_id, chunks)
                 a.waiting = False
                 self._queue_chunks(request_id, token_ids, chunks, a.rank, 0, now)
-                self.lane.gave_up += 1
+                self.lane.counts.gave_up += 1
             else:
                 keep.append(entry)
         self.lane.waiting = keep
@@ -191,6 +193,7 @@ class FrontEnd:
                 payload = torch.cat([encode_chunk(c, extra, word), toks])
                 self.pending[ranks[j % g]].append((request_id, payload, request_id, now))
             a.rank, a.lane, a.waiting = ranks[(len(chunks) - 1) % g], tuple(ranks), False
+            self.lane.counts.open(now - a.admitted_at)
 
     def _forget(self, rid: int) -> "_Admitted":
         entry = self.inflight.pop(rid)
@@ -317,7 +320,8 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
     chunks on PEs ``0..num_targets-1`` and collects results. Appends every
     event to ``report_path`` so the records survive a worker's death
     (``replay_report``). Returns ``(records in request order, {request_id:
-    (first token, hidden)})``. With ``stats`` (the group's ``WorkerStats``),
+    (first token, hidden)}, the long-prompt lane's counts)`` (``LaneCounts.as_dict``; empty where the lane is
+    off). With ``stats`` (the group's ``WorkerStats``),
     the trace clock starts once every worker is ready (:meth:`FrontEnd.wait_ready`).
     """
     fe = FrontEnd(comm, cfg, info, box, num_targets, label)
@@ -389,7 +393,7 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
     report.close()
     if failure is None:
         fe.stop(cfg.timeout_s)
-    return result
+    return (*result, fe.lane.counts.as_dict() if fe.lane.active else {})
 
 
 class Replay:

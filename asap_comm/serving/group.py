@@ -160,5 +160,5 @@ def run_group(spec: GroupSpec, requests: Sequence, report_path: str) -> RunResul
     spans = [s for role, payload in results if role != "front" for s in payload]
     origin = min((s[3] for s in spans), default=0.0)
     spans = [(pe, track, name, start - origin, dur) for pe, track, name, start, dur in spans]
-    records, outputs = results[-1][1]
-    return RunResult(records, outputs, spans, spec.mode)
+    records, outputs, lane = results[-1][1]
+    return RunResult(records, outputs, spans, spec.mode, lane)

@@ -160,6 +160,25 @@ class LaneBuffers:
         return (slot * self.layers + layer) * self.chunks + chunk
 
 
+class LaneCounts:
+    """What the lane's admission did in a run (the runtime's front end and the simulator's lane keep one each):
+    lanes ``opened``, prompts that found no room on arrival and ``waited``, those that waited ``lane_wait_s`` and
+    ``gave_up`` (ran on one rank), and how long the opened ones waited (seconds, mean and max)."""
+
+    def __init__(self) -> None:
+        self.opened = self.waited = self.gave_up = 0
+        self.wait_s: list = []  # per opened lane: seconds from arrival to open
+
+    def open(self, waited_s: float) -> None:
+        self.opened += 1
+        self.wait_s.append(max(0.0, waited_s))
+
+    def as_dict(self) -> dict:
+        w = self.wait_s
+        return {"opened": self.opened, "waited": self.waited, "gave_up": self.gave_up,
+                "wait_s_mean": sum(w) / len(w) if w else 0.0, "wait_s_max": max(w, default=0.0)}
+
+
 class FrontLane:
     """The front end's side: which prompt takes the lane, its slot, pool rows, ranks and chunk messages' words,
     and the prompts that wait for room (``waiting``: the front end's entries, first come first served)."""
@@ -170,7 +189,7 @@ class FrontLane:
         self.active = enabled and num_targets >= 2 and lane_active(cfg, info)
         self.pool = LanePool(lane_slots(cfg) if self.active else 0, lane_tokens(cfg) if self.active else 0)
         self.seq = 0
-        self.gave_up = 0  # prompts that waited lane_wait_s for room and ran on one rank
+        self.counts = LaneCounts()  # opened, waited, gave up (the run's summary: RunResult.lane)
         self.waiting: deque = deque()
 
     @property

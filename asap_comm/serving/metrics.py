@@ -182,7 +182,8 @@ def served_at_load(runs: Iterable[dict], load: "float | None") -> "dict | None":
     ``ttft_p99_s``), any order; ``load``: an offered load in tokens/s (None: returns None). Returns the
     median over the runs at exactly that load of ``served_tokens_per_s``, ``served_fraction`` (served over
     offered; the offered load is nominal, the rate times the mean prompt, so a window can show a little over 1)
-    and ``ttft_p99_s``, with ``runs`` (how many); None if no run is at that load."""
+    and ``ttft_p99_s``, with ``runs`` (how many), and where the runs report the long-prompt lane's counts
+    (``lane``: opened, waited, gave_up, summed; wait_s_max), those; None if no run is at that load."""
     if load is None:
         return None
     at = [r for r in runs if r["offered_tokens_per_s"] == load]
@@ -190,9 +191,14 @@ def served_at_load(runs: Iterable[dict], load: "float | None") -> "dict | None":
         return None
     served = statistics.median(r["throughput_tokens_per_s"] for r in at)
     p99 = [r["ttft_p99_s"] for r in at if r.get("ttft_p99_s") is not None]
-    return {"offered_tokens_per_s": load, "served_tokens_per_s": served,
-            "served_fraction": served / load if load > 0 else None,
-            "ttft_p99_s": statistics.median(p99) if p99 else None, "runs": len(at)}
+    out = {"offered_tokens_per_s": load, "served_tokens_per_s": served,
+           "served_fraction": served / load if load > 0 else None,
+           "ttft_p99_s": statistics.median(p99) if p99 else None, "runs": len(at)}
+    lanes = [r["lane"] for r in at if r.get("lane")]
+    if lanes:  # the long-prompt lane's counts there (LaneCounts), summed over the runs
+        out["lane"] = {k: sum(x[k] for x in lanes) for k in ("opened", "waited", "gave_up")}
+        out["lane"]["wait_s_max"] = max(x["wait_s_max"] for x in lanes)
+    return out
 
 
 @dataclass

@@ -199,6 +199,7 @@ class RunResult:
     outputs: dict
     spans: list = field(default_factory=list)  # (pe, track, name, start_s from the first span, dur_s)
     mode: str = "async"
+    lane: dict = field(default_factory=dict)  # the long-prompt lane's counts (lane.LaneCounts.as_dict; {}: off)
 
 
 # ----------------------------------------------------------------------------- live worker statistics

@@ -2,6 +2,7 @@
 (``headline.py`` runs the search; ``skew.py``, ``bench/bench_sim.py`` and the tests build on the same grids)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ..serving.protocol import RuntimeConfig
@@ -85,11 +86,32 @@ def async_grid(devices: int, experts, tps, chunks, heads: int, budgets=(16384,),
     return out
 
 
+def with_lane_wait(asyncs, slo_s: float, factors=(None,)) -> list:
+    """ASAP candidates with each of the lane's wait bounds (``RuntimeConfig.lane_wait_s``) searched, given as
+    multiples of the SLO (``headline --lane-wait``; None: wait for room, the runtime's default), so that a search
+    re-run under another SLO scales the bound with it (``examples/prefill.py --lane-wait auto`` is 2 SLOs)."""
+    out = []
+    for d in asyncs:
+        for f in factors:
+            out.append(d if f is None and d.cfg.lane_wait_s is None else
+                       Deployment("async", dataclasses.replace(d.cfg, lane_wait_s=None if f is None else f * slo_s),
+                                  d.par))
+    return out
+
+
+def rebind_lane_wait(d, slo_s: float, new_slo_s: float):
+    """``d`` with its lane wait bound (a multiple of ``slo_s``) re-scaled to ``new_slo_s``."""
+    if d.mode != "async" or d.cfg.lane_wait_s is None:
+        return d
+    return Deployment("async", dataclasses.replace(d.cfg, lane_wait_s=d.cfg.lane_wait_s * new_slo_s / slo_s), d.par)
+
+
 def search_breadth(syncs, asyncs, grid: dict) -> dict:
     """How broadly each mode was searched: candidate counts and the values of each searched dimension."""
     return {"async": len(asyncs), "sync": len(syncs),
             "async_dimensions": {k: grid.get(k, [None]) for k in ("experts", "attention_tp", "chunk", "budget",
-                                                                  "expert_deadline", "expert_budget", "lane_tokens")},
+                                                                  "expert_deadline", "expert_budget", "lane_tokens",
+                                                                  "lane_wait_slo")},
             "sync_dimensions": {k: grid[k] for k in ("sync_tp", "cp", "sync_chunk", "sync_budget", "overlap")}}
 
 

@@ -23,7 +23,9 @@ The documented comparison (docs/design.md, "asap_comm.sim"; issue 6, best-vs-bes
   + 32, a 126k prompt's unloaded TTFT is 3.5 s with 4k chunks and 5.9 s with 8k) with a micro-batch budget
   equal to it or ``--token-budget`` (16k), the expert ranks' batching deadline
   (``--expert-deadline``: 0.5, 2 ms) and row budget (``--expert-token-budget``:
-  16384, 32768). Why at least 16 expert devices:
+  16384, 32768), the long-prompt lane's KV pool (``--lane-tokens``: default one longest prompt) and its wait
+  bound (``--lane-wait``, in multiples of each search's SLO: default none, wait for room; a prompt that waited
+  that long runs on one group). Why at least 16 expert devices:
   the routed experts are 653 B parameters (58 layers x 256 x 3 x 7168 x 2048),
   653 GB in INT8/FP8, so with 64 GB of HBM per 910C die (80 GB per H800) at
   least 11 (9) expert devices are needed; 16 leaves room for buffers. The
@@ -82,8 +84,8 @@ from .study import (Deployment, capacity_rate, mean_len, p90_prompt, parse_slo, 
                     search_best, sweep_deployment)
 from .memory import WEIGHT_DTYPES, deployment_problems, headline_memory
 
-from .grids import (LANE, async_grid, headline_config, mooncake_trace, per_die, search_breadth, skew_trace,  # noqa: F401
-                    sync_grid)
+from .grids import (LANE, async_grid, headline_config, mooncake_trace, per_die, rebind_lane_wait,  # noqa: F401
+                    search_breadth, skew_trace, sync_grid, with_lane_wait)
 
 
 def unloaded_ttft(d: Deployment, prompt: int, cost, shapes) -> float:
@@ -157,6 +159,7 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
                          f"{D} devices")
     # memory (asap_comm.sim.memory): only deployments whose dies hold them, unless --ignore-memory
     cost, syncs, asyncs, memory = headline_memory(cost, shapes, syncs, asyncs, weights, ignore_memory)
+    waits = grid.get("lane_wait_slo", [None])  # the lane's wait bounds, in SLOs: bound to each search's SLO
     if routing is not None:  # --routing: every simulated run charges it (routing.py; after --weights)
         cost = routed_cost(cost, routing)
     ref_a, ref_s = per_die(D)
@@ -170,11 +173,12 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
         slo_s = f0 * unloaded
         rule = (f"{f0:g}x the unloaded TTFT of the trace's p90 prompt ({unloaded:.3g} s) on the fastest baseline "
                 f"of the grid ({slo_by.label})")
-    print(f"[{tag}] {trace_desc}; {D} devices; search breadth: {len(syncs)} baseline and {len(asyncs)} ASAP "
+    print(f"[{tag}] {trace_desc}; {D} devices; search breadth: {len(syncs)} baseline and {len(asyncs) * len(waits)} ASAP "
           "configurations; "
           f"SLO {slo_s:.3g} s ({rule}), {100 * target:g}% of requests", file=sys.stderr, flush=True)
     start = 0.25 * capacity_rate(probe, cost, shapes, ref_s.cfg, sync_ranks=ref_s.sync_ranks)
-    main = best_vs_best(syncs, asyncs, probe, trace, cost, shapes, slo_s, start=start, target=target,
+    main = best_vs_best(syncs, with_lane_wait(asyncs, slo_s, waits), probe, trace, cost, shapes, slo_s, start=start,
+                        target=target,
                         confirm_top=confirm_top, bisections=bis, progress=tag)
     found, best_a, best_s, ratio = main["found"], main["async"], main["sync"], main["ratio"]
     res = {"profile": tag, "cost_model": cost.describe(), "trace": trace_desc, "devices": D, "slo_s": slo_s,
@@ -186,7 +190,7 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
                               "confirmed_slo_compliant_throughput": _sct(row["confirmed"])}
                              for row in found[mode]["candidates"]] for mode in ("async", "sync")},
            "search_requests": {"coarse": len(probe), "confirm": len(trace), "confirm_top": confirm_top},
-           "search_breadth": search_breadth(syncs, asyncs, grid),
+           "search_breadth": search_breadth(syncs, with_lane_wait(asyncs, slo_s, waits), grid),
            "sweep": {m: {k: found[m]["best_sweep"][k] for k in ("slo_compliant_rate_req_s", "saturated",
                                                                  "arrival_span_over_slo")}
                      for m in ("async", "sync")}, "memory": memory}
@@ -196,7 +200,8 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
                                "sync": main["sync_sct"], "ratio": ratio,
                                "saturated": {k: found[k]["best_sweep"]["saturated"] for k in ("async", "sync")}}]
     for f in factors:
-        m = best_vs_best(syncs, asyncs, probe, trace, cost, shapes, f * unloaded, start=start, target=target,
+        m = best_vs_best(syncs, with_lane_wait(asyncs, f * unloaded, waits), probe, trace, cost, shapes, f * unloaded,
+                         start=start, target=target,
                          confirm_top=1, bisections=bis, progress=f"{tag} SLO x{f:g}")
         res["slo_sensitivity"].append({"slo_factor": f, "slo_s": f * unloaded, "async_label": m["async"].label,
                                        "sync_label": m["sync"].label, "async": m["async_sct"],
@@ -279,8 +284,9 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
         slo = slo_s if slo_given else slo_factors[0] * slo_rule(t, syncs, cost, shapes, factor=1.0)[0]
         st = 0.25 * capacity_rate(t, cost, shapes, ref_s.cfg, sync_ranks=ref_s.sync_ranks)
         row = {"mean_prompt_tokens": mean_len(t), "slo_s": slo}
-        for m in ("async", "sync"):
-            f = search_best(finalists[m], t, cost, shapes, slo, start_rate=st, bisections=2, target=target,
+        for m in ("async", "sync"):  # a lane wait bound is so many SLOs: re-scaled to this trace's
+            cands = [rebind_lane_wait(d, slo_s, slo) for d in finalists[m]]
+            f = search_best(cands, t, cost, shapes, slo, start_rate=st, bisections=2, target=target,
                             confirm_top=1, confirm_bisections=bis)
             row[m], row[f"{m}_label"] = _sct(f["best_sweep"]), f["best"].label
             row[f"{m}_saturated"] = f["best_sweep"]["saturated"]
@@ -352,6 +358,25 @@ def _floats(p: argparse.ArgumentParser, flag: str, value: str) -> list:
     return out
 
 
+def _waits(p: argparse.ArgumentParser, value: str) -> list:
+    """``--lane-wait``: SLO multiples >= 0 or none, at least one."""
+    out = []
+    for x in value.split(","):
+        x = x.strip().lower()
+        if not x:
+            continue
+        try:
+            f = None if x == "none" else float(x)
+        except ValueError:
+            f = -1.0
+        if f is not None and not (f >= 0 and math.isfinite(f)):
+            p.error(f"--lane-wait {value!r}: {x!r} is not none or a number of SLOs >= 0")
+        out.append(f)
+    if not out:
+        p.error(f"--lane-wait {value!r}: expected none or numbers of SLOs, comma-separated")
+    return list(dict.fromkeys(out))
+
+
 def _onoff(p: argparse.ArgumentParser, value: str) -> list:
     out = []
     for x in value.split(","):
@@ -401,6 +426,9 @@ def main(argv=None) -> int:
     p.add_argument("--lane-tokens", default="none", metavar="TOKENS[,TOKENS...]",
                    help="ASAP: the long-prompt lane's KV pools searched (prompt tokens the lanes in flight hold "
                         "together, charged to every attention die; none: the longest prompt, 131072)")
+    p.add_argument("--lane-wait", default="none", metavar="SLOS[,SLOS...]",
+                   help="ASAP: the lane's wait bounds searched, in multiples of the SLO (a long prompt that waited "
+                        "that long for room in the lane runs on one attention group; none: it waits for room)")
     p.add_argument("--sync-chunk-len", default="4096,8192,16384", metavar="TOKENS[,TOKENS...]",
                    help="baseline: chunk sizes searched")
     p.add_argument("--sync-token-budget", default="16384", metavar="TOKENS[,TOKENS...]",
@@ -449,6 +477,7 @@ def main(argv=None) -> int:
             "expert_deadline": _floats(p, "--expert-deadline", args.expert_deadline),
             "expert_budget": _ints(p, "--expert-token-budget", args.expert_token_budget),
             "lane_tokens": _ints(p, "--lane-tokens", args.lane_tokens, none_ok=True),
+            "lane_wait_slo": _waits(p, args.lane_wait),
             "sync_chunk": _ints(p, "--sync-chunk-len", args.sync_chunk_len),
             "sync_budget": _ints(p, "--sync-token-budget", args.sync_token_budget),
             "overlap": _onoff(p, args.sync_overlap)}
@@ -465,7 +494,8 @@ def main(argv=None) -> int:
         sigmas, loads, caps = (0.0, 1.0), (0.5, 1.0), (8192,)
         grid = {"devices": 8, "experts": [2, 4], "attention_tp": [1, 2], "sync_tp": [1, 2], "cp": [None, 16384],
                 "chunk": [16384], "sync_chunk": [16384], "sync_budget": [16384], "overlap": [False],
-                "budget": [16384], "expert_deadline": [0.001], "expert_budget": [32768], "lane_tokens": [None]}
+                "budget": [16384], "expert_deadline": [0.001], "expert_budget": [32768], "lane_tokens": [None],
+                "lane_wait_slo": grid["lane_wait_slo"]}
     if n_side == 0:  # the clipped and skewed traces left out (recorded: num_requests_sensitivity 0)
         sigmas, caps = (), ()
     try:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 
-from ..serving.lane import LanePool, chunk_may_start, lane_slots, lane_tokens
+from ..serving.lane import LaneCounts, LanePool, chunk_may_start, lane_slots, lane_tokens
 from ..serving.policies import split_prompt
 from .simulate_common import _pairs, _validate
 
@@ -161,8 +161,7 @@ class Lane:
             self.offset.append(k)
             k += len(layers)
         self.steps = k
-        self.used = 0  # requests that took the lane
-        self.gave_up = 0  # requests that waited lane_wait_s for room and ran the usual way
+        self.counts = LaneCounts()  # lanes opened, prompts that waited, gave up (SimResult.lane), as the runtime
         # the runtime's admission (FrontLane): lane_slots lanes in flight at most; their chunks queue in the groups'
         # micro-batchers like any chunk (alone in a micro-batch, gated by Lane.ready_fn)
         self.fifo = self.design == "pipe" and LANE_SPLIT[0] == 1 and _ADMISSION[0] == "runtime"
@@ -235,9 +234,10 @@ class Lane:
                 return False
             self.waiting.append((r, chunks))
             self._open_waiting()
-            wait = sim.cfg.lane_wait_s
-            if wait is not None and any(w[0] is r for w in self.waiting):  # no room now: the usual way after that
-                sim.engine.after(wait, self._give_up, r)
+            if any(w[0] is r for w in self.waiting):  # no room now: it waits (the usual way after lane_wait_s)
+                self.counts.waited += 1
+                if sim.cfg.lane_wait_s is not None:
+                    sim.engine.after(sim.cfg.lane_wait_s, self._give_up, r)
             return True
         if ADAPTIVE[0]:
             g = self.idle_enough(chunks, g)
@@ -251,7 +251,7 @@ class Lane:
             chunks = split_prompt(r.request_id, r.prompt_len, max(1, sim.cfg.effective_chunk_len // LANE_SPLIT[0]))
         sim.records[r.request_id].start_s = sim.engine.now
         req = _LaneRequest(r.request_id, chunks, ranks, self.design, self.steps)
-        self.used += 1
+        self.counts.open(0.0)
         sim.engine.after(sim._delivery_s(chunks), self._deliver, req)
         return True
 
@@ -261,7 +261,7 @@ class Lane:
         for i, w in enumerate(self.waiting):
             if w[0] is r:
                 del self.waiting[i]
-                self.gave_up += 1
+                self.counts.gave_up += 1
                 self.sim.arrive_usual(r)
                 return
 
@@ -275,7 +275,7 @@ class Lane:
             sim.records[r.request_id].start_s = sim.engine.now
             req = _LaneRequest(r.request_id, chunks, ranks, self.design, self.steps)
             self.live[r.request_id] = req
-            self.used += 1
+            self.counts.open(sim.engine.now - r.arrival_s)
             sim.engine.after(sim._delivery_s(chunks), self._deliver_fifo, req)
 
     def _deliver_fifo(self, req: _LaneRequest) -> None:

@@ -104,6 +104,7 @@ class SimResult:
     events: int
     wall_s: float
     spans: list = field(default_factory=list)  # (rank name, label, start_s, dur_s) when asked for
+    lane: dict = field(default_factory=dict)  # the long-prompt lane's counts (serving.lane.LaneCounts; {}: none)
 
 
 def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConfig(), *,
@@ -158,5 +159,6 @@ def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConf
     stats = [{"rank": name, "role": role, "busy_s": rk.busy_s, "idle_s": max(0.0, span - rk.busy_s),
               "utilisation": min(1.0, rk.busy_s / span), "jobs": rk.jobs, "stands_for": n}
              for name, role, rk, n in ranks]
+    lane = getattr(sim, "lane", None)
     return SimResult(mode, records, stats, end, sim.engine.events, time.perf_counter() - t0,
-                     sim.spans or [])
+                     sim.spans or [], {} if lane is None else lane.counts.as_dict())

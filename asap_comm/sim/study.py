@@ -120,6 +120,8 @@ def run_point(mode: str, trace, rate: float, cost, shapes, cfg, slo: float, *, s
     util = [r["utilisation"] for r in res.ranks for _ in range(r["stands_for"])]
     s.update(rate_req_s=rate, offered_tokens_per_s=rate * mean_len(trace),
              mean_utilisation=sum(util) / len(util), sim_events=res.events, sim_wall_s=res.wall_s)
+    if res.lane:
+        s["lane"] = res.lane
     return s, res
 
 
@@ -259,6 +261,8 @@ class Deployment:
             ex = ("" if (c.expert_deadline_s, c.expert_token_budget) == (0.001, 32768)
                   else f", experts {1e3 * c.expert_deadline_s:g} ms / {c.expert_token_budget} rows")
             lane = "" if c.lane_tokens is None or not c.long_prompt_lane else f", lane pool {c.lane_tokens}"
+            if c.lane_wait_s is not None and c.long_prompt_lane:
+                lane += f", lane wait {c.lane_wait_s:.3g} s"
             return f"ASAP {c.num_attention_ranks}{tp} + {c.num_expert_ranks}, {chunk}{ex}{lane}"
         tp = "" if self.par.sync_tp == 1 else f" x TP{self.par.sync_tp}"
         cp = "no CP" if self.par.cp_threshold is None else f"CP > {self.par.cp_threshold}"

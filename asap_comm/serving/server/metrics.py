@@ -7,7 +7,7 @@ import math
 
 from ..protocol import BATCH_BUCKETS
 
-__all__ = ["TTFT_BUCKETS", "ServiceMetrics", "WorkerCollector"]
+__all__ = ["TTFT_BUCKETS", "ServiceMetrics", "WorkerCollector", "LaneCollector"]
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 
@@ -39,6 +39,7 @@ class ServiceMetrics:
                                     "room (bounded by --max-waiting-tokens)", registry=r)
         self.waiting_tokens.set_function(lambda: svc.room.tokens)
         r.register(WorkerCollector(svc))
+        r.register(LaneCollector(svc))
 
     def completed(self, c) -> None:
         """A request's result (a ``frontend.Completion``) reached the front end."""
@@ -90,3 +91,27 @@ class WorkerCollector:
         yield busy
         yield beat
         yield hist
+
+
+class LaneCollector:
+    """Prometheus collector of the long-prompt lane's admission (``serving.lane.FrontLane``): lanes opened, prompts
+    that found no room and waited, those that gave up after ``--lane-wait-s``, and the prompts waiting now.
+    Nothing where the lane is off (the baseline, one attention rank, ``--no-long-prompt-lane``)."""
+
+    def __init__(self, svc) -> None:
+        self.svc = svc
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        lane = self.svc.fe.lane
+        if not lane.active:
+            return
+        c = lane.counts
+        yield CounterMetricFamily("asap_lane_opened", "Long prompts that took the long-prompt lane", value=c.opened)
+        yield CounterMetricFamily("asap_lane_waited", "Long prompts that found no room in the lane's KV pool on "
+                                  "arrival and waited for it", value=c.waited)
+        yield CounterMetricFamily("asap_lane_gave_up", "Long prompts that waited --lane-wait-s for the lane and ran "
+                                  "on one attention rank", value=c.gave_up)
+        yield GaugeMetricFamily("asap_lane_waiting", "Long prompts waiting for room in the lane now",
+                                value=len(lane.waiting))
