@@ -8,6 +8,8 @@
 import dataclasses
 import json
 
+import re
+
 import pytest
 
 from asap_comm.serving.metrics import summarize_run
@@ -252,14 +254,22 @@ def test_validate_refuses_a_host_that_disagrees(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- headline: equal search breadth
-def test_headline_searches_asap_as_broadly_as_the_baseline():
-    from asap_comm.sim.headline import async_grid, search_breadth, sync_grid
+def test_headline_searches_asap_as_broadly_as_the_baseline(capsys):
+    from asap_comm.sim.headline import async_grid, main, search_breadth, sync_grid
 
-    # the defaults of `headline`
-    syncs = sync_grid(64, [1, 2, 4, 8], [None, 16384, 32768], [4096, 8192, 16384], 128, [True], [16384])
+    # the defaults of `headline` (as its --help gives them)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--cp-threshold", "none,4096,8192,16384,32768"), ("--chunk-len", "4096,8192,16384"),
+                          ("--sync-chunk-len", "4096,8192,16384"), ("--expert-deadline", "0.0005,0.002"),
+                          ("--expert-token-budget", "16384,32768"), ("--lane-wait", "none")):
+        assert re.search(rf"{flag} \S+ (?:(?!\(default:).)*\(default: {re.escape(default)}\)", help_text), (flag,
+                                                                                                         default)
+    syncs = sync_grid(64, [1, 2, 4, 8], [None, 4096, 8192, 16384, 32768], [4096, 8192, 16384], 128, [True], [16384])
     asyncs = async_grid(64, [16, 32], [1, 2, 4, 8], [4096, 8192, 16384], 128, [16384], [0.0005, 0.002],
                         [16384, 32768])
-    assert len(syncs) == 60 and len(asyncs) == 160
+    assert len(syncs) == 100 and len(asyncs) == 160
     labels = [d.label for d in asyncs]
     assert len(set(labels)) == len(labels)  # every searched dimension shows in the label
     assert {d.cfg.expert_deadline_s for d in asyncs} == {0.0005, 0.002}
@@ -271,9 +281,10 @@ def test_headline_searches_asap_as_broadly_as_the_baseline():
     assert all(d.devices == 64 for d in asyncs + syncs)
     grid = {"experts": [16, 32], "attention_tp": [1, 2, 4, 8], "chunk": [4096, 8192, 16384], "budget": [16384],
             "expert_deadline": [0.0005, 0.002], "expert_budget": [16384, 32768], "sync_tp": [1, 2, 4, 8],
-            "cp": [None, 16384, 32768], "sync_chunk": [4096, 8192, 16384], "sync_budget": [16384], "overlap": [True]}
+            "cp": [None, 4096, 8192, 16384, 32768], "sync_chunk": [4096, 8192, 16384], "sync_budget": [16384],
+            "overlap": [True]}
     b = search_breadth(syncs, asyncs, grid)
-    assert (b["async"], b["sync"]) == (160, 60) and b["async_dimensions"]["expert_deadline"] == [0.0005, 0.002]
+    assert (b["async"], b["sync"]) == (160, 100) and b["async_dimensions"]["expert_deadline"] == [0.0005, 0.002]
     assert b["async_dimensions"]["lane_tokens"] == [None]  # the lane's KV pool: the longest prompt by default
     # --lane-tokens: the lane's KV pool is one more ASAP dimension, shown in the label
     pools = async_grid(64, [16], [8], [4096], 128, [4096], [0.0005], [16384], [None, 262144])

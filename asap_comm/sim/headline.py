@@ -9,7 +9,8 @@ The documented comparison (docs/design.md, "asap_comm.sim"; issue 6, best-vs-bes
 * **Baseline, searched** (what production deployments run): ``devices / T`` DP
   groups of ``T`` devices with tensor parallelism (``--sync-tp``, 1, 2, 4, 8),
   EP over all devices, context parallelism for prompts above a threshold
-  (``--cp-threshold``: none, 16k, 32k tokens), chunk size (``--sync-chunk-len``:
+  (``--cp-threshold``: none, 4k, 8k, 16k, 32k tokens; 4k and 8k since 2026-12-03 night: with them the
+  64-die baseline's best at p99 rose by a third), chunk size (``--sync-chunk-len``:
   4k, 8k, 16k) with a step's token budget equal to it (SGLang's
   chunked-prefill size) or 16k (``--sync-token-budget``), all_to_alls hidden
   behind compute (``--sync-overlap``: DeepSeek's two-micro-batch overlap, an
@@ -411,7 +412,7 @@ def main(argv=None) -> int:
                         "(devices - E) / T attention groups")
     p.add_argument("--sync-tp", default="1,2,4,8", metavar="T[,T...]",
                    help="baseline: devices per DP group (tensor parallelism) searched; devices / T groups")
-    p.add_argument("--cp-threshold", default="none,16384,32768", metavar="TOKENS[,TOKENS...]",
+    p.add_argument("--cp-threshold", default="none,4096,8192,16384,32768", metavar="TOKENS[,TOKENS...]",
                    help="baseline: context-parallelism thresholds searched (none: no CP)")
     p.add_argument("--chunk-len", default="4096,8192,16384", metavar="TOKENS[,TOKENS...]",
                    help="ASAP: chunk sizes searched (the baseline's; micro-batch budget 16384 tokens); the chunk is "
