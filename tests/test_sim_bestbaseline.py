@@ -256,6 +256,33 @@ def test_search_best_picks_the_best_by_construction():
         search_best([], [0], None, None, 1.0, start_rate=1.0)
 
 
+def test_search_best_breaks_coarse_ties_by_the_next_load_then_the_targets_percentile():
+    """Equal coarse throughputs (the coarse grid of loads ties often): the candidate that came closest to passing
+    the next load tested goes first, then the lower TTFT at the target's percentile (p99 for a p99 SLO)."""
+    from asap_comm.sim.study import tail_key
+
+    cfg = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=1)
+    cands = [Deployment("sync", cfg, Parallelism(sync_tp=t), sync_ranks=8 // t) for t in (1, 2, 4, 8)]
+
+    def pts(next_att, p90, p99):  # passes 100 tok/s, fails 200 with ``next_att`` (None: no higher load tested)
+        out = [{"offered_tokens_per_s": 100.0, "slo_attainment": 1.0, "ttft_p90_s": p90, "ttft_p99_s": p99}]
+        if next_att is not None:
+            out.append({"offered_tokens_per_s": 200.0, "slo_attainment": next_att, "ttft_p90_s": 9.0,
+                        "ttft_p99_s": 9.0})
+        return out
+    sweeps = {cands[0].label: pts(0.50, 1.0, 5.0), cands[1].label: pts(0.97, 2.0, 4.0),
+              cands[2].label: pts(0.97, 3.0, 3.0), cands[3].label: pts(None, 4.0, 6.0)}
+
+    def sweep(d, trace, cost, shapes, slo, *, start_rate, bisections, target, progress):
+        return {"slo_compliant_throughput": 100.0, "points": sweeps[d.label]}
+    r = search_best(cands, [0], None, None, 1.0, start_rate=1.0, target=0.99, confirm_bisections=2, sweep=sweep)
+    # TP8 never failed (attainment 1 above), then TP4 and TP2 (0.97: TP4's lower p99 first), TP1 last
+    assert r["ranking"] == [3, 2, 1, 0] and r["best"] is cands[3]
+    r = search_best(cands, [0], None, None, 1.0, start_rate=1.0, target=0.9, confirm_bisections=2, sweep=sweep)
+    assert r["ranking"] == [3, 1, 2, 0]  # a p90 SLO: TP2's lower p90 first
+    assert (tail_key(0.99), tail_key(0.9), tail_key(0.5)) == ("ttft_p99_s", "ttft_p90_s", "ttft_p50_s")
+
+
 def test_search_best_on_a_tiny_grid_of_real_simulations():
     # the same groups, more of them: 4 DP groups serve more load than 1 under the same SLO, by construction
     cfg = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=64, chunk_len=64, max_prompt_len=64)

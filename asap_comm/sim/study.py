@@ -291,6 +291,11 @@ def sweep_deployment(d: Deployment, trace, cost, shapes, slo: float, *, start_ra
                                progress=progress)
 
 
+def tail_key(target: float) -> str:
+    """The summary key of the TTFT percentile an SLO attainment target looks at (p99 for 0.99, p90 for 0.9)."""
+    return "ttft_p99_s" if target > 0.9 else "ttft_p90_s" if target > 0.5 else "ttft_p50_s"
+
+
 def search_best(candidates, trace, cost, shapes, slo: float, *, start_rate: float, bisections: int = 2,
                 target: float = 0.9, confirm_trace=None, confirm_top: int = 2, confirm_bisections: int = 4,
                 progress: str | None = None, sweep=sweep_deployment) -> dict:
@@ -298,8 +303,10 @@ def search_best(candidates, trace, cost, shapes, slo: float, *, start_rate: floa
 
     A coarse pass sweeps every candidate on ``trace`` (``bisections`` steps of the load search); then the
     ``confirm_top`` best of it are swept again on ``confirm_trace`` (default: ``trace``) with
-    ``confirm_bisections``, and the best of those wins. Equal throughputs rank by the TTFT p90 at that load (lower
-    first), then by candidate order; a candidate that fails the SLO even at the lowest tested load ranks last. ``sweep(d, trace, cost, shapes, slo, ...)`` is
+    ``confirm_bisections``, and the best of those wins. Equal throughputs rank by the SLO attainment at the next
+    load tested above (higher first: the one that came closest to passing it; 1 where no load failed), then by
+    the TTFT at that load at the target's percentile (``tail_key``: p99 for a p99 SLO, lower first), then by
+    candidate order; a candidate that fails the SLO even at the lowest tested load ranks last. ``sweep(d, trace, cost, shapes, slo, ...)`` is
     :func:`sweep_deployment` (a parameter for tests). Returns ``{"candidates": [{"deployment", "coarse",
     "confirmed"}...] in candidate order, "best": Deployment, "best_sweep": its confirmed sweep, "ranking":
     [candidate indices, best first, by coarse throughput]}``.
@@ -316,11 +323,15 @@ def search_best(candidates, trace, cost, shapes, slo: float, *, start_rate: floa
         if progress:
             print(f"  [{progress}] {d.label:45s} coarse SLO-compliant {sct or 0:12.0f} tok/s", file=sys.stderr,
                   flush=True)
-    def key(i):  # highest throughput; among equals (the coarse grid of loads ties often) the lower TTFT p90 there
-        r = rows[i]["coarse"]
+    tail = tail_key(target)
+
+    def key(i):  # highest throughput; among equals (the coarse grid of loads ties often) the one that came closest
+        r = rows[i]["coarse"]  # to passing the next load tested, then the lower TTFT at the target's percentile
         sct = r["slo_compliant_throughput"]
-        p90 = [p["ttft_p90_s"] for p in r["points"] if p["offered_tokens_per_s"] == sct and p["ttft_p90_s"] is not None]
-        return (-(sct if sct is not None else -1.0), min(p90) if p90 else math.inf, i)
+        above = [p for p in r["points"] if sct is None or p["offered_tokens_per_s"] > sct]
+        nxt = min(above, key=lambda p: p["offered_tokens_per_s"])["slo_attainment"] if above else 1.0
+        at = [p[tail] for p in r["points"] if p["offered_tokens_per_s"] == sct and p[tail] is not None]
+        return (-(sct if sct is not None else -1.0), -nxt, min(at) if at else math.inf, i)
     ranking = sorted(range(len(rows)), key=key)
     top = ranking[:max(1, confirm_top)]
     if confirm_trace is None and confirm_bisections == bisections:
