@@ -371,6 +371,9 @@ def test_lane_tokens_auto_sizes_the_pool_to_what_memory_holds_in_sim_run_and_the
     s = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert r.returncode == 0 and s["memory"]["lane_pool"] is None and s["config"]["runtime"]["lane_tokens"] is None
     assert s["config"]["runtime"]["lane_wait_s"] == 3.5
+    lane = s["async"]["lane"]  # the lane's counts at the run's load (SimResult.lane)
+    assert set(lane) == {"opened", "waited", "gave_up", "wait_s_mean", "wait_s_max"}, lane
+    assert lane["opened"] + lane["gave_up"] <= 4 and lane["gave_up"] <= lane["waited"]
     for flag, value in (("--lane-tokens", "many"), ("--lane-wait", "-1")):
         r = subprocess.run(base + [flag, value, "--out", str(tmp_path / "bad")], capture_output=True, text=True,
                            timeout=300)

@@ -307,6 +307,8 @@ def cmd_run(argv) -> int:
         summary[mode] = {**_mode_keys(s), "rate_req_s": mid, "ranks": res.ranks,
                          "idle_s_total": sum(r["idle_s"] * r["stands_for"] for r in res.ranks),
                          "sim_wall_s": res.wall_s, "sim_events": res.events}
+        if res.lane:  # the long-prompt lane's counts at this load (serving.lane.LaneCounts)
+            summary[mode]["lane"] = res.lane
         timelines[mode] = res.spans
         if args.sweep or len(rates) > 1:
             from ..serving.metrics import served_at_load, slo_compliant_throughput
@@ -340,8 +342,11 @@ def _print_summary(summary: dict, modes, slo: float) -> None:
     for m in modes:
         at = summary[m].get("at_slo_compliant_load")
         if at is not None:
+            lane = at.get("lane")
             print(f"{m}: at its SLO-compliant load served {at['served_tokens_per_s']:.0f} tok/s "
-                  f"({at['served_fraction']:.0%} of offered), TTFT p99 {at['ttft_p99_s']:.3f} s")
+                  f"({at['served_fraction']:.0%} of offered), TTFT p99 {at['ttft_p99_s']:.3f} s"
+                  + ("" if not lane else f"; long-prompt lane: {lane['opened']} opened, {lane['waited']} waited "
+                     f"for room, {lane['gave_up']} gave up"))
     if "slo_compliant_throughput_ratio" in summary and summary["slo_compliant_throughput_ratio"]:
         print(f"SLO-compliant throughput, ASAP / baseline: {summary['slo_compliant_throughput_ratio']:.2f}x "
               f"(TTFT SLO {slo:.3f} s)")
