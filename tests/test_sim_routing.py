@@ -233,6 +233,12 @@ def test_skew_study_rows_follow_the_routing(cost):
         "hot_rank_pairs_over_mean"] > 1.5  # EP over 64 dies concentrates more than 16 expert dies
     assert hot["sync"] is None or bal["sync"] is None or hot["sync"] <= bal["sync"]
     assert "| zipf:1.5 |" in table(res)
+    # slo_s (--slo): the SLO held instead of the rule, recorded as given
+    held = skew_study(["balanced"], a, s, skew_trace(24, 1.0, 6000.0), cost, cost.shapes, bisections=1,
+                      progress=False, slo_s=2.5 * res["slo_s"])
+    assert held["slo_s"] == 2.5 * res["slo_s"] and held["slo_set_by"] == "given (--slo)" and held["slo_factor"] is None
+    assert "given (--slo)" in table(held)
+    assert held["rows"][0]["sync"] is None or bal["sync"] is None or held["rows"][0]["sync"] >= bal["sync"]
 
 
 def test_the_memoised_expert_cost_tells_lists_with_the_same_ends_apart(cost):

@@ -38,11 +38,16 @@ def deployments(attention: int, attention_tp: int, experts: int, sync_ranks: int
 
 
 def skew_study(routings, a: Deployment, s: Deployment, trace, cost, shapes, *, slo_factor: float = 3.0,
-               target: float = 0.9, bisections: int = 3, progress: bool = True) -> dict:
+               target: float = 0.9, bisections: int = 3, progress: bool = True, slo_s: "float | None" = None) -> dict:
     """Both deployments' SLO-compliant throughput under each routing (same trace and SLO); see the module
-    docstring. Returns ``{"slo_s", "rows": [{"routing", "async", "sync", "ratio", "hot": {...}}]}``."""
+    docstring. ``slo_s``: the SLO in seconds instead of the rule (``--slo``: held while the pair changes).
+    Returns ``{"slo_s", "rows": [{"routing", "async", "sync", "ratio", "hot": {...}}]}``."""
     from .headline import slo_rule
-    slo, by = slo_rule(trace, [a, s], cost, shapes, factor=slo_factor)
+    if slo_s is None:
+        slo, by = slo_rule(trace, [a, s], cost, shapes, factor=slo_factor)
+        by = by.label
+    else:
+        slo, by, slo_factor = slo_s, "given (--slo)", None
     start = 0.25 * capacity_rate(trace, cost, shapes, s.cfg, sync_ranks=s.sync_ranks, par=s.par)
     rows = []
     for spec in routings:
@@ -61,7 +66,7 @@ def skew_study(routings, a: Deployment, s: Deployment, trace, cost, shapes, *, s
             print(f"[skew] {r.spec:32s} ASAP {_tok(got['async']):>8s} tok/s  baseline {_tok(got['sync']):>8s} tok/s  "
                   f"ratio {'-' if ratio is None else f'{ratio:.2f}'}  ({rows[-1]['wall_s']:.0f} s)  (-: fails the SLO "
                   "at every load)", file=sys.stderr, flush=True)
-    return {"slo_s": slo, "slo_set_by": by.label, "slo_factor": slo_factor, "slo_percentile": 100 * target,
+    return {"slo_s": slo, "slo_set_by": by, "slo_factor": slo_factor, "slo_percentile": 100 * target,
             "async": a.describe(), "sync": s.describe(), "rows": rows}
 
 
@@ -70,8 +75,10 @@ def _tok(v) -> str:
 
 
 def table(res: dict) -> str:
-    lines = [f"SLO {res['slo_s']:.3g} s at p{res['slo_percentile']:g} ({res['slo_factor']:g}x the unloaded p90 "
-             f"prompt on {res['slo_set_by']}); {res['async']['label']} vs {res['sync']['label']}",
+    rule = (res["slo_set_by"] if res["slo_factor"] is None else
+            f"{res['slo_factor']:g}x the unloaded p90 prompt on {res['slo_set_by']}")
+    lines = [f"SLO {res['slo_s']:.3g} s at p{res['slo_percentile']:g} ({rule}); {res['async']['label']} vs "
+             f"{res['sync']['label']}",
              "| routing | hot expert / mean | hot rank pairs / mean (ASAP E, baseline D) | ASAP tok/s | baseline tok/s "
              "| ratio |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
@@ -99,6 +106,9 @@ def main(argv=None) -> int:
     p.add_argument("--cp-threshold", type=int, default=16384, help="baseline context parallelism (0: off)")
     p.add_argument("--no-sync-overlap", action="store_true", help="the baseline does not overlap its all_to_alls")
     p.add_argument("--slo-factor", type=float, default=3.0)
+    p.add_argument("--slo", type=float, default=None, metavar="SECONDS",
+                   help="the TTFT SLO in seconds instead of --slo-factor x the faster deployment's unloaded p90 "
+                        "prompt (hold it while the pair changes)")
     p.add_argument("--slo-percentile", type=float, default=90.0)
     p.add_argument("--bisections", type=int, default=3)
     args = p.parse_args(argv)
@@ -109,6 +119,8 @@ def main(argv=None) -> int:
         p.error(str(e))
     if not routings or args.num_requests < 2 or not args.slo_factor > 0:
         p.error("--routings must name at least one routing, --num-requests be >= 2 and --slo-factor > 0")
+    if args.slo is not None and not (args.slo > 0 and args.slo < float("inf")):
+        p.error(f"--slo {args.slo}: expected seconds > 0")
     from .headline import mooncake_trace
     cost, shapes = CostModel.load(args.profile, args.model), ModelShapes.load(args.model)
     a, s = deployments(args.attention_ranks, args.attention_tp, args.expert_ranks, args.sync_ranks, args.sync_tp,
@@ -116,7 +128,7 @@ def main(argv=None) -> int:
     trace, desc = mooncake_trace(args.num_requests)
     t0 = time.perf_counter()
     res = skew_study(routings, a, s, trace, cost, shapes, slo_factor=args.slo_factor, target=target,
-                     bisections=args.bisections)
+                     bisections=args.bisections, slo_s=args.slo)
     res.update(profile=cost.name, model=shapes.name, trace=desc, wall_s=time.perf_counter() - t0,
                command="python -m asap_comm.sim skew " + " ".join(argv if argv is not None else sys.argv[1:]))
     out = Path(args.out)
