@@ -174,12 +174,12 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
         slo_s = f0 * unloaded
         rule = (f"{f0:g}x the unloaded TTFT of the trace's p90 prompt ({unloaded:.3g} s) on the fastest baseline "
                 f"of the grid ({slo_by.label})")
-    print(f"[{tag}] {trace_desc}; {D} devices; search breadth: {len(syncs)} baseline and {len(asyncs) * len(waits)} ASAP "
+    async_cands = with_lane_wait(asyncs, slo_s, waits)
+    print(f"[{tag}] {trace_desc}; {D} devices; search breadth: {len(syncs)} baseline and {len(async_cands)} ASAP "
           "configurations; "
           f"SLO {slo_s:.3g} s ({rule}), {100 * target:g}% of requests", file=sys.stderr, flush=True)
     start = 0.25 * capacity_rate(probe, cost, shapes, ref_s.cfg, sync_ranks=ref_s.sync_ranks)
-    main = best_vs_best(syncs, with_lane_wait(asyncs, slo_s, waits), probe, trace, cost, shapes, slo_s, start=start,
-                        target=target,
+    main = best_vs_best(syncs, async_cands, probe, trace, cost, shapes, slo_s, start=start, target=target,
                         confirm_top=confirm_top, bisections=bis, progress=tag)
     found, best_a, best_s, ratio = main["found"], main["async"], main["sync"], main["ratio"]
     res = {"profile": tag, "cost_model": cost.describe(), "trace": trace_desc, "devices": D, "slo_s": slo_s,
@@ -191,7 +191,7 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
                               "confirmed_slo_compliant_throughput": _sct(row["confirmed"])}
                              for row in found[mode]["candidates"]] for mode in ("async", "sync")},
            "search_requests": {"coarse": len(probe), "confirm": len(trace), "confirm_top": confirm_top},
-           "search_breadth": search_breadth(syncs, with_lane_wait(asyncs, slo_s, waits), grid),
+           "search_breadth": search_breadth(syncs, async_cands, grid),
            "sweep": {m: {k: found[m]["best_sweep"][k] for k in ("slo_compliant_rate_req_s", "saturated",
                                                                  "arrival_span_over_slo")}
                      for m in ("async", "sync")}, "memory": memory}
@@ -349,33 +349,14 @@ def _ints(p: argparse.ArgumentParser, flag: str, value: str, *, none_ok: bool = 
     return out
 
 
-def _floats(p: argparse.ArgumentParser, flag: str, value: str) -> list:
+def _floats(p: argparse.ArgumentParser, flag: str, value: str, *, none_ok: bool = False) -> list:
     try:
-        out = [float(x) for x in value.split(",") if x.strip()]
+        out = [None if none_ok and x.strip().lower() == "none" else float(x) for x in value.split(",") if x.strip()]
     except ValueError:
         out = []
-    if not out or not all(v >= 0 and math.isfinite(v) for v in out):
-        p.error(f"{flag} {value!r}: expected comma-separated numbers >= 0")
+    if not out or not all(v is None or (v >= 0 and math.isfinite(v)) for v in out):
+        p.error(f"{flag} {value!r}: expected comma-separated numbers >= 0{' or none' if none_ok else ''}")
     return out
-
-
-def _waits(p: argparse.ArgumentParser, value: str) -> list:
-    """``--lane-wait``: SLO multiples >= 0 or none, at least one."""
-    out = []
-    for x in value.split(","):
-        x = x.strip().lower()
-        if not x:
-            continue
-        try:
-            f = None if x == "none" else float(x)
-        except ValueError:
-            f = -1.0
-        if f is not None and not (f >= 0 and math.isfinite(f)):
-            p.error(f"--lane-wait {value!r}: {x!r} is not none or a number of SLOs >= 0")
-        out.append(f)
-    if not out:
-        p.error(f"--lane-wait {value!r}: expected none or numbers of SLOs, comma-separated")
-    return list(dict.fromkeys(out))
 
 
 def _onoff(p: argparse.ArgumentParser, value: str) -> list:
@@ -478,7 +459,7 @@ def main(argv=None) -> int:
             "expert_deadline": _floats(p, "--expert-deadline", args.expert_deadline),
             "expert_budget": _ints(p, "--expert-token-budget", args.expert_token_budget),
             "lane_tokens": _ints(p, "--lane-tokens", args.lane_tokens, none_ok=True),
-            "lane_wait_slo": _waits(p, args.lane_wait),
+            "lane_wait_slo": list(dict.fromkeys(_floats(p, "--lane-wait", args.lane_wait, none_ok=True))),
             "sync_chunk": _ints(p, "--sync-chunk-len", args.sync_chunk_len),
             "sync_budget": _ints(p, "--sync-token-budget", args.sync_token_budget),
             "overlap": _onoff(p, args.sync_overlap)}

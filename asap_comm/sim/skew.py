@@ -44,8 +44,8 @@ def skew_study(routings, a: Deployment, s: Deployment, trace, cost, shapes, *, s
     Returns ``{"slo_s", "rows": [{"routing", "async", "sync", "ratio", "hot": {...}}]}``."""
     from .headline import slo_rule
     if slo_s is None:
-        slo, by = slo_rule(trace, [a, s], cost, shapes, factor=slo_factor)
-        by = by.label
+        slo, setter = slo_rule(trace, [a, s], cost, shapes, factor=slo_factor)
+        by = setter.label
     else:
         slo, by, slo_factor = slo_s, "given (--slo)", None
     start = 0.25 * capacity_rate(trace, cost, shapes, s.cfg, sync_ranks=s.sync_ranks, par=s.par)
