@@ -6,7 +6,7 @@ Usage::
 
 ASAP with 32 attention + 32 expert ranks and the 64-rank DP+EP baseline, the
 headline's runtime settings (``asap_comm.sim.headline.headline_config``), the
-first ``--num-requests`` requests of ``shared/traces/mooncake_conversation.jsonl``
+first ``--num-requests`` requests of the Mooncake trace that ships with the package
 (or the synthetic stand-in) rescaled to ``--rate`` requests/s (default: half the
 baseline's rough capacity). Reports wall time, events and events/s per mode
 (target: under 60 s per run on the 2-core reference host); writes

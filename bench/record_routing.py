@@ -48,7 +48,7 @@ def record(model: str, seed: int, prompts: int, length_scale: float, max_len: in
     full = factory.full().eval()
     path = mooncake_path()
     if path is None:
-        raise SystemExit("record_routing.py: the Mooncake trace (shared/traces/mooncake_conversation.jsonl) is "
+        raise SystemExit("record_routing.py: the Mooncake trace (asap_comm/data/traces/mooncake_conversation.jsonl) is "
                          "not found")
     lens = [max(1, min(max_len, round(r.prompt_len / length_scale))) for r in load_trace(path)[:prompts]]
     counts = {layer: [0] * cfg.n_routed_experts for layer in range(cfg.num_hidden_layers) if cfg.is_moe_layer(layer)}

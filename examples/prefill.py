@@ -34,8 +34,8 @@ stands for ``--token-scale`` emulated tokens. Unless given, the defaults then
 become: the tiny model; afd-plugin's 32 dies, which hold DeepSeek-V3 on both
 sides (``EMULATE_DEFAULTS``): ASAP 2 attention groups x TP8 + 16 expert dies
 (4 expert processes of ``--expert-dies 4``), the baseline 4 DP groups x TP8
-with EP over all 32 and CP above 64 served tokens; the Mooncake trace of
-``shared/traces`` with lengths divided by the token scale, 128-token chunks
+with EP over all 32 and CP above 64 served tokens; the Mooncake trace
+that ships with the package with lengths divided by the token scale, 128-token chunks
 and micro-batches, 240 requests per load, and the baseline's collectives on
 shared memory (``--sync-collectives shm``: gloo's milliseconds would slow the
 baseline below what the modelled collectives take). A deployment whose
@@ -63,7 +63,7 @@ import torch
 from asap_comm.serving import ChromeTrace, load_trace, served_at_load, slo_compliant_throughput, summarize_run
 from asap_comm.serving.lane import lane_tokens
 from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig, run_async
-from asap_comm.serving.traces import LogNormalLengths, TraceError, synthetic_trace
+from asap_comm.serving.traces import LogNormalLengths, TraceError, resolve_trace, synthetic_trace
 from asap_comm.sim import plots, study
 from asap_comm.sim.costs import known_profiles
 from asap_comm.sim.emulate import DEFAULT_TIME_SCALE as EMULATE_TIME_SCALE
@@ -98,8 +98,11 @@ def make_requests(args, vocab: int) -> list:
         trace = synthetic_trace(args.rate, num_requests=args.num_requests, arrival="gamma", cv=args.burstiness,
                                 lengths=LogNormalLengths(args.median_len, 1.0, 4, args.max_prompt_len), seed=args.seed)
     else:
-        trace = load_trace(args.trace, limit=args.num_requests, target_rate=args.rate,
-                           max_prompt_len=args.max_prompt_len, length_scale=args.length_scale)
+        try:
+            trace = load_trace(resolve_trace(args.trace), limit=args.num_requests, target_rate=args.rate,
+                               max_prompt_len=args.max_prompt_len, length_scale=args.length_scale)
+        except TraceError as e:
+            raise TraceError(e.path, e.line, f"{e.reason} (--trace {args.trace})") from None
     g = torch.Generator().manual_seed(args.seed)
     return [PromptRequest(r.request_id, r.arrival_s, torch.randint(0, vocab, (r.prompt_len,), generator=g))
             for r in trace]
@@ -251,18 +254,6 @@ def apply_emulate_defaults(args, given: set) -> None:
     for k, v in EMULATE_DEFAULTS.items():
         if k not in given:
             setattr(args, k, v)
-    if args.trace == "mooncake":
-        from asap_comm.sim.validate import _mooncake_path
-
-        path = _mooncake_path()
-        if path is None:
-            print("  note: shared/traces/mooncake_conversation.jsonl not found; a synthetic Mooncake-like trace "
-                  "stands in", file=sys.stderr, flush=True)
-            args.trace = "synthetic"
-            args.burstiness = 3.0 if "burstiness" not in given else args.burstiness
-            args.median_len = max(1, round(6909 / args.token_scale)) if "median_len" not in given else args.median_len
-        else:
-            args.trace = str(path)
     if "length_scale" not in given:
         args.length_scale = 1.0 / args.token_scale
 
@@ -477,8 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="A: attention processes of ASAP (the baseline runs A + E DP+EP workers)")
     p.add_argument("--expert-ranks", type=int, default=2, help="E: expert processes of ASAP")
     p.add_argument("--trace", default="synthetic",
-                   help="the load: 'synthetic' (Gamma-bursty arrivals, log-normal prompt lengths), or a "
-                        "Mooncake .jsonl / Azure .csv trace file")
+                   help="the load: 'synthetic' (Gamma-bursty arrivals, log-normal prompt lengths), 'mooncake' or "
+                        "'azure' (the public traces that ship with the package; $ASAP_TRACES_DIR overrides their "
+                        "folder), or a Mooncake .jsonl / Azure .csv trace file")
     p.add_argument("--num-requests", type=int, default=24, help="requests in the load (at most, for a file)")
     p.add_argument("--rate", type=float, default=3.0,
                    help="offered load in requests/s (a file's arrivals are rescaled to it); --sweep overrides it")

@@ -25,8 +25,7 @@ pytestmark = pytest.mark.slow  # starts the HTTP service (a serving group) per m
 
 CFG = preset("tiny")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MOONCAKE = os.path.join(REPO, "..", "shared", "traces", "mooncake_conversation.jsonl")
-AZURE = os.path.join(REPO, "..", "shared", "traces", "azure_llm_2023_conv.csv")
+MOONCAKE, AZURE = "mooncake", "azure"  # the public traces that ship with the package, by name
 START_TIMEOUT_S = 240  # spawning 5 torch processes on a loaded 2-core host
 
 

@@ -1,7 +1,7 @@
 """asap_comm.serving.traces: synthetic load, the Mooncake/Azure loaders, scaling, errors.
 
 Cheapest tier: pure functions, small files written to tmp_path, and the real
-public traces in ../shared/traces when they are there. No spawn.
+public traces that ship with the package (asap_comm/data/traces). No spawn.
 """
 import json
 import math
@@ -16,10 +16,10 @@ import pytest
 from asap_comm.serving import (EmpiricalLengths, FixedLengths, LogNormalLengths, Request, TraceError,
                                UniformLengths, gamma_arrivals, load_azure, load_mooncake, load_trace,
                                poisson_arrivals, scale_trace, summarize_trace, synthetic_trace)
+from asap_comm.serving.traces import PUBLIC_TRACES, TRACES_ENV, resolve_trace, trace_path
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-MOONCAKE = TRACES / "mooncake_conversation.jsonl"
-AZURE = TRACES / "azure_llm_2023_conv.csv"
+MOONCAKE = trace_path("mooncake")  # the copies that ship with the package (asap_comm/data/traces/)
+AZURE = trace_path("azure")
 
 
 def _write(path: Path, text: str) -> Path:
@@ -285,8 +285,7 @@ def test_summarize_trace_hand_computed():
 # --------------------------------------------------------------------------- the real public traces
 
 def _require(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"public trace {path} is not present (see shared/traces/README.md for the sources)")
+    assert path.is_file(), f"the public trace {path} must ship with the package"
     return path
 
 
@@ -322,3 +321,45 @@ def test_serving_imports_no_models_and_core_does_not_import_serving():
             "bad = [m for m in sys.modules if m == 'models' or m.startswith(('models.', 'asap_models'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --------------------------------------------------------------------------- where the public traces are found
+
+def test_the_public_traces_ship_with_the_package_and_load_by_name():
+    for name, fname in PUBLIC_TRACES.items():
+        path = trace_path(name)
+        assert path.name == fname and path.is_file()
+        assert resolve_trace(name) == path
+    head = load_trace("mooncake", limit=5)
+    assert [r.request_id for r in head] == list(range(5))
+    assert head == load_trace(trace_path("mooncake"), limit=5)
+    assert len(load_trace("azure", limit=3)) == 3
+
+
+def test_the_traces_folder_can_be_overridden_and_a_missing_trace_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACES_ENV, str(tmp_path))
+    with pytest.raises(TraceError, match=r"public trace 'mooncake' not found in \$ASAP_TRACES_DIR"):
+        trace_path("mooncake")
+    (tmp_path / "mooncake_conversation.jsonl").write_text(_mooncake_text(
+        [{"timestamp": 0, "input_length": 7, "output_length": 1}, {"timestamp": 5, "input_length": 9,
+                                                                  "output_length": 1}]))
+    assert [r.prompt_len for r in load_trace("mooncake")] == [7, 9]
+    with pytest.raises(TraceError, match="no such trace file"):
+        resolve_trace(str(tmp_path / "nope.jsonl"))
+
+
+def test_no_project_file_names_the_folder_beside_the_repository():
+    repo = Path(__file__).resolve().parents[1]
+    needle = "../" + "shared"
+    offenders = []
+    for path in repo.rglob("*"):
+        if any(part in {".git", ".venv", "venv", "build", "runs", "__pycache__"} or part.endswith(".egg-info")
+               for part in path.relative_to(repo).parts):
+            continue
+        if path.is_file() and path.suffix in {".py", ".md", ".toml", ".cfg", ".sh", ".txt", ".yml", ".yaml", ".json", ""}:
+            try:
+                if needle in path.read_text(errors="ignore"):
+                    offenders.append(str(path.relative_to(repo)))
+            except OSError:
+                pass
+    assert not offenders, f"files that read the folder beside the repository: {offenders}"

@@ -2,7 +2,7 @@
 
     python -m asap_comm.serving.client --url http://127.0.0.1:8000 --trace synthetic --rate 4 \\
         --num-requests 100 --out runs/client
-    python -m asap_comm.serving.client --url http://127.0.0.1:8000 --trace ../shared/traces/mooncake_conversation.jsonl \\
+    python -m asap_comm.serving.client --url http://127.0.0.1:8000 --trace mooncake \\
         --rate 2 --num-requests 200 --sweep 1,2,4,8 --out runs/client-sweep
 
 Each request is sent at its arrival time (asyncio + aiohttp; as many
@@ -306,7 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m asap_comm.serving.client", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
-    ap.add_argument("--trace", default="synthetic", help="synthetic, or a Mooncake .jsonl / Azure .csv file")
+    ap.add_argument("--trace", default="synthetic",
+                    help="synthetic, mooncake or azure (the public traces that ship with the package; "
+                         "$ASAP_TRACES_DIR overrides their folder), or a Mooncake .jsonl / Azure .csv file")
     ap.add_argument("--rate", type=float, default=4.0, help="request rate (req/s) the trace is scaled to")
     ap.add_argument("--num-requests", type=int, default=100, help="requests (at most, for a file)")
     ap.add_argument("--burstiness", type=float, default=2.0, help="synthetic: CV of the Gamma inter-arrival times")
@@ -342,7 +344,10 @@ def main(argv=None) -> int:
         rates = [float(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else []
         if any(not (r > 0) for r in rates):
             raise ValueError(f"--sweep {args.sweep!r}: rates must be positive")
-        trace = make_trace(args)
+        try:
+            trace = make_trace(args)
+        except (TraceError, OSError) as e:
+            raise ValueError(f"--trace {args.trace}: {e}") from None
         slo_given = None if args.slo == "auto" else float(args.slo)
         if slo_given is not None and not slo_given > 0:
             raise ValueError(f"--slo {args.slo} must be positive or auto")

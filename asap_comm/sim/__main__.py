@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from ..serving.protocol import RuntimeConfig
-from ..serving.traces import LogNormalLengths, load_trace, synthetic_trace
+from ..serving.traces import LogNormalLengths, TraceError, load_trace, resolve_trace, synthetic_trace
 from . import plots
 from .costs import CostModel
 from .routing import parse_routing_arg, routed_cost, routing_arg
@@ -193,7 +193,9 @@ def slo_arg(p: argparse.ArgumentParser, value: str) -> "float | None":
 
 def _trace_args(p: argparse.ArgumentParser, *, median: int, max_len: int) -> None:
     p.add_argument("--trace", default="synthetic",
-                   help="synthetic (Gamma arrivals, log-normal lengths), or a Mooncake .jsonl / Azure .csv file")
+                   help="synthetic (Gamma arrivals, log-normal lengths), mooncake or azure (the public traces that "
+                        "ship with the package; $ASAP_TRACES_DIR overrides their folder), or a Mooncake .jsonl / "
+                        "Azure .csv file")
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--burstiness", type=float, default=2.0, help="synthetic: CV of inter-arrival times")
     p.add_argument("--median-len", type=int, default=median, help="synthetic: median prompt length" + (
@@ -211,7 +213,12 @@ def _trace(args, max_len: int) -> list:
     if args.trace == "synthetic":
         return synthetic_trace(1.0, num_requests=args.num_requests, arrival="gamma", cv=args.burstiness,
                                lengths=LogNormalLengths(args.median_len, args.sigma, 1, max_len), seed=args.seed)
-    trace = load_trace(args.trace, limit=args.num_requests, length_scale=args.length_scale, max_prompt_len=max_len)
+    try:
+        trace = load_trace(resolve_trace(args.trace), limit=args.num_requests, length_scale=args.length_scale,
+                           max_prompt_len=max_len)
+    except (TraceError, OSError) as e:  # a missing or malformed file: one line naming the flag, exit 2
+        print(f"python -m asap_comm.sim: --trace {args.trace}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.spread_arrivals:
         trace = spread_buckets(trace)[0]
     return trace

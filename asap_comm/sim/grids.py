@@ -11,7 +11,7 @@ from .simulate import Parallelism
 from .study import Deployment, spread_buckets
 from .validate_common import mooncake_path as _mooncake_path
 
-MOONCAKE_MEDIAN, MOONCAKE_P90 = 6909, 27367  # summarize_trace of shared/traces/mooncake_conversation.jsonl
+MOONCAKE_MEDIAN, MOONCAKE_P90 = 6909, 27367  # summarize_trace of the Mooncake trace (asap_comm/data/traces)
 PER_DIE_EXPERTS = 16  # the per-die reference split: devices - 16 attention + 16 expert devices
 
 

@@ -39,7 +39,7 @@ The documented comparison (docs/design.md, "asap_comm.sim"; issue 6, best-vs-bes
 * **Runtime settings**: prompts up to 131072 tokens (the Mooncake trace's max
   is 126k); the per-die reference's expert batches up to 32768 rows or 1 ms.
 * **Load**: the first ``--num-requests`` requests of the public Mooncake
-  conversation trace (``shared/traces``; prompt p50 6.9k / p90 27k / max 126k
+  conversation trace (``asap_comm/data/traces``; prompt p50 6.9k / p90 27k / max 126k
   tokens), arrivals rescaled to each tested rate. The file's timestamps come
   in 3-s steps (up to 28 requests share one), so the requests of a step are
   spread evenly over it (``study.spread_buckets``; the interarrival CV of the

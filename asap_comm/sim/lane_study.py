@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ..serving.metrics import slo_compliant_throughput
 from ..serving.protocol import RuntimeConfig
-from ..serving.traces import Request, load_trace
+from ..serving.traces import Request, TraceError, load_trace, resolve_trace
 from . import lane
 from .costs import CostModel
 from .shapes import ModelShapes
@@ -238,7 +238,8 @@ def write_readme(out: Path, res: dict, notes: str = "") -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m asap_comm.sim lane-study", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--trace", default=None, help="the Mooncake conversation .jsonl (default: shared/traces/)")
+    p.add_argument("--trace", default="mooncake",
+                   help="the Mooncake conversation trace: mooncake (the copy that ships with the package) or a .jsonl")
     p.add_argument("--num-requests", type=int, default=120, help="requests of each trace (the first ones)")
     p.add_argument("--bisections", type=int, default=2, help="bisection steps of each load search")
     p.add_argument("--deployments", default=",".join(DEPLOYMENTS), help="comma-separated: " + ", ".join(DEPLOYMENTS))
@@ -250,13 +251,10 @@ def main(argv=None) -> int:
         p.error(f"--deployments {args.deployments!r}: each must be one of {list(DEPLOYMENTS)}")
     if args.num_requests < 10 or args.bisections < 0:
         p.error(f"--num-requests {args.num_requests} must be >= 10 and --bisections {args.bisections} >= 0")
-    path = args.trace
-    if path is None:
-        here = Path(__file__).resolve()
-        cands = [q / "shared" / "traces" / "mooncake_conversation.jsonl" for q in list(here.parents)[:5]]
-        path = next((str(c) for c in cands if c.exists()), None)
-        if path is None:
-            p.error("--trace: shared/traces/mooncake_conversation.jsonl not found; give the file")
+    try:
+        path = str(resolve_trace(args.trace))
+    except TraceError as e:
+        p.error(f"--trace {args.trace}: {e}")
     cost, shapes = CostModel.load(args.profile, "deepseek-v3"), ModelShapes.load("deepseek-v3")
     res = study(cost, shapes, path, args.num_requests, args.bisections, deps)
     res["config"] = {"profile": cost.name, "model": shapes.name, "trace": Path(path).name,

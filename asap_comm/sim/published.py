@@ -277,8 +277,8 @@ def afd_screening_window(n: int = 128) -> list:
     median 6,712.5, span 33.0 s, a burst of 20 requests and 252,026 tokens) is very likely the same region."""
     path = mooncake_path()
     if path is None:
-        raise FileNotFoundError("validate --regime published: shared/traces/mooncake_conversation.jsonl not found "
-                                "beside the repository or the working directory")
+        raise FileNotFoundError("validate --regime published: the Mooncake trace is not in $ASAP_TRACES_DIR; "
+                                "unset it")
     trace = load_trace(path, max_prompt_len=None)
     if len(trace) <= n:
         raise ValueError(f"afd_screening_window: n={n} must be below the trace's {len(trace)} requests")

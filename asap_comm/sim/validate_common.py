@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..serving.traces import LogNormalLengths, load_trace, synthetic_trace
+from ..serving.traces import TRACES_ENV, LogNormalLengths, TraceError, load_trace, synthetic_trace, trace_path
 
 __all__ = ["TARGET", "mooncake_path", "validation_trace"]
 
@@ -12,15 +12,12 @@ TARGET = 0.15  # the simulator's target: |relative error| of each compared metri
 
 
 def mooncake_path() -> Path | None:
-    """The shared Mooncake trace (``shared/traces/mooncake_conversation.jsonl`` beside the repository or the
-    working directory), or None."""
-    here = Path(__file__).resolve()
-    for base in (Path.cwd(), *here.parents):
-        for cand in (base / "shared" / "traces", base.parent / "shared" / "traces"):
-            f = cand / "mooncake_conversation.jsonl"
-            if f.is_file():
-                return f
-    return None
+    """The public Mooncake trace that ships with the package (:func:`asap_comm.serving.traces.trace_path`), or
+    None if ``$ASAP_TRACES_DIR`` points where it is not."""
+    try:
+        return trace_path("mooncake")
+    except TraceError:
+        return None
 
 
 def validation_trace(kind: str, n: int, max_len: int, seed: int, length_scale: float = 0.01) -> list:
@@ -31,6 +28,5 @@ def validation_trace(kind: str, n: int, max_len: int, seed: int, length_scale: f
                                lengths=LogNormalLengths(48, 1.0, 4, max_len), seed=seed)
     path = mooncake_path()
     if path is None:
-        raise FileNotFoundError("validate: shared/traces/mooncake_conversation.jsonl not found beside the "
-                                "repository or the working directory")
+        raise FileNotFoundError(f"validate: the Mooncake trace is not in ${TRACES_ENV}; unset it")
     return load_trace(path, limit=n, length_scale=length_scale, max_prompt_len=max_len)
