@@ -17,6 +17,8 @@ and their MoE exchange. The modules, bottom up:
 * ``worker``: the worker side of the chunk protocol and the per-layer loop;
   ``async_ranks``: ASAP's attention and expert ranks; ``sync_worker``: the
   baseline's worker; ``frontend``: admission, placement and the trace replay;
+* ``model_api``: the model contract (``ModelFactory``, ``AttentionStage``,
+  ``ExpertStage``) as ``typing.Protocol``s;
 * ``group``: ``GroupSpec``, the group's allocation order
   (``open_channels``) and ``group_main(comm, spec)`` for every PE of either
   mode; ``runtime`` / ``sync``: ``run_async`` / ``run_sync`` on this host.
@@ -33,6 +35,7 @@ import this package (``import asap_comm.serving`` explicitly).
 from .metrics import (ChromeTrace, RequestRecord, RunSummary, percentile, served_at_load,
                       slo_compliant_throughput, summarize_run)
 from .protocol import ModelInfo, PromptRequest, RunResult, RuntimeConfig
+from .model_api import AttentionStage, DescribedModelFactory, ExpertStage, LaneStage, ModelFactory
 from .runtime import run_async
 from .sync import run_sync
 from .policies import Chunk, ExpertBatcher, MicroBatcher, Placer, attention_cost, split_prompt
@@ -42,6 +45,7 @@ from .traces import (EmpiricalLengths, FixedLengths, LengthDistribution, LogNorm
 
 __all__ = [
     "run_async", "run_sync", "RuntimeConfig", "ModelInfo", "PromptRequest", "RunResult",
+    "ModelFactory", "DescribedModelFactory", "AttentionStage", "LaneStage", "ExpertStage",
     "Request", "TraceError", "poisson_arrivals", "gamma_arrivals", "LengthDistribution", "FixedLengths",
     "UniformLengths", "LogNormalLengths", "EmpiricalLengths", "synthetic_trace", "load_mooncake", "load_azure",
     "load_trace", "scale_trace", "TraceSummary", "summarize_trace",
