@@ -8,6 +8,7 @@ hosts without a shared secret (or with ``backend='shm'``), opens one transport p
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
@@ -18,12 +19,13 @@ from ._native import _C
 from .collective import Barrier, Records
 from .errors import CommError
 from .heap import reserve, round_up
-from .rendezvous import GroupStore, bound_store, host_summary, resolve_secret, spans_hosts_without_secret
+from .rendezvous import GroupStore, Keeper, bound_store, host_summary, resolve_secret, spans_hosts_without_secret
 from .transport import NetLink, open_transports
 
 __all__ = ["Segments", "bootstrap", "check_init_args", "host_id", "open_store", "unlink_quietly"]
 
 DEFAULT_CHUNK = 64 << 20
+_log = logging.getLogger("asap_comm.rendezvous")
 
 
 class Segments:
@@ -56,12 +58,23 @@ class Segments:
 def bootstrap(comm) -> None:
     """Fill in ``comm``'s group state (see the module docstring); ``comm.close`` undoes what was done."""
     # Everything read from the store is authenticated with the group secret (asap_comm.rendezvous): a
-    # value that fails the check raises CommError before anything it names is mapped or connected.
+    # value that fails the check is ignored (and counted) before anything it names is mapped or connected,
+    # and this PE's own values are kept in place (Keeper) until every PE has passed the first barrier.
     rank, world = comm.rank, comm.world_size
-    found = resolve_secret(comm._store, rank, world, comm.host_id, comm._group_secret, comm._shm_prefix)
+    keeper = Keeper(comm._store)
+    try:
+        _form(comm, rank, world, keeper)
+    except BaseException:
+        keeper.close()
+        raise
+
+
+def _form(comm, rank: int, world: int, keeper: Keeper) -> None:
+    found = resolve_secret(comm._store, rank, world, comm.host_id, comm._group_secret, comm._shm_prefix,
+                           keeper, comm.timeout)
     comm._group_secret = None
     comm._secret, comm._secret_file = found.key, found.file  # the key stays for secret_token
-    gs = comm._gs = GroupStore(comm._store, found.key, world, comm.timeout)
+    gs = comm._gs = GroupStore(comm._store, found.key, rank, world, comm.timeout, keeper)
     gs.join()
     name, comm._ctrl_map = comm._segments.create(_C.CTRL_BYTES)
     reserve("init", comm._ctrl_map, 0, _C.CTRL_BYTES, "this PE's control block")
@@ -103,7 +116,11 @@ def bootstrap(comm) -> None:
     if comm._secret_file is not None:
         unlink_quietly(comm._secret_file)
         comm._secret_file = None
-    comm.barrier()
+    comm.barrier()  # every PE is past every store read of the formation
+    gs.formed()
+    if gs.forged:
+        _log.warning("asap_comm: PE %d ignored %d store values that failed the group secret's check while its "
+                     "group formed (a process without the secret wrote under the group's keys)", rank, gs.forged)
 
 
 def _each(transports: list, verb: str):

@@ -116,6 +116,9 @@ class Communicator:
         return self._heap.chunks
 
     def _teardown(self) -> None:
+        gs = getattr(self, "_gs", None)
+        if gs is not None:
+            gs.close()  # stops its store keeper (asap_comm.rendezvous)
         link = getattr(self, "_link", None)
         if link is not None:
             link.close()  # says goodbye to remote PEs, stops its thread, frees UCX's resources

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import pickle
 import secrets
+import shutil
 import signal
 import tempfile
 import time
@@ -66,16 +67,19 @@ def _die_with_parent(parent_pid: int, shm_prefix: str) -> None:
         os._exit(1)
 
 
-def _child(fn, rank, world_size, port, args, conn, shm_prefix, comm_timeout, secret, parent_pid=None):
+def _child(fn, rank, world_size, store_path, args, conn, shm_prefix, comm_timeout, secret, parent_pid=None):
     # Runs in a spawned process.
     if parent_pid is not None:
         _die_with_parent(parent_pid, shm_prefix)
-    from torch.distributed import TCPStore
+    from datetime import timedelta
+
+    from torch.distributed import FileStore
 
     from .comm import init
 
     try:
-        store = TCPStore("127.0.0.1", port, None, False, __import__("datetime").timedelta(seconds=comm_timeout))
+        store = FileStore(store_path, -1)  # in a directory only this user can enter (rendezvous.private_file_store)
+        store.set_timeout(timedelta(seconds=comm_timeout))
         with init(rank, world_size, store=store, timeout=comm_timeout, shm_prefix=shm_prefix,
                   group_secret=secret) as comm:
             result = fn(comm, *args)
@@ -124,8 +128,9 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
     ``args`` must be picklable: define ``fn`` at module level in an
     importable module or a script file (not ``python -`` or a notebook cell),
     and guard the script's top level with ``if __name__ == "__main__":``.
-    Return values travel back pickled by value. The store is
-    hosted by this process on a free port of 127.0.0.1 (listening there only), and a fresh group secret
+    Return values travel back pickled by value. The store is a
+    ``FileStore`` in a fresh directory only this user can enter (no port: no other user can reach it), removed
+    at the end, and a fresh group secret
     (``asap_comm.rendezvous``) reaches each child through its spawn arguments, never the environment. If any rank raises or
     dies, the others are stopped and :class:`asap_comm.LaunchError` is raised
     with that rank's traceback (the root cause is preferred over the
@@ -152,9 +157,9 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
     if leader is not None and (isinstance(leader, bool) or not isinstance(leader, int)
                                or not 0 <= leader < world_size):
         raise ValueError(f"launch: leader={leader!r} must be None or a rank in [0, {world_size})")
-    from .rendezvous import loopback_store, new_secret
+    from .rendezvous import new_secret, private_file_store
 
-    store = loopback_store(comm_timeout, world_size)
+    store_path, store_dir = private_file_store()
     secret = new_secret()
     prefix = f"asap-{secrets.token_hex(6)}-"
     ctx = mp.get_context("spawn")
@@ -167,7 +172,7 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
         for rank in range(world_size):
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"asap-pe{rank}",
-                            args=(fn, rank, world_size, store.port, args, w, prefix, comm_timeout, secret,
+                            args=(fn, rank, world_size, store_path, args, w, prefix, comm_timeout, secret,
                                   os.getpid()),
                             daemon=True)
             p.start()
@@ -194,7 +199,7 @@ def launch(fn, world_size: int, *args, timeout: float = 120.0, comm_timeout: flo
         for c in conns:
             c.close()
         _cleanup_segments(prefix)
-        del store
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def _collect(procs, conns, timeout: float, leader: "int | None" = None, leader_grace: float = 10.0) -> list:

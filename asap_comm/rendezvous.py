@@ -1,61 +1,96 @@
-"""Who may join a group: the group secret, authenticated store values, loopback-only stores.
+"""Who may join a group: the group secret, authenticated store values, stores an outsider cannot jam.
 
-A group's rendezvous goes through a ``torch.distributed`` Store (a TCPStore),
-which anyone who reaches its port may read and write. Nothing a PE reads
-there is used on trust:
+A group's rendezvous goes through a ``torch.distributed`` Store. A TCPStore
+(torchrun's agent store, or the one rank 0 hosts for ``init(master_addr=...)``)
+can be reached by any process that reaches its port, and lets it list every
+key (``list_keys``), read, overwrite, bump (``add``) and delete any of them.
+Nothing a group needs can be taken from it that way:
 
-* **Keys an outsider cannot name.** Every key of a group lives under
-  ``asap/<tag>/<generation>/``, where ``tag`` is derived from the group secret
-  (HMAC-SHA256), so a process without the secret can neither predict a key
-  (to plant a value before the group reads it) nor bump a counter the group
-  relies on (the join counter and the rendezvous counters live there too).
-* **Values an outsider cannot forge.** Every value carries an HMAC-SHA256 over
-  the group's key prefix, the key and the value; a value that fails the check
-  is never used: :meth:`GroupStore.get` raises ``CommError`` naming the key.
-  The MAC binds the value to its key and generation, so a value cannot be
-  moved to another key or replayed into a later group of the same store.
-* **Bounded reads.** A value longer than ``MAX_VALUE_BYTES`` is refused before
-  it is looked at (a store cannot refuse to *send* a long value, but only the
-  group can write under its keys).
+* **No shared counter, no guessable generation.** Rank 0 picks this group's
+  generation at random (128 bits); every other PE asks for it under a fresh
+  random nonce (``asap/<tag>/ask/<rank>``) and accepts only rank 0's answer to
+  that nonce (``asap/<tag>/gen/<rank>/<nonce>``), so a stale answer (an earlier
+  group with the same secret on the same store) or a replayed one is never
+  taken. Every key of the group then lives under ``asap/<tag>/<generation>/``;
+  ``tag`` is an HMAC of the group secret. An outsider that lists the keys sees
+  random names; bumping one of them (the store refuses ``add`` on a value that
+  is not an integer, closing the adder's own connection) or creating a new one
+  changes nothing the group reads.
+* **Values an outsider cannot forge, and a forgery is only noise.** Every value
+  carries an HMAC-SHA256 (group secret) over its key prefix, key and value. A
+  value that fails the check (or is longer than ``MAX_VALUE_BYTES``) is never
+  used: the reader counts it (:attr:`GroupStore.forged`, logged once per key
+  with the ``asap_comm.rendezvous`` logger) and keeps waiting for the authentic
+  one, within the same time bound as before (the communicator's ``timeout``).
+* **Values an outsider cannot make disappear.** A PE's :class:`Keeper` (a
+  thread, with its own connection where the store can ``clone``) puts each of
+  this PE's values back every few milliseconds while a peer may still need it:
+  for the whole of group formation (until every PE passed the group's first
+  barrier), and for ``timeout`` seconds after a value published later (a heap
+  chunk's name). So an overwrite or delete only delays a reader, and only
+  while the outsider keeps at it (a store that anyone can write to cannot
+  guarantee more: a writer that never stops can hold any key; it cannot make
+  a PE use a value that is not its group's).
+* **Rendezvous without counters.** Each PE publishes its own authenticated
+  arrival key; rank 0 gathers them and publishes the release.
 
 Where the secret comes from (:func:`resolve_secret`): the ``group_secret``
 argument of ``init``, else ``$ASAP_GROUP_SECRET`` (which every host of a group
 that spans hosts must set, to the same value), else, for a group on one host
 (torchrun on one machine), a secret that rank 0 writes into a file that only
-the same user can read (mode 0600, in ``/dev/shm`` under a random name): the
-other PEs read it, rank 0 removes it once they have joined. ``asap_comm.launch``
-(and every launcher of the project, which all go through it) generates a fresh
-secret for its children. A group whose PEs span hosts without a shared secret
-refuses to start, saying how to set one.
+the same user can read (mode 0600, in ``/dev/shm`` under a random name). The
+other PEs ask for it under a fresh nonce; rank 0 answers with the file's name
+and an HMAC of the nonce under the file's secret, so a PE accepts a file only
+if it is a private file of this user whose secret proves the answer came from
+this group's rank 0 (a planted or stale record is ignored and counted, and a
+PE keeps waiting). Rank 0 removes the file once every PE has joined.
+``asap_comm.launch`` (and every launcher of the project, which all go through
+it) generates a fresh secret for its children. A group whose PEs span hosts
+without a shared secret refuses to start, saying how to set one.
 
-Stores that this package hosts for a group on one host listen on 127.0.0.1
-only (:func:`loopback_store`): torch's TCPStore binds every interface unless
-it is handed an already-bound socket, which is what this module does.
+Stores: ``asap_comm.launch`` gives its children a ``FileStore`` in a private
+directory (mode 0700): only the same user (and root) can reach it at all.
+Stores that rank 0 hosts for ``init(master_addr=..., master_port=...)``
+listen on ``master_addr`` only (127.0.0.1 for a group on one host;
+:func:`bound_store`): torch's TCPStore binds every interface unless it is
+handed an already-bound socket, which is what this module does. torch 2.13's
+c10d stores offer no Unix socket and no authentication of their clients, so a
+TCPStore stays listable and writable by every local user; the points above are
+what keep a group formed and working on one.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 import secrets
 import socket
 import stat
+import threading
+import time
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from .errors import CommError
 from .errors import TimeoutError as CommTimeoutError
 
-__all__ = ["SECRET_ENV", "MAX_VALUE_BYTES", "new_secret", "Secret", "GroupStore", "resolve_secret", "loopback_store",
-           "bound_store", "secret_token", "gloo_group"]
+__all__ = ["SECRET_ENV", "MAX_VALUE_BYTES", "new_secret", "Secret", "GroupStore", "Keeper", "resolve_secret",
+           "loopback_store", "bound_store", "private_file_store", "secret_token", "gloo_group"]
 
 SECRET_ENV = "ASAP_GROUP_SECRET"
 MAX_VALUE_BYTES = 64 * 1024  # the longest value a PE accepts from the store (a UCX address is ~200 bytes)
 _MAC_BYTES = 32
 _MIN_SECRET_CHARS = 16
+_REPUBLISH_S = 0.02  # a Keeper puts this PE's values back this often (group formation)
+_REPUBLISH_LATE_S = 0.1  # ... and this often for a value published after the group formed
+_WAIT_SLICE_S = 0.25  # a read waits for its key in slices this long (a lost store is noticed between them)
+_MAX_ANSWERS = 64  # nonces rank 0 answers per PE (a replayer of old asks cannot make it keep more)
 _SET_HINT = ("set the same secret on every host, e.g. `export ASAP_GROUP_SECRET=$(python -c "
              "\"import secrets; print(secrets.token_hex(32))\")` before torchrun on each host")
+_NONCE_RE = re.compile(r"^[0-9a-f]{32}$")
+_log = logging.getLogger(__name__)
 
 
 def new_secret() -> str:
@@ -83,81 +118,301 @@ def secret_token(secret: "str | bytes", label: str) -> str:
     return _mac(key, b"asap-token-v1", label.encode()).hex()[:32]
 
 
+def _is_lost(e: Exception) -> bool:
+    """True when ``e`` says the store itself is gone (its host exited), not that a wait ran out."""
+    import torch.distributed as dist
+
+    return isinstance(e, dist.DistNetworkError)
+
+
+class Keeper:
+    """Keeps this PE's store values in place while a peer may still need them (see the module docstring).
+
+    ``keep(key, raw, for_s)``: put ``raw`` back under ``key`` until :meth:`formed` (``for_s`` None) or for
+    ``for_s`` seconds; ``serve(fn)``: call ``fn(store)`` on every round until :meth:`formed` (rank 0 answering
+    the other PEs' questions). The thread starts with the first value and sleeps while there is nothing to
+    keep; :meth:`close` ends it. It uses a clone of the store (its own connection) where the store can be
+    cloned, else the store itself under :attr:`lock`, which every reader of this PE takes too."""
+
+    def __init__(self, store) -> None:
+        self.lock = threading.Lock()  # around store calls, when the thread shares the caller's store object
+        import torch.distributed as dist
+
+        # a FileStore in a private directory (asap_comm.launch): no one else can write it, nothing to put back
+        self.private = isinstance(store, dist.FileStore)
+        try:
+            own = store.clone()
+            own.set_timeout(timedelta(seconds=1.0))  # a get of a key deleted under it fails fast, then retries
+            self._store, self.shared = own, False
+        except Exception:  # a store without clone (a user's wrapper): share it, one call at a time
+            self._store, self.shared = store, True
+        self._cv = threading.Condition()
+        self._values: "dict[str, tuple]" = {}  # key -> (raw, until: monotonic deadline or None = until formed)
+        self._serve: "list[Callable]" = []
+        self._thread: "threading.Thread | None" = None
+        self._stop = False
+        self.republished = 0  # rounds of put-backs (for tests)
+
+    def keep(self, key: str, raw: bytes, for_s: "float | None" = None) -> None:
+        if self.private:
+            return
+        with self._cv:
+            self._values[key] = (raw, None if for_s is None else time.monotonic() + for_s)
+            self._wake()
+
+    def drop(self, key: str) -> None:
+        with self._cv:
+            self._values.pop(key, None)
+
+    def serve(self, fn: Callable) -> None:
+        with self._cv:
+            self._serve.append(fn)
+            self._wake()
+
+    def formed(self) -> None:
+        """The group has formed: nothing of its formation is needed any more."""
+        with self._cv:
+            self._serve.clear()
+            self._values = {k: v for k, v in self._values.items() if v[1] is not None}
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._values.clear()
+            self._serve.clear()
+            self._cv.notify_all()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(2.0)
+
+    def _wake(self) -> None:  # with self._cv held
+        if self._stop:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="asap-store-keeper", daemon=True)
+            self._thread.start()
+        self._cv.notify_all()
+
+    def _run(self) -> None:
+        store = self._store
+        while True:
+            with self._cv:
+                while True:
+                    if self._stop:
+                        return
+                    now = time.monotonic()
+                    self._values = {k: v for k, v in self._values.items() if v[1] is None or v[1] > now}
+                    if self._values or self._serve:
+                        break
+                    self._cv.wait()
+                items = list(self._values.items())
+                serve = list(self._serve)
+                late = all(until is not None for _, (_, until) in items) and not serve
+            try:
+                with self.lock if self.shared else _NOLOCK:
+                    for key, (raw, _) in items:
+                        store.set(key, raw)
+                    for fn in serve:
+                        fn(store)
+                self.republished += 1
+            except Exception as e:
+                if _is_lost(e):  # the store is gone: nothing left to keep there
+                    return
+                _log.debug("store keeper: %s", e)  # an outsider's delete raced a get: the next round retries
+            with self._cv:
+                if not self._stop:
+                    self._cv.wait(_REPUBLISH_LATE_S if late else _REPUBLISH_S)
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NOLOCK = _NoLock()
+
+
+class _Reader:
+    """Bounded waits for values on ``store`` that pass ``accept``; what does not is counted and skipped."""
+
+    def __init__(self, store, keeper: Keeper, timeout_s: float) -> None:
+        self._store, self._keeper, self._timeout = store, keeper, timeout_s
+        self.forged = 0  # values seen that failed the check (each distinct one once per key)
+        self._last_bad: "dict[str, bytes]" = {}
+
+    def count(self, key: str, raw: bytes, why: str) -> None:
+        if self._last_bad.get(key) == raw:
+            return
+        self._last_bad[key] = raw
+        self.forged += 1
+        if self.forged == 1:  # the first: later ones are summed up once the group has formed
+            _log.warning("asap_comm: ignored a value under store key %r that %s (written by a process without the "
+                         "group secret); waiting for the authentic one", key, why)
+
+    def read(self, key: str, accept: Callable, what: str, timeout_s: "float | None" = None):
+        """``accept(raw)``: the value, or a string saying why ``raw`` is refused. Waits for ``key`` until a
+        value is accepted, at most the timeout; raises ``TimeoutError`` naming the key and what was refused,
+        or ``CommError`` when the store itself is gone."""
+        t = self._timeout if timeout_s is None else timeout_s
+        deadline = time.monotonic() + t
+        pause, refused, why = 0.001, 0, None
+        lock = self._keeper.lock if self._keeper.shared else _NOLOCK
+        slice_s = 0.02 if self._keeper.shared else _WAIT_SLICE_S
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                msg = f"init: waiting for {what} failed: no authentic value under store key {key!r} within {t} s"
+                if refused:
+                    msg += (f" (ignored {refused} values under it that {why}: written by a process without the "
+                            f"group secret, or a PE started with another {SECRET_ENV})")
+                raise CommTimeoutError(msg)
+            try:
+                with lock:
+                    self._store.wait([key], timedelta(seconds=max(0.001, min(left, slice_s))))
+                    raw = self._store.get(key)
+            except Exception as e:
+                if _is_lost(e):
+                    raise CommError(f"init: lost the rendezvous store while waiting for {what} (the PE hosting "
+                                    f"it may have exited): {e}") from None
+                continue  # the slice ran out (or an outsider deleted the key between the wait and the get)
+            got = accept(raw)
+            if not isinstance(got, str):
+                return got
+            refused, why = refused + 1, got
+            self.count(key, raw, got)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+
 class GroupStore:
     """A group's view of a rendezvous store: authenticated values under keys only its members can name.
 
-    ``join()`` takes this PE's generation (the group's ``join`` counter, under the secret's namespace, so
-    several groups may use one store one after another); ``set``/``get``/``rendezvous`` then work under
-    that generation's prefix.
+    ``join()`` agrees on this group's random generation with rank 0 (see the module docstring);
+    ``set``/``get``/``rendezvous`` then work under that generation's prefix. ``formed()`` once the group has
+    formed; ``close()`` when the PE leaves. ``forged``: values seen under this group's keys that failed the
+    check (ignored).
     """
 
-    def __init__(self, store, secret: bytes, world_size: int, timeout_s: float) -> None:
-        self._store, self._key, self._world, self._timeout = store, secret, world_size, timeout_s
+    def __init__(self, store, secret: bytes, rank: int, world_size: int, timeout_s: float,
+                 keeper: "Keeper | None" = None) -> None:
+        self._store, self._key, self.rank, self._world, self._timeout = store, secret, rank, world_size, timeout_s
+        self._keeper = keeper if keeper is not None else Keeper(store)
+        self._reader = _Reader(store, self._keeper, timeout_s)
         self._ns = "asap/" + _mac(secret, b"asap-namespace-v1").hex()[:32] + "/"
         self.prefix = ""
+        self._formed = False
 
-    def join(self) -> int:
-        """Count this PE in; returns the generation it belongs to (``(count - 1) // world_size``)."""
-        n = self._store.add(self._ns + "join", 1)
-        gen = (n - 1) // self._world
-        self.prefix = f"{self._ns}{gen}/"
+    @property
+    def forged(self) -> int:
+        return self._reader.forged
+
+    # -- sealing
+    def _seal(self, prefix: str, key: str, raw: bytes) -> bytes:
+        return _mac(self._key, b"asap-value-v1", prefix.encode(), key.encode(), raw) + raw
+
+    def _opener(self, prefix: str, key: str):
+        def accept(raw: bytes):
+            if len(raw) > MAX_VALUE_BYTES + _MAC_BYTES:
+                return f"were longer than the {MAX_VALUE_BYTES} bytes a member publishes"
+            mac, value = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+            if len(mac) != _MAC_BYTES or not hmac.compare_digest(mac, self._seal(prefix, key, value)[:_MAC_BYTES]):
+                return "failed authentication with the group secret"
+            return value
+        return accept
+
+    def _publish(self, prefix: str, key: str, raw: bytes) -> None:
+        full, sealed = prefix + key, self._seal(prefix, key, raw)
+        with self._keeper.lock if self._keeper.shared else _NOLOCK:
+            self._store.set(full, sealed)
+        self._keeper.keep(full, sealed, self._timeout if self._formed else None)
+
+    def _read(self, prefix: str, key: str, what: str) -> bytes:
+        return self._reader.read(prefix + key, self._opener(prefix, key), what)
+
+    # -- the generation
+    def join(self) -> str:
+        """Agree on this group's generation (rank 0 picks it); returns it."""
+        ns = self._ns
+        if self.rank == 0:
+            gen = secrets.token_hex(16)
+            answered: "dict[int, set]" = {pe: set() for pe in range(1, self._world)}
+            self._keeper.serve(lambda store: self._answer(store, gen, answered))
+        else:
+            nonce = secrets.token_hex(16)
+            self._publish(ns, f"ask/{self.rank}", nonce.encode())
+            raw = self._read(ns, f"gen/{self.rank}/{nonce}", "PE 0's answer (this group's generation)")
+            gen = raw.decode("ascii", "replace")
+            self._keeper.drop(f"{ns}ask/{self.rank}")
+        self.prefix = f"{ns}{gen}/"
         return gen
 
-    def _mac_of(self, key: str, value: bytes) -> bytes:
-        return _mac(self._key, b"asap-value-v1", self.prefix.encode(), key.encode(), value)
+    def _answer(self, store, gen: str, answered: "dict[int, set]") -> None:
+        """Rank 0's keeper: answer every authentic question of a PE with the generation (bound to its nonce)."""
+        ns = self._ns
+        for pe, done in answered.items():
+            key = f"ask/{pe}"
+            if len(done) >= _MAX_ANSWERS or not store.check([ns + key]):
+                continue
+            raw = store.get(ns + key)
+            nonce = self._opener(ns, key)(raw)
+            if isinstance(nonce, str) or not _NONCE_RE.match(nonce.decode("ascii", "replace")):
+                self._reader.count(ns + key, raw, nonce if isinstance(nonce, str) else "is malformed")
+                continue
+            nonce = nonce.decode()
+            if nonce in done:
+                continue
+            done.add(nonce)
+            akey = f"gen/{pe}/{nonce}"
+            sealed = self._seal(ns, akey, gen.encode())
+            store.set(ns + akey, sealed)
+            self._keeper.keep(ns + akey, sealed)
 
+    # -- values
     def set(self, key: str, value: "bytes | str") -> None:
-        """Publish ``value`` under ``key`` with its MAC."""
+        """Publish ``value`` under ``key`` with its MAC (and keep it there while a peer may need it)."""
         raw = value.encode() if isinstance(value, str) else bytes(value)
         if len(raw) > MAX_VALUE_BYTES:
             raise ValueError(f"init: store value {key!r} of {len(raw)} bytes is longer than {MAX_VALUE_BYTES}")
-        self._store.set(self.prefix + key, self._mac_of(key, raw) + raw)
+        self._publish(self.prefix, key, raw)
 
     def get(self, key: str, what: "str | None" = None) -> bytes:
-        """The value a member published under ``key`` (waits for it, bounded by the store's timeout); raises
-        ``CommError`` naming the key if the value is too long or fails authentication."""
-        try:
-            raw = self._store.get(self.prefix + key)
-        except Exception as e:  # torch raises DistStoreError on timeout, DistNetworkError when the store is gone
-            raise _store_error(e, what or "store key " + repr(key)) from None
-        if len(raw) > MAX_VALUE_BYTES + _MAC_BYTES:
-            raise CommError(f"init: store value {key!r} is {len(raw)} bytes, more than the {MAX_VALUE_BYTES} a "
-                            "member publishes; refusing it (someone other than the group wrote it)")
-        mac, value = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
-        if len(mac) != _MAC_BYTES or not hmac.compare_digest(mac, self._mac_of(key, value)):
-            raise CommError(f"init: store value {key!r} failed authentication with the group secret: it was not "
-                            "written by a member of this group (a process without the secret, or a PE started "
-                            f"with another {SECRET_ENV}); nothing it names was used")
-        return value
+        """The value a member published under ``key``: waits for one that passes the check (bounded by the
+        timeout); values that fail it are ignored and counted (:attr:`forged`). Raises ``TimeoutError``
+        naming the key (and what was ignored) when none came, ``CommError`` when the store is gone."""
+        return self._read(self.prefix, key, what or "store key " + repr(key))
 
     def get_str(self, key: str, what: "str | None" = None) -> str:
         return self.get(key, what).decode("utf-8", "strict")
 
     def rendezvous(self, key: str) -> None:
-        """Wait until every PE of the group has called ``rendezvous(key)``."""
-        n = self._store.add(self.prefix + key, 1)
-        if n == self._world:  # the last to arrive: done, and nothing left to wait for (the PE hosting the store
-            self.set(key + "/done", b"1")  # may leave as soon as it sees the key, so do not wait on it here)
+        """Wait until every PE of the group has called ``rendezvous(key)``: each publishes its arrival, rank 0
+        gathers them and publishes the release, which the others wait for. Rank 0 is the last to leave: if it
+        hosts the store and exits right after (refusing the group), every other PE has been released."""
+        if self._world == 1:
             return
-        try:  # (only a member can name the key: its existence is the signal)
-            self._store.wait([self.prefix + key + "/done"], timedelta(seconds=self._timeout))
-        except Exception as e:
-            err = _store_error(e, f"rendezvous {key!r}")
-            if isinstance(err, CommTimeoutError):
-                err = CommTimeoutError(f"init: rendezvous {key!r} did not complete within {self._timeout} s "
-                                       f"({n}/{self._world} PEs arrived when this PE did): {e}")
-            raise err from None
+        if self.rank == 0:
+            for pe in range(1, self._world):
+                self._read(self.prefix, f"{key}/{pe}", f"PE {pe} at rendezvous {key!r}")
+            self._publish(self.prefix, f"{key}/0", b"1")
+            return
+        self._publish(self.prefix, f"{key}/{self.rank}", b"1")
+        try:
+            self._read(self.prefix, f"{key}/0", f"PE 0's release of rendezvous {key!r}")
+        except CommTimeoutError as e:
+            raise CommTimeoutError(f"init: rendezvous {key!r} did not complete within {self._timeout} s: {e}") \
+                from None
 
+    def formed(self) -> None:
+        """The group has formed (every PE passed its first barrier): the formation's values are no longer
+        needed; a value published from now on is kept for ``timeout`` seconds."""
+        self._formed = True
+        self._keeper.formed()
 
-def _store_error(e: Exception, what: str) -> CommError:
-    """A store failure as the documented error: ``TimeoutError`` when the wait ran out, ``CommError`` when the
-    store itself went away (its host, rank 0, exited: e.g. it refused the group first)."""
-    import torch.distributed as dist
-
-    if isinstance(e, dist.DistNetworkError):
-        return CommError(f"init: lost the rendezvous store while waiting for {what} (the PE hosting it may have "
-                         f"exited): {e}")
-    return CommTimeoutError(f"init: waiting for {what} failed: {e}")
+    def close(self) -> None:
+        self._keeper.close()
 
 
 # ----------------------------------------------------------------------------- where the secret comes from
@@ -173,7 +428,8 @@ class Secret(NamedTuple):
     file: "str | None" = None  # rank 0 of a "file" group: the file to remove once every PE joined
 
 
-def resolve_secret(store, rank: int, world_size: int, host_id: str, group_secret, shm_prefix: str) -> Secret:
+def resolve_secret(store, rank: int, world_size: int, host_id: str, group_secret, shm_prefix: str,
+                   keeper: "Keeper | None" = None, timeout_s: float = 30.0) -> Secret:
     """The group secret: see the module docstring for where it comes from, in this order."""
     if group_secret is not None:
         return Secret(_check_secret(group_secret, "the group_secret argument"), "argument")
@@ -182,7 +438,7 @@ def resolve_secret(store, rank: int, world_size: int, host_id: str, group_secret
         return Secret(_check_secret(env, f"${SECRET_ENV}"), "environment")
     if world_size == 1:
         return Secret(new_secret().encode(), "generated")
-    return _file_secret(store, rank, world_size, host_id, shm_prefix)
+    return _file_secret(store, rank, world_size, host_id, shm_prefix, keeper or Keeper(store), timeout_s)
 
 
 def spans_hosts_without_secret(hosts: "list[str]") -> CommError:
@@ -191,51 +447,93 @@ def spans_hosts_without_secret(hosts: "list[str]") -> CommError:
                      f"hosts needs a shared secret; {_SET_HINT}")
 
 
-def _file_secret(store, rank: int, world_size: int, host_id: str, shm_prefix: str) -> Secret:
-    """One host, no secret given: rank 0 writes a fresh secret into a 0600 file; the others read it.
+def _file_proof(secret: bytes, nonce: str, record: str) -> str:
+    return _mac(secret, b"asap-file-v1", nonce.encode(), record.encode()).hex()
 
-    The store value naming the file is not secret (it says which file, not what is in it), and a PE accepts
-    the file only if it is a regular file of this user with no access for anyone else, so a planted value
-    can at worst make ``init`` fail, never make a PE use a secret that someone else knows."""
-    gen = (store.add(_FILE_KEY + "join", 1) - 1) // world_size  # several groups may use one store in turn
-    key = f"{_FILE_KEY}{gen}"
+
+def _file_secret(store, rank: int, world_size: int, host_id: str, shm_prefix: str, keeper: Keeper,
+                 timeout_s: float) -> Secret:
+    """One host, no secret given: rank 0 writes a fresh secret into a 0600 file and answers each PE's nonce
+    with the file's name and a proof made with the file's secret (see the module docstring).
+
+    The record is not secret (it says which file, not what is in it). A PE accepts the file only if it is a
+    regular file of this user with no access for anyone else and its secret proves the answer, so a planted
+    or stale value can at worst delay ``init`` (the PE ignores it, counts it and keeps waiting), never make a
+    PE use a secret that someone else knows or fail while the real answer is on its way."""
     if rank == 0:
         token = secrets.token_hex(16)
         path = f"/dev/shm/{shm_prefix}secret-{token}"
-        secret = new_secret()
+        secret = new_secret().encode()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, secret.encode())
+            os.write(fd, secret)
         finally:
             os.close(fd)
-        store.set(key, f"{host_id}\n{shm_prefix}\n{token}")
-        return Secret(secret.encode(), "file", path)
+        record = f"{host_id}\n{shm_prefix}\n{token}"
+        answered: "dict[int, set]" = {pe: set() for pe in range(1, world_size)}
+
+        def answer(st) -> None:
+            for pe, done in answered.items():
+                key = f"{_FILE_KEY}ask/{pe}"
+                if len(done) >= _MAX_ANSWERS or not st.check([key]):
+                    continue
+                nonce = st.get(key)[:64].decode("ascii", "replace")
+                if not _NONCE_RE.match(nonce) or nonce in done:
+                    continue
+                done.add(nonce)
+                akey, raw = f"{_FILE_KEY}ans/{pe}/{nonce}", f"{record}\n{_file_proof(secret, nonce, record)}".encode()
+                st.set(akey, raw)
+                keeper.keep(akey, raw)
+
+        keeper.serve(answer)
+        return Secret(secret, "file", path)
+    nonce = secrets.token_hex(16)
+    ask = f"{_FILE_KEY}ask/{rank}"
+    with keeper.lock if keeper.shared else _NOLOCK:
+        store.set(ask, nonce)
+    keeper.keep(ask, nonce.encode())
+    elsewhere: "list[str]" = []  # hosts named by answers this PE could not check (rank 0 elsewhere, or forged)
+
+    def accept(raw: bytes):
+        parts = raw[:1024].decode("utf-8", "replace").split("\n")
+        if len(parts) != 4 or not _TOKEN_RE.match(parts[2]) or "/" in parts[1] or len(parts[1]) > 64 \
+                or not re.match(r"^[0-9a-f]{64}$", parts[3]):
+            return "is malformed"
+        if parts[0] != host_id:
+            elsewhere.append(parts[0])
+        path = f"/dev/shm/{parts[1]}secret-{parts[2]}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            return f"names a secret file that cannot be read ({e})"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                return (f"names a file that is not a private file of this user (mode {oct(st.st_mode & 0o777)}, "
+                        f"uid {st.st_uid})")
+            secret = os.read(fd, 256)
+        finally:
+            os.close(fd)
+        if not hmac.compare_digest(parts[3], _file_proof(secret, nonce, "\n".join(parts[:3]))):
+            return "failed the proof of rank 0's secret file"
+        if parts[0] != host_id:  # authentic: rank 0 says it is on another host (simulated hosts sharing /dev/shm)
+            raise CommError(f"init: this group spans hosts (rank 0 on {parts[0]!r}, this PE on {host_id!r}) and no "
+                            f"{SECRET_ENV} is set: a group across hosts needs a shared secret; {_SET_HINT}")
+        return secret
+
+    reader = _Reader(store, keeper, timeout_s)
     try:
-        raw = store.get(key)
-    except Exception as e:
-        raise CommTimeoutError(f"init: waiting for rank 0's group secret failed: {e}") from None
-    parts = raw[:512].decode("utf-8", "replace").split("\n")
-    if len(parts) != 3 or not _TOKEN_RE.match(parts[2]) or "/" in parts[1]:
-        raise CommError(f"init: no {SECRET_ENV} is set and the store's record of rank 0's secret file is "
-                        f"malformed; {_SET_HINT}")
-    if parts[0] != host_id:
-        raise CommError(f"init: this group spans hosts (rank 0 on {parts[0]!r}, this PE on {host_id!r}) and no "
-                        f"{SECRET_ENV} is set: a group across hosts needs a shared secret; {_SET_HINT}")
-    path = f"/dev/shm/{parts[1]}secret-{parts[2]}"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        raise CommError(f"init: no {SECRET_ENV} is set and rank 0's secret file {path} cannot be read ({e}); "
-                        f"{_SET_HINT}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise CommError(f"init: rank 0's secret file {path} is not a private file of this user (mode "
-                            f"{oct(st.st_mode & 0o777)}, uid {st.st_uid}); refusing it")
-        secret = os.read(fd, 256)
+        secret = reader.read(f"{_FILE_KEY}ans/{rank}/{nonce}", accept, "rank 0's group secret")
+    except CommTimeoutError as e:
+        if elsewhere:
+            raise CommError(f"init: this group spans hosts (rank 0 on {elsewhere[-1]!r}, this PE on {host_id!r}) "
+                            f"and no {SECRET_ENV} is set: a group across hosts needs a shared secret; "
+                            f"{_SET_HINT}") from None
+        raise CommTimeoutError(f"{e}; no {SECRET_ENV} is set, so this PE waited for rank 0 of this host to hand "
+                               f"it one; {_SET_HINT} to avoid the hand-over") from None
     finally:
-        os.close(fd)
-    return Secret(_check_secret(secret.decode("ascii", "replace"), path), "file")
+        keeper.drop(ask)
+    return Secret(_check_secret(secret.decode("ascii", "replace"), "rank 0's secret file"), "file")
 
 
 # ----------------------------------------------------------------------------- stores that listen where asked
@@ -261,6 +559,16 @@ def bound_store(addr: str, port: int, world_size: "int | None", timeout_s: float
     except BaseException:
         os.close(fd)
         raise
+
+
+def private_file_store(world_size: int = -1) -> "tuple":
+    """``(path, directory)``: the file of a ``torch.distributed.FileStore`` in a fresh directory that only this
+    user can enter (mode 0700, under ``$TMPDIR``): a store for PEs of one host that no other user can reach.
+    Each PE opens it with ``FileStore(path, world_size)``; remove ``directory`` when the group is done."""
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="asap-store-")  # mode 0700
+    return os.path.join(directory, "store"), directory
 
 
 def loopback_store(timeout_s: float = 30.0, world_size: "int | None" = None):

@@ -48,32 +48,46 @@ def plant_old_layout(port: int) -> None:
 
 
 def plant_forged_value(store, secret: str, prefix: str, forged: str) -> tuple:
-    """As an outsider who learned the group's key names (a sniffer of the store's traffic sees them; here a
-    ``GroupStore`` with the secret computes them) but not the secret: PE 1's legitimate writes, then a value
-    that fails the check under a real key, naming a well-formed control segment. ``forged``: ``"host/1"`` (a
-    wrong MAC on PE 1's host name), ``"ctrl/1"`` (a wrong MAC on PE 1's control segment), ``"too long"`` (200
-    KiB under ``ctrl/1``). Returns ``(key, planted segment name, segment)``: keep the segment referenced while
-    PE 0 joins, then unlink it (``_C.unlink_segment(name)``)."""
+    """As an outsider who sees the group's key names (``list_keys`` shows them; here a ``GroupStore`` with the
+    secret plays PE 1 up to the forgery) but not the secret: from a thread, PE 1 joins PE 0's group when PE 0
+    starts (call ``init`` as PE 0 of 2 on ``store`` next), then PE 1 stops and a value that fails the check
+    lands under a real key, naming a well-formed control segment. ``forged``: ``"host/1"`` (a wrong MAC on PE
+    1's host name), ``"ctrl/1"`` (a wrong MAC on PE 1's control segment), ``"too long"`` (200 KiB under
+    ``ctrl/1``). PE 0 ignores the value and its wait for the key runs out (``TimeoutError`` naming the key and
+    what it ignored). Returns ``(key, planted segment name, segment)``: keep the segment referenced while PE 0
+    joins, then unlink it (``_C.unlink_segment(name)``)."""
+    import threading
+
     from asap_comm.rendezvous import GroupStore
 
-    member = GroupStore(store, secret.encode(), 2, 5.0)  # PE 1's legitimate writes (it joins first)
-    member.join()
+    if forged not in ("host/1", "ctrl/1", "too long"):
+        raise ValueError(f"plant_forged_value: forged={forged!r} must be 'host/1', 'ctrl/1' or 'too long'")
     planted = f"/{prefix}planted{os.urandom(4).hex()}"
     seg = asap_comm._native._C.create_segment(planted, asap_comm._native._C.CTRL_BYTES)
     asap_comm._native._C.ctrl_init(seg.addr, 1, os.getpid())  # a well-formed control block
-    raw = store  # the attacker writes straight into the store, with a MAC it had to guess
-    if forged == "host/1":
-        raw.set(member.prefix + "host/1", b"\0" * 32 + socket.gethostname().encode())
-        return "host/1", planted, seg
-    member.set("host/1", socket.gethostname())
-    store.add(member.prefix + "hosts", 1)  # PE 1 read every host (the rendezvous after that exchange)
-    if forged == "ctrl/1":
-        raw.set(member.prefix + "ctrl/1", b"\1" * 32 + planted.encode())
-    elif forged == "too long":
-        raw.set(member.prefix + "ctrl/1", b"x" * (200 * 1024))
-    else:
-        raise ValueError(f"plant_forged_value: forged={forged!r} must be 'host/1', 'ctrl/1' or 'too long'")
-    return "ctrl/1", planted, seg
+    own = store.clone()  # PE 1's own connection (PE 0 uses ``store`` in the caller's thread)
+
+    def pe1() -> None:
+        member = GroupStore(own, secret.encode(), 1, 2, 10.0)
+        try:
+            member.join()  # waits for PE 0's answer
+            if forged == "host/1":
+                own.set(member.prefix + "host/1", b"\0" * 32 + socket.gethostname().encode())
+                return
+            member.set("host/1", socket.gethostname())
+            member.rendezvous("hosts")
+            if forged == "ctrl/1":
+                own.set(member.prefix + "ctrl/1", b"\1" * 32 + planted.encode())
+            else:
+                own.set(member.prefix + "ctrl/1", b"x" * (200 * 1024))
+            time.sleep(0.5)  # PE 0 has read what it needed from PE 1's keeper before it stops
+        except Exception:
+            pass
+        finally:
+            member.close()
+
+    threading.Thread(target=pe1, name="plant-forged-pe1", daemon=True).start()
+    return ("host/1" if forged == "host/1" else "ctrl/1"), planted, seg
 
 
 def _pe(rank, port, secret, prefix, q, env_secret=None, timeout=20.0):
