@@ -60,7 +60,8 @@ from pathlib import Path
 
 import torch
 
-from asap_comm.serving import ChromeTrace, load_trace, served_at_load, slo_compliant_throughput, summarize_run
+from asap_comm.serving import (ChromeTrace, load_trace, served_at_load, served_fraction, slo_compliant_throughput,
+                               summarize_run, sustains_slo, throughput_ratio, withheld_reason)
 from asap_comm.serving.lane import lane_tokens
 from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig, run_async
 from asap_comm.serving.traces import LogNormalLengths, TraceError, resolve_trace, synthetic_trace
@@ -403,10 +404,12 @@ def sweep_auto(run_at, start_rate: float, bisections: int = SWEEP_AUTO_BISECTION
                min_rate: float = 0.0) -> "float | None":
     """Search the SLO-compliant rate without a hand-picked list (``asap_comm.sim.study.search_rate``): from
     ``start_rate``, double (or halve, not below ``min_rate``) until the SLO attainment crosses ``target``, then
-    bisect (geometrically) ``bisections`` times. ``run_at(rate) -> slo_attainment`` runs (and records) one load.
-    Returns the lowest rate run when none met the target (the search stopped there), else None."""
+    bisect (geometrically) ``bisections`` times; a load passes where the SLO holds AND it is sustained (served
+    >= 0.9 of offered, ``asap_comm.serving.sustains_slo``). ``run_at(rate) -> (slo_attainment, served_fraction)``
+    runs (and records) one load. Returns the lowest rate run when none passed (the search stopped there), else
+    None."""
     seen = study.search_rate(run_at, start_rate, bisections=bisections, target=target, min_rate=min_rate)
-    return None if any(a >= target for a in seen.values()) else min(seen)
+    return None if any(sustains_slo(*v, target) for v in seen.values()) else min(seen)
 
 
 def probe_requests(requests: list, rate: float) -> list:
@@ -713,8 +716,9 @@ def main(argv=None) -> int:
     emu_runs: dict = {m: [] for m in modes}
     last_results: dict = {}  # mode -> its last RunResult (the default picture)
 
-    def run_at(mode: str, rate: "float | None") -> float:
-        """One run of ``mode`` at ``rate`` req/s (None: the trace as made): recorded; returns its SLO attainment."""
+    def run_at(mode: str, rate: "float | None") -> tuple:
+        """One run of ``mode`` at ``rate`` req/s (None: the trace as made): recorded; returns its SLO attainment
+        and served fraction (served over offered tokens/s)."""
         nonlocal checked, mismatches, details
         if rate is None:
             load = requests
@@ -729,6 +733,7 @@ def main(argv=None) -> int:
         c, b, d = check(result, refs)
         checked, mismatches, details = checked + c, mismatches + b, details + d
         entry = {"mode": mode, "rate_req_s": rate, "offered_tokens_per_s": rate * mean_len, "requests": len(load), **s}
+        entry["served_fraction"] = served_fraction(entry)
         if result.lane:  # what the long-prompt lane's admission did in this run (serving.lane.LaneCounts)
             entry["lane"] = result.lane
         if emu is not None:
@@ -758,10 +763,11 @@ def main(argv=None) -> int:
                      s["num_failed"]] + ([f"{emu['overrun_fraction']:.3f}"] if emu is not None else []))
         lane = result.lane
         print(f"  [{mode}] {rate:g} req/s: SLO attainment {s['slo_attainment']:.2f}, TTFT p90 {fmt(s['ttft_p90_s'])} s"
+              f", served {entry['served_fraction']:.0%} of offered"
               + (f", overruns {emu['overrun_fraction']:.1%}" if emu is not None else "")
               + (f", lanes {lane['opened']} (waited {lane['waited']}, gave up {lane['gave_up']})" if lane else ""),
               file=sys.stderr, flush=True)
-        return s["slo_attainment"]
+        return s["slo_attainment"], entry["served_fraction"]
 
     if auto_sweep:
         for mode in modes:
@@ -781,11 +787,16 @@ def main(argv=None) -> int:
                 run_at(mode, rate if len(rates) > 1 or args.trace != "synthetic" else None)
     summary["correctness"] = {"checked": checked, "mismatches": mismatches, "details": details[:20]}
     if auto_sweep or len(rates) > 1:
-        for mode in modes:
-            pts = sorted((r["offered_tokens_per_s"], r["slo_attainment"]) for r in summary["runs"] if r["mode"] == mode)
-            summary[mode]["slo_compliant_throughput"] = slo_compliant_throughput(pts)
-            summary[mode]["at_slo_compliant_load"] = served_at_load(
-                [r for r in summary["runs"] if r["mode"] == mode], summary[mode]["slo_compliant_throughput"])
+        pts = {m: [r for r in summary["runs"] if r["mode"] == m] for m in modes}
+        for mode in modes:  # a load counts only where the SLO holds AND served >= 0.9 of offered (sustained)
+            summary[mode]["slo_compliant_throughput"] = slo_compliant_throughput(pts[mode])
+            summary[mode]["at_slo_compliant_load"] = served_at_load(pts[mode],
+                                                                    summary[mode]["slo_compliant_throughput"])
+            summary[mode]["withheld"] = withheld_reason(pts[mode])
+        if "async" in modes and "sync" in modes:
+            summary["slo_compliant_throughput_ratio"], summary["ratio_withheld"] = throughput_ratio(
+                summary["async"]["slo_compliant_throughput"], summary["sync"]["slo_compliant_throughput"],
+                points=(pts["async"], pts["sync"]))
     if args.emulate:
         for mode in modes:  # by time (asap_comm.sim.emulate_stats.overrun_summary), and by calls
             calls = sum(e["calls"] for e in emu_runs[mode])
@@ -808,11 +819,13 @@ def main(argv=None) -> int:
         sct = {m: summary[m].get("slo_compliant_throughput") for m in modes}
         for mode in modes:
             at = summary[mode].get("at_slo_compliant_load")
-            print(f"SLO-compliant throughput ({mode}): {sct[mode]} tokens/s" + (
+            print(f"SLO-compliant throughput ({mode}): {'-' if sct[mode] is None else sct[mode]} tokens/s" + (
                 "" if at is None else f" (there: served {at['served_tokens_per_s']:.0f} tokens/s, "
-                f"{at['served_fraction']:.0%} of offered, TTFT p99 {at['ttft_p99_s']:.2f} s)"))
-        if sct.get("async") and sct.get("sync"):
-            print(f"ASAP / baseline: {sct['async'] / sct['sync']:.2f}x")
+                f"{at['served_fraction']:.0%} of offered, TTFT p99 {at['ttft_p99_s']:.2f} s)")
+                + (f" ({summary[mode]['withheld']})" if summary[mode].get("withheld") else ""))
+        if "slo_compliant_throughput_ratio" in summary:
+            r = summary["slo_compliant_throughput_ratio"]
+            print("ASAP / baseline: " + (f"- ({summary['ratio_withheld']})" if r is None else f"{r:.2f}x"))
     if args.emulate:
         print("overruns: " + ", ".join(f"{m} {summary[m]['overrun_fraction']:.2%}" for m in modes))
     print(f"artifacts in {out}/: summary.json, ttft.png, " + ", ".join(f"timeline_{m}.json" for m in modes))

@@ -399,9 +399,14 @@ def test_simulate_emulated_is_a_lower_bound_of_the_emulated_run_in_its_units(tmp
 def test_crossing_rate_interpolates_on_the_grid():
     from asap_comm.sim.validate_emulated import crossing_rate
 
-    assert crossing_rate([(3.0, 0.7), (1.0, 1.0), (2.0, 0.95)], 0.9) == pytest.approx(2.2)
-    assert crossing_rate([(1.0, 1.0), (2.0, 0.95)], 0.9) == 2.0  # all meet it: the highest load
-    assert crossing_rate([(1.0, 0.5), (2.0, 0.95)], 0.9) is None  # the lowest fails
+    assert crossing_rate([(3.0, 0.7, 1.0), (1.0, 1.0, 1.0), (2.0, 0.95, 1.0)], 0.9) == pytest.approx(2.2)
+    assert crossing_rate([(1.0, 1.0, 1.0), (2.0, 0.95, 1.0)], 0.9) == 2.0  # all meet it: the highest load
+    assert crossing_rate([(1.0, 0.5, 1.0), (2.0, 0.95, 1.0)], 0.9) is None  # the lowest fails
+    # a load not sustained (served < 90% of offered) stops the walk at the last sustained one, no interpolation
+    assert crossing_rate([(3.0, 0.7, 1.0), (1.0, 1.0, 1.0), (2.0, 0.95, 0.5)], 0.9) == 1.0
+    assert crossing_rate([(1.0, 1.0, 0.8), (2.0, 0.95, 1.0)], 0.9) is None
+    with pytest.raises(ValueError, match="served_fraction"):
+        crossing_rate([(1.0, 1.0)], 0.9)
     with pytest.raises(ValueError, match="no points"):
         crossing_rate([], 0.9)
 

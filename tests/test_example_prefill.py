@@ -176,17 +176,38 @@ def test_sweep_auto_halves_no_lower_than_its_floor_and_says_where_it_stopped():
     assert floor == pytest.approx(prefill.SWEEP_MIN_REQUESTS / prefill.SWEEP_MAX_PROBE_S)
     assert prefill.sweep_floor(20) == pytest.approx(20 / prefill.SWEEP_MAX_PROBE_S)  # a shorter load: shorter probes
     ran = []
-    lowest = prefill.sweep_auto(lambda r: ran.append(r) or 0.5, 8.0, min_rate=floor)
+    lowest = prefill.sweep_auto(lambda r: ran.append(r) or (0.5, 1.0), 8.0, min_rate=floor)
     assert ran == [8.0 / 2 ** k for k in range(len(ran))] and min(ran) >= floor > min(ran) / 2
     assert lowest == min(ran) and len(ran) < 9  # the floor, not the 8 halvings, ended it
     # a mode that meets the SLO below the start: the floor does not stop it, and the search bisects as before
     ran.clear()
-    assert prefill.sweep_auto(lambda r: ran.append(r) or (0.95 if r <= 1.0 else 0.5), 8.0, min_rate=floor) is None
+    assert prefill.sweep_auto(lambda r: ran.append(r) or ((0.95, 1.0) if r <= 1.0 else (0.5, 1.0)), 8.0,
+                              min_rate=floor) is None
     assert 1.0 in ran and len(ran) == 4 + prefill.SWEEP_AUTO_BISECTIONS
     # without a floor: the 8 halvings of before
-    assert len(search_rate(lambda r: 0.0, 8.0)) == 9
+    assert len(search_rate(lambda r: (0.0, 1.0), 8.0)) == 9
     with pytest.raises(ValueError, match="min_rate"):
-        search_rate(lambda r: 1.0, 8.0, min_rate=-1)
+        search_rate(lambda r: (1.0, 1.0), 8.0, min_rate=-1)
+
+
+def test_sweep_auto_counts_only_sustained_loads():
+    """--sweep auto bisects on the combined criterion: a load that meets the SLO attainment but is served below 90%
+    of offered (the longest requests queued without bound) fails, so the search stops below it; a runner that
+    returns the attainment alone is refused."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import prefill
+    finally:
+        sys.path.pop(0)
+    from asap_comm.sim.study import search_rate
+
+    seen = search_rate(lambda r: (1.0, 1.0 if r <= 2.0 else 0.5), 1.0, bisections=3)
+    passed = [r for r, (a, f) in seen.items() if a >= 0.9 and f >= 0.9]
+    assert max(passed) == 2.0 and all(r > 2.0 for r in seen if r not in passed)
+    # attainment 1.0 everywhere, served 9% of offered everywhere: no load passes
+    assert prefill.sweep_auto(lambda r: (1.0, 0.09), 8.0, min_rate=1.0) == 1.0
+    with pytest.raises(ValueError, match="served_fraction"):
+        search_rate(lambda r: 1.0, 8.0)
 
 
 def test_bench_serving_takes_the_examples_arguments_and_memory_check(tmp_path):

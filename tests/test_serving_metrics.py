@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from asap_comm.serving import (ChromeTrace, RequestRecord, RunSummary, percentile, slo_compliant_throughput,
-                               summarize_run)
+from asap_comm.serving import (ChromeTrace, RequestRecord, RunSummary, percentile, served_fraction,
+                               slo_compliant_throughput, summarize_run, sustains_slo)
 
 SUMMARY_KEYS = {"ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s", "slo_attainment",
                 "num_requests", "num_failed"}
@@ -86,31 +86,81 @@ def test_summarize_run_edge_cases():
 
 # --------------------------------------------------------------------------- SLO-compliant throughput
 
+def _sustained(pts):
+    """(load, attainment) pairs as points of a mode that serves every load in full."""
+    return [(load, att, 1.0) for load, att in pts]
+
+
 def test_slo_compliant_throughput_prefix_convention():
-    pts = [(4.0, 0.95), (1.0, 1.0), (2.0, 0.97), (3.0, 0.90), (5.0, 0.5)]  # any order; 0.90 passes (>=)
+    pts = _sustained([(4.0, 0.95), (1.0, 1.0), (2.0, 0.97), (3.0, 0.90), (5.0, 0.5)])  # any order; 0.90 passes
     assert slo_compliant_throughput(pts) == 4.0
     # a noisy pass above the first failure does not count
-    assert slo_compliant_throughput([(1, 1.0), (2, 0.85), (3, 0.95)]) == 1.0
+    assert slo_compliant_throughput(_sustained([(1, 1.0), (2, 0.85), (3, 0.95)])) == 1.0
     # everything passes: the highest tested load (a lower bound of the true value)
-    assert slo_compliant_throughput([(1, 1.0), (8, 0.99)]) == 8.0
+    assert slo_compliant_throughput(_sustained([(1, 1.0), (8, 0.99)])) == 8.0
     # the lowest load already fails
-    assert slo_compliant_throughput([(1, 0.5), (2, 0.95)]) is None
+    assert slo_compliant_throughput(_sustained([(1, 0.5), (2, 0.95)])) is None
     # repeated loads pass only if every repetition passes
-    assert slo_compliant_throughput([(1, 1.0), (2, 0.95), (2, 0.80), (3, 0.99)]) == 1.0
+    assert slo_compliant_throughput(_sustained([(1, 1.0), (2, 0.95), (2, 0.80), (3, 0.99)])) == 1.0
     # the target is configurable
     assert slo_compliant_throughput(pts, target=0.99) == 1.0
     assert slo_compliant_throughput(pts, target=0.5) == 5.0
+
+
+def test_a_load_counts_only_where_the_mode_sustains_it():
+    """The README's sim run case: a mode that meets p90 at every load but served 9% of what was offered (its
+    longest tenth queued without bound) has no SLO-compliant throughput; served >= 0.9 of offered is the bar."""
+    assert slo_compliant_throughput([(1.0, 0.95, 0.09), (2.0, 0.93, 0.05)]) is None
+    # meets the SLO everywhere; sustained up to 2, not at 3: 2 (the walk up stops at the first unsustained load)
+    pts = [(1.0, 1.0, 1.0), (2.0, 0.97, 0.91), (3.0, 0.95, 0.6), (4.0, 0.95, 0.95)]
+    assert slo_compliant_throughput(pts) == 2.0
+    assert slo_compliant_throughput(pts, min_served=0.5) == 4.0  # the bar is a parameter
+    assert slo_compliant_throughput([(1.0, 1.0, 0.9)]) == 1.0  # 0.9 itself passes (>=)
+    # repetitions at one load: every one must be sustained
+    assert slo_compliant_throughput([(1.0, 1.0, 1.0), (2.0, 1.0, 1.0), (2.0, 1.0, 0.7)]) == 1.0
+    # run summaries as points: offered_tokens_per_s is the load, served = throughput / offered
+    runs = [{"offered_tokens_per_s": 100.0, "slo_attainment": 1.0, "throughput_tokens_per_s": 99.0},
+            {"offered_tokens_per_s": 200.0, "slo_attainment": 0.95, "throughput_tokens_per_s": 120.0}]
+    assert slo_compliant_throughput(runs) == 100.0
+    assert served_fraction(runs[1]) == pytest.approx(0.6)
+    assert served_fraction({**runs[1], "served_fraction": 0.3}) == 0.3  # a stored fraction is used as is
+    assert sustains_slo(0.95, 0.95) and not sustains_slo(0.95, 0.89) and not sustains_slo(0.89, 1.0)
+
+
+def test_a_withheld_figure_says_why_and_the_ratio_is_none():
+    from asap_comm.serving import throughput_ratio, withheld_reason
+
+    asap = [(1.0, 0.95, 0.09), (2.0, 0.93, 0.05)]
+    base = [(1.0, 1.0, 1.0), (2.0, 0.95, 0.98)]
+    assert withheld_reason(asap) == "sustains no tested load (served 9% of offered at the lowest)"
+    assert withheld_reason(base) is None
+    assert "meets the SLO at no tested load (attainment 0.50 < 0.90" in withheld_reason([(1.0, 0.5, 1.0)])
+    ratio, why = throughput_ratio(slo_compliant_throughput(asap), slo_compliant_throughput(base),
+                                  points=(asap, base))
+    assert ratio is None and why == ("ratio withheld: ASAP sustains no tested load (served 9% of offered at the "
+                                     "lowest)")
+    assert throughput_ratio(3.0, 2.0) == (1.5, None)
+    assert throughput_ratio(3.0, None, names=("x", "y"))[1] == "ratio withheld: y has no SLO-compliant load"
 
 
 def test_slo_compliant_throughput_errors():
     with pytest.raises(ValueError, match="no points"):
         slo_compliant_throughput([])
     with pytest.raises(ValueError, match="target=0"):
-        slo_compliant_throughput([(1, 1.0)], target=0)
+        slo_compliant_throughput([(1, 1.0, 1.0)], target=0)
     with pytest.raises(ValueError, match="attainment 1.5 at load 2"):
-        slo_compliant_throughput([(2, 1.5)])
+        slo_compliant_throughput([(2, 1.5, 1.0)])
     with pytest.raises(ValueError, match="offered load -1"):
-        slo_compliant_throughput([(-1, 1.0)])
+        slo_compliant_throughput([(-1, 1.0, 1.0)])
+    # the served fraction cannot be left out by accident: a pair, a None fraction, a summary without throughput
+    with pytest.raises(ValueError, match="served_fraction"):
+        slo_compliant_throughput([(1, 1.0)])
+    with pytest.raises(ValueError, match="served_fraction"):
+        slo_compliant_throughput([(1, 1.0, None)])
+    with pytest.raises(ValueError, match="throughput_tokens_per_s"):
+        slo_compliant_throughput([{"offered_tokens_per_s": 1.0, "slo_attainment": 1.0}])
+    with pytest.raises(ValueError, match="min_served"):
+        slo_compliant_throughput([(1, 1.0, 1.0)], min_served=1.5)
 
 
 # --------------------------------------------------------------------------- Chrome trace

@@ -32,8 +32,9 @@ The HTTP service is ``server`` (with ``client`` for load).
 Layering: this package never imports ``models``; ``asap_comm`` itself does not
 import this package (``import asap_comm.serving`` explicitly).
 """
-from .metrics import (ChromeTrace, RequestRecord, RunSummary, percentile, served_at_load,
-                      slo_compliant_throughput, summarize_run)
+from .metrics import (MIN_SERVED, ChromeTrace, RequestRecord, RunSummary, percentile, served_at_load,
+                      served_fraction, slo_compliant_throughput, summarize_run, sustains_slo, throughput_ratio,
+                      withheld_reason)
 from .protocol import ModelInfo, PromptRequest, RunResult, RuntimeConfig
 from .model_api import AttentionStage, DescribedModelFactory, ExpertStage, LaneStage, ModelFactory
 from .runtime import run_async
@@ -51,5 +52,5 @@ __all__ = [
     "load_trace", "scale_trace", "TraceSummary", "summarize_trace",
     "attention_cost", "Chunk", "split_prompt", "Placer", "MicroBatcher", "ExpertBatcher",
     "percentile", "RequestRecord", "RunSummary", "summarize_run", "slo_compliant_throughput", "served_at_load",
-    "ChromeTrace",
+    "MIN_SERVED", "served_fraction", "sustains_slo", "withheld_reason", "throughput_ratio", "ChromeTrace",
 ]

@@ -9,6 +9,12 @@ the q-th percentile sits at position ``h = (n - 1) * q / 100`` and is
 ``v[floor(h)] + (h - floor(h)) * (v[floor(h) + 1] - v[floor(h)])``. It is pure
 Python, so numbers match ``numpy.percentile(values, q)`` without depending on
 numpy.
+
+**SLO-compliant throughput** (:func:`slo_compliant_throughput`, the one definition every sweep uses): the highest
+tested offered load at which the mode meets the SLO percentile AND sustains the load, i.e. served tokens/s >= 0.9
+of offered over the window from the first arrival to the last first token (:func:`served_fraction`; the arrivals
+should span >= 10 SLOs). Where no tested load counts the figure is None and any ratio built on it is withheld
+(:func:`throughput_ratio`, :func:`withheld_reason`).
 """
 from __future__ import annotations
 
@@ -26,7 +32,12 @@ __all__ = [
     "RequestRecord",
     "RunSummary",
     "summarize_run",
+    "MIN_SERVED",
+    "served_fraction",
+    "sustains_slo",
     "slo_compliant_throughput",
+    "withheld_reason",
+    "throughput_ratio",
     "served_at_load",
     "ChromeTrace",
 ]
@@ -141,28 +152,87 @@ def summarize_run(records: Sequence[RequestRecord], slo_ttft_s: float) -> RunSum
     )
 
 
-def slo_compliant_throughput(points: Iterable[tuple[float, float]], target: float = 0.9) -> float | None:
-    """The highest offered load of a sweep at which the SLO still holds.
+#: The served share of the offered load below which a load is not sustained (``slo_compliant_throughput``).
+MIN_SERVED = 0.9
 
-    ``points``: ``(offered_load, slo_attainment)`` pairs, any order (load in
-    requests/s or tokens/s, as the sweep measured it; the result is in the same
-    unit). Convention: sort by load and walk up from the lowest; the result is
-    the last load before the first one whose attainment is below ``target``
-    (attainment >= target passes). So a load counts only if it AND every lower
-    tested load pass: a noisy pass above the knee is ignored, and nothing is
-    interpolated or extrapolated. Several points at one load pass only if all
-    of them do. Returns None if the lowest tested load already fails.
+
+def served_fraction(run: dict) -> float:
+    """Served over offered tokens/s of one run summary (a dict with ``throughput_tokens_per_s`` and
+    ``offered_tokens_per_s``; a ``served_fraction`` key, where present, is returned as is).
+
+    **The window.** Served tokens/s is :func:`summarize_run`'s ``throughput_tokens_per_s``: the prompt tokens of
+    the requests that got their first token, over the span from the first arrival to the last first token, so a
+    backlog left when the arrivals stop (requests queued without bound) lengthens the window and lowers it.
+    Offered tokens/s is the nominal load, the arrival rate times the mean prompt (a window can show a little
+    over 1). A mode that keeps up still needs up to about one SLO after the last arrival, which costs
+    ``1 / (1 + span/SLO)`` of the fraction: the arrivals must span at least 10 SLOs (the load searches warn
+    below that; ``find_slo_throughput``'s ``arrival_span_over_slo``) for a sustaining mode to read >= 0.9.
+    """
+    if run.get("served_fraction") is not None:
+        return float(run["served_fraction"])
+    try:
+        served, offered = run["throughput_tokens_per_s"], run["offered_tokens_per_s"]
+    except KeyError as e:
+        raise ValueError(f"served_fraction: the run summary has no {e.args[0]!r} (keys: {sorted(run)})") from None
+    if not (isinstance(offered, (int, float)) and math.isfinite(offered) and offered > 0):
+        raise ValueError(f"served_fraction: offered_tokens_per_s={offered!r} must be a positive number")
+    return float(served) / float(offered)
+
+
+def _point(point) -> tuple[float, float, float]:
+    """(load, attainment, served fraction) of one sweep point: a triple, or a run summary dict."""
+    if isinstance(point, dict):
+        try:
+            return float(point["offered_tokens_per_s"]), float(point["slo_attainment"]), served_fraction(point)
+        except KeyError as e:
+            raise ValueError(f"slo_compliant_throughput: a point dict needs {e.args[0]!r} (has {sorted(point)})") \
+                from None
+    point = tuple(point)
+    if len(point) != 3 or point[2] is None:
+        raise ValueError(f"slo_compliant_throughput: point {point!r} must be (offered_load, slo_attainment, "
+                         "served_fraction): a load counts only where the mode sustains it (served >= min_served "
+                         "of offered), so the served fraction is required")
+    return float(point[0]), float(point[1]), float(point[2])
+
+
+def sustains_slo(attainment: float, served: float, target: float = 0.9, *, min_served: float = MIN_SERVED) -> bool:
+    """Whether one load counts: the SLO attainment meets ``target`` AND the mode sustains the load (served
+    tokens/s >= ``min_served`` of offered over the window, :func:`served_fraction`). The load searches
+    (``asap_comm.sim.study``, ``examples/prefill.py --sweep auto``) bisect on this."""
+    return attainment >= target and served >= min_served
+
+
+def slo_compliant_throughput(points: Iterable, target: float = 0.9, *, min_served: float = MIN_SERVED) -> float | None:
+    """The highest offered load of a sweep at which the mode meets the SLO **and sustains the load**.
+
+    ``points``, any order: ``(offered_load, slo_attainment, served_fraction)`` triples (load in requests/s or
+    tokens/s, as the sweep measured it; the result is in the same unit), or run summary dicts (load
+    ``offered_tokens_per_s``, ``slo_attainment``, and ``served_fraction`` or ``throughput_tokens_per_s``, see
+    :func:`served_fraction`). A pair without the served fraction is an error, not a silent pass.
+
+    A load passes iff its attainment is >= ``target`` and its served fraction >= ``min_served`` (0.9: at a
+    p90 SLO a mode could otherwise pass by letting its longest tenth queue without bound on a finite window).
+    Convention: sort by load and walk up from the lowest; the result is the last load before the first one
+    that fails. So a load counts only if it AND every lower tested load pass: a noisy pass above the knee is
+    ignored, and nothing is interpolated or extrapolated. Several points at one load pass only if all of them
+    do. Returns None (the figure is withheld) if the lowest tested load already fails; :func:`withheld_reason`
+    says why.
     """
     if not (isinstance(target, (int, float)) and 0.0 < target <= 1.0):
         raise ValueError(f"slo_compliant_throughput: target={target!r} is outside (0, 1]")
+    if not (isinstance(min_served, (int, float)) and 0.0 <= min_served <= 1.0):
+        raise ValueError(f"slo_compliant_throughput: min_served={min_served!r} is outside [0, 1]")
     by_load: dict[float, bool] = {}
     for point in points:
-        load, att = point
+        load, att, served = _point(point)
         if not (math.isfinite(load) and load >= 0):
             raise ValueError(f"slo_compliant_throughput: offered load {load!r} must be finite and >= 0")
         if not (0.0 <= att <= 1.0):
             raise ValueError(f"slo_compliant_throughput: attainment {att!r} at load {load!r} is outside [0, 1]")
-        by_load[float(load)] = by_load.get(float(load), True) and att >= target
+        if not (math.isfinite(served) and served >= 0):
+            raise ValueError(f"slo_compliant_throughput: served fraction {served!r} at load {load!r} must be "
+                             "finite and >= 0")
+        by_load[load] = by_load.get(load, True) and sustains_slo(att, served, target, min_served=min_served)
     if not by_load:
         raise ValueError("slo_compliant_throughput: no points")
     best = None
@@ -173,10 +243,46 @@ def slo_compliant_throughput(points: Iterable[tuple[float, float]], target: floa
     return best
 
 
+def withheld_reason(points: Iterable, target: float = 0.9, *, min_served: float = MIN_SERVED) -> "str | None":
+    """Why a sweep has no SLO-compliant throughput (None if it has one): what failed at the lowest tested load,
+    e.g. ``"sustains no tested load (served 9% of offered at the lowest)"`` or ``"meets the SLO at no tested
+    load (attainment 0.42 < 0.90 at the lowest)"``. Same points as :func:`slo_compliant_throughput`."""
+    pts = [_point(p) for p in points]
+    if not pts or slo_compliant_throughput(pts, target, min_served=min_served) is not None:
+        return None
+    lowest = min(p[0] for p in pts)
+    at = [p for p in pts if p[0] == lowest]
+    att, served = min(p[1] for p in at), min(p[2] for p in at)
+    why = []
+    if served < min_served:
+        why.append(f"sustains no tested load (served {served:.0%} of offered at the lowest)")
+    if att < target:
+        why.append(f"meets the SLO at no tested load (attainment {att:.2f} < {target:.2f} at the lowest)")
+    return "; ".join(why)
+
+
+def throughput_ratio(numerator: "float | None", denominator: "float | None", *, names=("ASAP", "baseline"),
+                     points=(None, None), target: float = 0.9,
+                     min_served: float = MIN_SERVED) -> "tuple[float | None, str | None]":
+    """(ratio, reason): ``numerator / denominator`` of two SLO-compliant throughputs, or ``(None, "ratio
+    withheld: ASAP sustains no tested load (served 9% of offered at the lowest)")`` where either is None
+    (``points``: the two sweeps' points, for the reason; ``names``: the two modes' names). Print the ratio as
+    "-" with the reason and write it as JSON null, never as a number."""
+    if numerator is not None and denominator is not None and denominator > 0:
+        return numerator / denominator, None
+    why = []
+    for name, v, pts in zip(names, (numerator, denominator), points):
+        if v is None:
+            r = withheld_reason(pts, target, min_served=min_served) if pts else None
+            why.append(f"{name} {r or 'has no SLO-compliant load'}")
+        elif v <= 0:
+            why.append(f"{name}'s SLO-compliant throughput is {v!r}")
+    return None, "ratio withheld: " + "; ".join(why)
+
+
 def served_at_load(runs: Iterable[dict], load: "float | None") -> "dict | None":
-    """What a sweep served at one offered load, beside its SLO-compliant throughput: that metric looks only at the
-    attainment, and on a finite window a mode can meet a p90 SLO by letting its longest tenth queue (served
-    tokens/s then stay below the offered load and p99 grows).
+    """What a sweep served at one offered load, beside its SLO-compliant throughput (which counts a load only where
+    the served fraction is >= ``min_served``; this reports it, with the tail, at the load chosen).
 
     ``runs``: a sweep's run summaries (dicts with ``offered_tokens_per_s``, ``throughput_tokens_per_s``,
     ``ttft_p99_s``), any order; ``load``: an offered load in tokens/s (None: returns None). Returns the

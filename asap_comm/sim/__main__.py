@@ -296,7 +296,6 @@ def cmd_run(argv) -> int:
         for mode in modes:
             summary["runs"] += [{"mode": mode, **pt} for pt in res[mode]["points"]]
         rates = sorted({pt["rate_req_s"] for m in modes for pt in res[m]["points"]})
-        summary["slo_compliant_throughput_ratio"] = res["ratio"]
     else:
         rates = [float(x) for x in args.rates.split(",") if x] or [args.rate]
         if rates == [None]:
@@ -317,13 +316,8 @@ def cmd_run(argv) -> int:
         if res.lane:  # the long-prompt lane's counts at this load (serving.lane.LaneCounts)
             summary[mode]["lane"] = res.lane
         timelines[mode] = res.spans
-        if args.sweep or len(rates) > 1:
-            from ..serving.metrics import served_at_load, slo_compliant_throughput
-
-            pts = [(r["offered_tokens_per_s"], r["slo_attainment"]) for r in summary["runs"] if r["mode"] == mode]
-            summary[mode]["slo_compliant_throughput"] = slo_compliant_throughput(pts, target)
-            summary[mode]["at_slo_compliant_load"] = served_at_load(
-                [r for r in summary["runs"] if r["mode"] == mode], summary[mode]["slo_compliant_throughput"])
+    if args.sweep or len(rates) > 1:
+        _compliance(summary, modes, target)
     summary["sim_wall_s"] = time.perf_counter() - t0
     _write(out, "summary.json", summary)
     made = plots.ttft_vs_load(out / "ttft.png", summary["runs"], slo, title=f"{cost.name}, {shapes.name}")
@@ -335,6 +329,24 @@ def cmd_run(argv) -> int:
 
 def _f(v) -> str:
     return "     -" if v is None else f"{v:8.3f}"
+
+
+def _compliance(summary: dict, modes, target: float) -> None:
+    """Each mode's SLO-compliant throughput over its runs (``serving.slo_compliant_throughput``: a load counts only
+    where the SLO holds AND served >= 0.9 of offered), what it served there, why it is withheld where it is
+    None; and the ratio ASAP / baseline, None with ``ratio_withheld`` (the reason) where either is None."""
+    from ..serving.metrics import served_at_load, slo_compliant_throughput, throughput_ratio, withheld_reason
+
+    pts = {m: [r for r in summary["runs"] if r["mode"] == m] for m in modes}
+    for m in modes:
+        sct = slo_compliant_throughput(pts[m], target)
+        summary[m]["slo_compliant_throughput"] = sct
+        summary[m]["at_slo_compliant_load"] = served_at_load(pts[m], sct)
+        summary[m]["withheld"] = withheld_reason(pts[m], target)
+    if "async" in modes and "sync" in modes:
+        summary["slo_compliant_throughput_ratio"], summary["ratio_withheld"] = throughput_ratio(
+            summary["async"]["slo_compliant_throughput"], summary["sync"]["slo_compliant_throughput"],
+            points=(pts["async"], pts["sync"]), target=target)
 
 
 def _print_summary(summary: dict, modes, slo: float) -> None:
@@ -354,9 +366,13 @@ def _print_summary(summary: dict, modes, slo: float) -> None:
                   f"({at['served_fraction']:.0%} of offered), TTFT p99 {at['ttft_p99_s']:.3f} s"
                   + ("" if not lane else f"; long-prompt lane: {lane['opened']} opened, {lane['waited']} waited "
                      f"for room, {lane['gave_up']} gave up"))
-    if "slo_compliant_throughput_ratio" in summary and summary["slo_compliant_throughput_ratio"]:
-        print(f"SLO-compliant throughput, ASAP / baseline: {summary['slo_compliant_throughput_ratio']:.2f}x "
-              f"(TTFT SLO {slo:.3f} s)")
+    for m in modes:
+        if summary[m].get("withheld"):
+            print(f"{m}: no SLO-compliant throughput: {summary[m]['withheld']}")
+    if "slo_compliant_throughput_ratio" in summary:
+        r = summary["slo_compliant_throughput_ratio"]
+        print("SLO-compliant throughput, ASAP / baseline: "
+              + (f"- ({summary.get('ratio_withheld')})" if r is None else f"{r:.2f}x") + f" (TTFT SLO {slo:.3f} s)")
 
 
 # ----------------------------------------------------------------------------- memory (asap_comm.sim.memory)

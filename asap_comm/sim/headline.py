@@ -75,6 +75,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..serving.metrics import throughput_ratio
 from ..serving.traces import Request
 from . import plots
 from .costs import CostModel
@@ -112,6 +113,13 @@ def _ratio(a, b) -> "float | None":
     return a / b if a and b else None
 
 
+def _withheld(a_sweep, s_sweep, target: float) -> "tuple[float | None, str | None]":
+    """(ratio, why it is withheld) of two sweeps (``serving.throughput_ratio``: None where a mode sustains no
+    tested load within the SLO)."""
+    return throughput_ratio(_sct(a_sweep), _sct(s_sweep), target=target,
+                            points=((a_sweep or {}).get("points"), (s_sweep or {}).get("points")))
+
+
 def _pair(a: Deployment, s: Deployment, trace, cost, shapes, slo: float, start: float, bisections: int,
           target: float, progress: str) -> dict:
     """Both deployments swept on one trace under one SLO."""
@@ -119,7 +127,7 @@ def _pair(a: Deployment, s: Deployment, trace, cost, shapes, slo: float, start: 
     for d in (a, s):
         out[d.mode] = sweep_deployment(d, trace, cost, shapes, slo, start_rate=start, bisections=bisections,
                                        target=target, progress=progress)
-    out["ratio"] = _ratio(_sct(out["async"]), _sct(out["sync"]))
+    out["ratio"], out["ratio_withheld"] = _withheld(out["async"], out["sync"], target)
     return out
 
 
@@ -136,10 +144,11 @@ def best_vs_best(syncs, asyncs, probe, trace, cost, shapes, slo: float, *, start
     for mode in ("async", "sync"):
         out[mode] = found[mode]["best"]
         out[f"{mode}_sct"] = _sct(found[mode]["best_sweep"])
-    out["ratio"] = _ratio(out["async_sct"], out["sync_sct"])
+    out["ratio"], out["ratio_withheld"] = _withheld(found["async"]["best_sweep"], found["sync"]["best_sweep"],
+                                                    target)
     print(f"[{progress}] SLO {slo:.3g} s: best baseline {out['sync'].label} ({out['sync_sct'] or 0:.0f} tok/s), best "
-          f"ASAP {out['async'].label} ({out['async_sct'] or 0:.0f} tok/s), ratio {_fmt(out['ratio'])}",
-          file=sys.stderr, flush=True)
+          f"ASAP {out['async'].label} ({out['async_sct'] or 0:.0f} tok/s), ratio {_fmt(out['ratio'])}"
+          + (f" ({out['ratio_withheld']})" if out["ratio_withheld"] else ""), file=sys.stderr, flush=True)
     return out
 
 
@@ -184,9 +193,11 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
     found, best_a, best_s, ratio = main["found"], main["async"], main["sync"], main["ratio"]
     res = {"profile": tag, "cost_model": cost.describe(), "trace": trace_desc, "devices": D, "slo_s": slo_s,
            "slo_rule": rule, "slo_percentile": 100 * target, "unloaded_p90_ttft_s": unloaded,
-           "async": None, "sync": None, "slo_compliant_throughput_ratio": ratio, "runs": [],
-           "best": {"async": {**best_a.describe(), "slo_compliant_throughput": main["async_sct"]},
-                    "sync": {**best_s.describe(), "slo_compliant_throughput": main["sync_sct"]}, "ratio": ratio},
+           "async": None, "sync": None, "slo_compliant_throughput_ratio": ratio,
+           "ratio_withheld": main["ratio_withheld"], "runs": [],
+           "best": {**{m: {**found[m]["best"].describe(), "slo_compliant_throughput": main[f"{m}_sct"],
+                           "served_fraction": found[m]["served_fraction"], "withheld": found[m]["withheld"]}
+                       for m in ("async", "sync")}, "ratio": ratio, "ratio_withheld": main["ratio_withheld"]},
            "search": {mode: [{**row["deployment"].describe(), "coarse_slo_compliant_throughput": _sct(row["coarse"]),
                               "confirmed_slo_compliant_throughput": _sct(row["confirmed"])}
                              for row in found[mode]["candidates"]] for mode in ("async", "sync")},
@@ -198,7 +209,7 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
     # the SLO: best-vs-best searched again at other multiples of the same unloaded TTFT
     res["slo_sensitivity"] = [{"slo_factor": slo_factors[0] if not slo_given else None, "slo_s": slo_s,
                                "async_label": best_a.label, "sync_label": best_s.label, "async": main["async_sct"],
-                               "sync": main["sync_sct"], "ratio": ratio,
+                               "sync": main["sync_sct"], "ratio": ratio, "ratio_withheld": main["ratio_withheld"],
                                "saturated": {k: found[k]["best_sweep"]["saturated"] for k in ("async", "sync")}}]
     for f in factors:
         m = best_vs_best(syncs, with_lane_wait(asyncs, f * unloaded, waits), probe, trace, cost, shapes, f * unloaded,
@@ -207,6 +218,7 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
         res["slo_sensitivity"].append({"slo_factor": f, "slo_s": f * unloaded, "async_label": m["async"].label,
                                        "sync_label": m["sync"].label, "async": m["async_sct"],
                                        "sync": m["sync_sct"], "ratio": m["ratio"],
+                                       "ratio_withheld": m["ratio_withheld"],
                                        "saturated": {k: m["found"][k]["best_sweep"]["saturated"]
                                                      for k in ("async", "sync")},
                                        "arrival_span_over_slo": {k: m["found"][k]["best_sweep"]["arrival_span_over_slo"]
@@ -238,6 +250,7 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
         c = _pair(ref_a, ref_s, trace, cost, shapes, slo, start, bis, target, f"{tag} per-die")
         res["per_die"].append({"slo": what, "slo_s": slo, "async_label": ref_a.label, "sync_label": ref_s.label,
                                "async": _sct(c["async"]), "sync": _sct(c["sync"]), "ratio": c["ratio"],
+                               "ratio_withheld": c["ratio_withheld"],
                                "arrival_span_over_slo": {k: c[k]["arrival_span_over_slo"] for k in ("async", "sync")},
                                "saturated": {k: c[k]["saturated"] for k in ("async", "sync")}})
         print(f"[{tag}] per-die ({what}, {slo:.3g} s): ratio {_fmt(c['ratio'])}", file=sys.stderr, flush=True)
@@ -284,14 +297,15 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
     def side(t, label: str) -> dict:
         slo = slo_s if slo_given else slo_factors[0] * slo_rule(t, syncs, cost, shapes, factor=1.0)[0]
         st = 0.25 * capacity_rate(t, cost, shapes, ref_s.cfg, sync_ranks=ref_s.sync_ranks)
-        row = {"mean_prompt_tokens": mean_len(t), "slo_s": slo}
+        row, sweeps = {"mean_prompt_tokens": mean_len(t), "slo_s": slo}, {}
         for m in ("async", "sync"):  # a lane wait bound is so many SLOs: re-scaled to this trace's
             cands = [rebind_lane_wait(d, slo_s, slo) for d in finalists[m]]
             f = search_best(cands, t, cost, shapes, slo, start_rate=st, bisections=2, target=target,
                             confirm_top=1, confirm_bisections=bis)
             row[m], row[f"{m}_label"] = _sct(f["best_sweep"]), f["best"].label
             row[f"{m}_saturated"] = f["best_sweep"]["saturated"]
-        row["ratio"] = _ratio(row["async"], row["sync"])
+            sweeps[m] = f["best_sweep"]
+        row["ratio"], row["ratio_withheld"] = _withheld(sweeps["async"], sweeps["sync"], target)
         return row
 
     # sensitivity to the long-prompt tail: the same trace with prompts clipped at a cap
@@ -506,6 +520,7 @@ def main(argv=None) -> int:
     for mode in ("async", "sync"):  # the runtime's summary.json keys, for the first (headline) profile
         summary[mode] = first[mode]
     summary["slo_compliant_throughput_ratio"] = first["slo_compliant_throughput_ratio"]
+    summary["ratio_withheld"] = first["ratio_withheld"]
     summary["wall_s"] = time.perf_counter() - t0
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"\nbest ASAP vs best synchronous DP+EP on {grid['devices']} devices, deepseek-v3, SLO-compliant throughput "
@@ -518,10 +533,11 @@ def main(argv=None) -> int:
         for mode, name in (("sync", "best baseline"), ("async", "best ASAP")):
             at = (r.get(mode) or {}).get("at_slo_compliant_load")
             served = "" if at is None else (f"  (served {at['served_tokens_per_s']:,.0f} tok/s there, "
-                                            f"p99 {at['ttft_p99_s']:.3g} s)")
+                                            f"{at['served_fraction']:.0%} of offered, p99 {at['ttft_p99_s']:.3g} s)")
             print(f"  {name:14s} {b[mode]['label']:50s} {_tok(b[mode]['slo_compliant_throughput'], sat[mode])}"
                   + served)
-        print(f"  ratio          {_fmt(b['ratio'], sat)}")
+        print(f"  ratio          {_fmt(b['ratio'], sat)}" + (f" ({b['ratio_withheld']})" if b.get("ratio_withheld")
+                                                               else ""))
         print("  sensitivity:")
         for x in r["slo_sensitivity"][1:]:
             print(f"    SLO {x['slo_factor']:g}x unloaded ({x['slo_s']:.3g} s): best ASAP {x['async_label']} "

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..serving.metrics import slo_compliant_throughput
+from ..serving.metrics import slo_compliant_throughput, sustains_slo, throughput_ratio, withheld_reason
 from ..serving.protocol import RuntimeConfig
 from ..serving.traces import Request, TraceError, load_trace, resolve_trace
 from . import lane
@@ -84,21 +84,23 @@ def traces(path: str, n: int) -> dict:
 
 class _Sweep:
     """A load search of one configuration whose points serve several percentiles (``slo_compliant_throughput``
-    of the shared points; each percentile doubles then bisects on its own, reusing every point run before)."""
+    of the shared points; each percentile doubles then bisects on its own, reusing every point run before).
+    ``run(rate) -> (slo_attainment, served_fraction)``: a load passes where the SLO holds AND it is sustained
+    (``serving.sustains_slo``)."""
 
     def __init__(self, run, start: float, tokens_per_req: float) -> None:
         self.run, self.start, self.mean = run, start, tokens_per_req
         self.points: dict = {}
 
-    def att(self, rate: float) -> float:
+    def ok(self, rate: float, target: float) -> bool:
         if rate not in self.points:
             self.points[rate] = self.run(rate)
-        return self.points[rate]
+        return sustains_slo(*self.points[rate], target)
 
     def search(self, target: float, bisections: int, max_steps: int = 8) -> dict:
         lo, hi, r = None, None, self.start
         for _ in range(max_steps):
-            if self.att(r) >= target:
+            if self.ok(r, target):
                 lo, r = r, r * 2
             else:
                 hi = r
@@ -107,19 +109,21 @@ class _Sweep:
             r = self.start
             for _ in range(max_steps):
                 r /= 4
-                if self.att(r) >= target:
+                if self.ok(r, target):
                     lo = r
                     break
                 hi = r
         if lo is not None and hi is not None:
             for _ in range(bisections):
                 mid = math.sqrt(lo * hi)
-                if self.att(mid) >= target:
+                if self.ok(mid, target):
                     lo = mid
                 else:
                     hi = mid
-        sct = slo_compliant_throughput([(rate * self.mean, a) for rate, a in self.points.items()], target)
-        return {"slo_compliant_throughput": sct, "saturated": hi is not None}
+        pts = [(rate * self.mean, a, f) for rate, (a, f) in self.points.items()]
+        sct = slo_compliant_throughput(pts, target)
+        return {"slo_compliant_throughput": sct, "saturated": hi is not None, "points": pts,
+                "withheld": withheld_reason(pts, target)}
 
 
 def _solo(mode, cost, shapes, cfg, sync_ranks, par) -> float:
@@ -169,7 +173,7 @@ def study(cost, shapes, trace_path: str, n: int, bisections: int, deployments, p
                 def run(rate):
                     with _design(*d):
                         s, _ = run_point(mode, trace, rate, cost, shapes, cfg, slo, sync_ranks=sync_ranks, par=par)
-                    return s["slo_attainment"]
+                    return s["slo_attainment"], s["served_fraction"]
                 return run
 
             row["results"] = {"p90": {}, "p99": {}}
@@ -187,9 +191,14 @@ def study(cost, shapes, trace_path: str, n: int, bisections: int, deployments, p
                 base = max((res[s[0]]["slo_compliant_throughput"] or 0.0, -i, s[0]) for i, s in enumerate(syncs))
                 base = (base[0], base[2] if base[0] else None)  # None: no baseline meets the SLO at any load
                 row.setdefault("best_baseline", {})[pct] = base[1]
-                row.setdefault("ratio", {})[pct] = {
-                    key: (res[key]["slo_compliant_throughput"] / base[0]
-                          if res[key]["slo_compliant_throughput"] and base[0] else None) for key, *_ in DESIGNS}
+                target = 0.9 if pct == "p90" else 0.99
+                got = {key: throughput_ratio(res[key]["slo_compliant_throughput"], base[0] or None,
+                                             names=(key, "the best baseline"), target=target,
+                                             points=(res[key]["points"], res[base[1]]["points"] if base[1] else
+                                                     [p for s in syncs for p in res[s[0]]["points"]]))
+                       for key, *_ in DESIGNS}
+                row.setdefault("ratio", {})[pct] = {key: g[0] for key, g in got.items()}
+                row.setdefault("ratio_withheld", {})[pct] = {key: g[1] for key, g in got.items() if g[1]}
             dep["traces"][tname] = row
         out["deployments"][dname] = dep
     out["wall_s"] = time.perf_counter() - t0

@@ -7,11 +7,14 @@
   unloaded latency, and tying it to the modelled hardware keeps the default
   meaningful on any profile.
 * :func:`find_slo_throughput`: sweeps offered load for one mode: doubles the
-  request rate from a low start until the SLO fails (fewer than ``target``,
-  by default 90%, of requests within it), then bisects (geometrically)
-  between the last pass and the first fail; every tested point is kept and
-  the result is ``asap_comm.serving.slo_compliant_throughput`` of them
-  (tokens/s). When the start already fails it first tries a near-zero load
+  request rate from a low start until a load fails (fewer than ``target``,
+  by default 90%, of requests within the SLO, OR served tokens/s below 0.9 of
+  offered: the load is not sustained, ``asap_comm.serving.sustains_slo``), then
+  bisects (geometrically) between the last pass and the first fail on that
+  combined criterion; every tested point is kept and the result is
+  ``asap_comm.serving.slo_compliant_throughput`` of them (tokens/s; None, the
+  figure withheld, where no tested load is sustained and compliant). When the
+  start already fails it first tries a near-zero load
   (``start / 4**max_doublings``, requests alone): if that fails the SLO
   fails at every load (None); else it divides the rate by 4 until a pass.
 
@@ -26,10 +29,12 @@ to :func:`~asap_comm.sim.simulate.simulate`.
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 
-from ..serving.metrics import served_at_load, slo_compliant_throughput, summarize_run
+from ..serving.metrics import (MIN_SERVED, served_at_load, served_fraction, slo_compliant_throughput, summarize_run,
+                               sustains_slo, throughput_ratio, withheld_reason)
 from ..serving.protocol import RuntimeConfig
 from ..serving.traces import Request, scale_trace
 from .simulate import Parallelism, simulate
@@ -120,6 +125,7 @@ def run_point(mode: str, trace, rate: float, cost, shapes, cfg, slo: float, *, s
     util = [r["utilisation"] for r in res.ranks for _ in range(r["stands_for"])]
     s.update(rate_req_s=rate, offered_tokens_per_s=rate * mean_len(trace),
              mean_utilisation=sum(util) / len(util), sim_events=res.events, sim_wall_s=res.wall_s)
+    s["served_fraction"] = served_fraction(s)
     if res.lane:
         s["lane"] = res.lane
     return s, res
@@ -136,12 +142,15 @@ def capacity_rate(trace, cost, shapes, cfg: RuntimeConfig, *, sync_ranks: int,
 
 def find_slo_throughput(mode: str, trace, cost, shapes, cfg: RuntimeConfig, slo: float, *, start_rate: float,
                         sync_ranks=None, bisections: int = 4, max_doublings: int = 10,
-                        progress: str | None = None, target: float = 0.9, par: Parallelism | None = None) -> dict:
+                        progress: str | None = None, target: float = 0.9, par: Parallelism | None = None,
+                        min_served: float = MIN_SERVED) -> dict:
     """Sweep one mode's load (see the module docstring). Returns the points and the SLO-compliant throughput.
 
     ``saturated`` is False when even the highest tested rate passed (the result is then a lower bound),
     ``arrival_span_over_slo`` how many SLOs the trace's arrivals span at the SLO-compliant rate: a
-    trace much shorter than that measures a burst, not a sustained load.
+    trace much shorter than that (10) measures a burst, not a sustained load, and the served fraction reads
+    low for a mode that keeps up. ``served_fraction``: served over offered tokens/s at the SLO-compliant load
+    (None where there is none); ``withheld``: why there is none (``withheld_reason``), else None.
     """
     points = []
 
@@ -151,9 +160,9 @@ def find_slo_throughput(mode: str, trace, cost, shapes, cfg: RuntimeConfig, slo:
         if progress:
             p90 = s["ttft_p90_s"] if s["ttft_p90_s"] is not None else float("nan")
             print(f"  [{progress}] {mode:5s} {rate:10.4g} req/s {s['offered_tokens_per_s']:12.0f} tok/s  "
-                  f"TTFT p90 {p90:8.3f} s  SLO att. {s['slo_attainment']:.2f}  ({s['sim_wall_s']:.1f} s)",
-                  file=sys.stderr, flush=True)
-        return s["slo_attainment"] >= target
+                  f"TTFT p90 {p90:8.3f} s  SLO att. {s['slo_attainment']:.2f}  served {s['served_fraction']:4.0%}"
+                  f"  ({s['sim_wall_s']:.1f} s)", file=sys.stderr, flush=True)
+        return sustains_slo(s["slo_attainment"], s["served_fraction"], target, min_served=min_served)
 
     lo, hi, rate = None, None, start_rate
     for _ in range(max_doublings):
@@ -183,13 +192,15 @@ def find_slo_throughput(mode: str, trace, cost, shapes, cfg: RuntimeConfig, slo:
                 lo = mid
             else:
                 hi = mid
-    sct = slo_compliant_throughput([(p["offered_tokens_per_s"], p["slo_attainment"]) for p in points], target)
+    sct = slo_compliant_throughput(points, target, min_served=min_served)
+    at = served_at_load(points, sct)
     span = None
     if lo is not None and len(trace) > 1:
         arrivals = at_rate(trace, lo)
         span = (arrivals[-1].arrival_s - arrivals[0].arrival_s) / slo
     return {"points": sorted(points, key=lambda p: p["rate_req_s"]), "slo_compliant_throughput": sct,
-            "at_slo_compliant_load": served_at_load(points, sct),
+            "at_slo_compliant_load": at, "served_fraction": None if at is None else at["served_fraction"],
+            "withheld": withheld_reason(points, target, min_served=min_served),
             "slo_compliant_rate_req_s": lo, "saturated": hi is not None, "arrival_span_over_slo": span}
 
 
@@ -210,13 +221,20 @@ def compare(trace, cost, shapes, cfg: RuntimeConfig, *, sync_ranks: int, slo: fl
         out[mode] = find_slo_throughput(mode, trace, cost, shapes, cfg if mode == "async" else scfg, slo,
                                         sync_ranks=sync_ranks, progress=progress, start_rate=start,
                                         bisections=bisections, target=target, par=par)
-        if out[mode]["arrival_span_over_slo"] is not None and out[mode]["arrival_span_over_slo"] < 3:
+        if out[mode]["arrival_span_over_slo"] is not None and out[mode]["arrival_span_over_slo"] < SPAN_SLOS:
             print(f"  warning: at {mode}'s SLO-compliant rate the {len(trace)} arrivals span only "
-                  f"{out[mode]['arrival_span_over_slo']:.1f} SLOs: use more requests for a sustained load",
-                  file=sys.stderr, flush=True)
-    a, s = (out.get("async", {}).get("slo_compliant_throughput"), out.get("sync", {}).get("slo_compliant_throughput"))
-    out["ratio"] = a / s if a and s else None
+                  f"{out[mode]['arrival_span_over_slo']:.1f} SLOs (< {SPAN_SLOS}): the served fraction reads low "
+                  "and a burst is not a sustained load; use more requests", file=sys.stderr, flush=True)
+    out["ratio"], out["ratio_withheld"] = None, None
+    if "async" in out and "sync" in out:
+        out["ratio"], out["ratio_withheld"] = throughput_ratio(
+            out["async"]["slo_compliant_throughput"], out["sync"]["slo_compliant_throughput"],
+            points=(out["async"]["points"], out["sync"]["points"]), target=target)
     return out
+
+
+#: The fewest SLOs the arrivals should span at a measured load (``serving.metrics.served_fraction``'s window).
+SPAN_SLOS = 10
 
 
 
@@ -306,10 +324,13 @@ def search_best(candidates, trace, cost, shapes, slo: float, *, start_rate: floa
     ``confirm_bisections``, and the best of those wins. Equal throughputs rank by the SLO attainment at the next
     load tested above (higher first: the one that came closest to passing it; 1 where no load failed), then by
     the TTFT at that load at the target's percentile (``tail_key``: p99 for a p99 SLO, lower first), then by
-    candidate order; a candidate that fails the SLO even at the lowest tested load ranks last. ``sweep(d, trace, cost, shapes, slo, ...)`` is
+    candidate order; a candidate that fails the SLO (or does not sustain the load, served < 0.9 of offered)
+    even at the lowest tested load ranks last. ``sweep(d, trace, cost, shapes, slo, ...)`` is
     :func:`sweep_deployment` (a parameter for tests). Returns ``{"candidates": [{"deployment", "coarse",
     "confirmed"}...] in candidate order, "best": Deployment, "best_sweep": its confirmed sweep, "ranking":
-    [candidate indices, best first, by coarse throughput]}``.
+    [candidate indices, best first, by coarse throughput], "slo_compliant_throughput": the best's (tokens/s;
+    None when no candidate sustains any tested load within the SLO), "served_fraction": served over offered
+    at that load (None with it), "withheld": why it is None (else None)}``.
     """
     candidates = list(candidates)
     if not candidates:
@@ -351,19 +372,40 @@ def search_best(candidates, trace, cost, shapes, slo: float, *, start_rate: floa
         sct = rows[i]["confirmed"]["slo_compliant_throughput"]
         return (-(sct if sct is not None else -1.0), top.index(i))
     win = min(top, key=ckey)
-    return {"candidates": rows, "best": rows[win]["deployment"], "best_sweep": rows[win]["confirmed"],
-            "ranking": ranking}
+    best = rows[win]["confirmed"]
+    return {"candidates": rows, "best": rows[win]["deployment"], "best_sweep": best, "ranking": ranking,
+            "slo_compliant_throughput": best["slo_compliant_throughput"],
+            "served_fraction": _served_at_best(best), "withheld": _withheld(best, target)}
+
+
+def _served_at_best(sweep: dict) -> "float | None":
+    """The served fraction at a sweep's SLO-compliant load (None where it has none)."""
+    sct = sweep.get("slo_compliant_throughput")
+    if "served_fraction" in sweep or sct is None:
+        return sweep.get("served_fraction") if sct is not None else None
+    at = [served_fraction(p) for p in sweep.get("points") or []
+          if p.get("offered_tokens_per_s") == sct and ("served_fraction" in p or "throughput_tokens_per_s" in p)]
+    return statistics.median(at) if at else None
+
+
+def _withheld(sweep: dict, target: float) -> "str | None":
+    if sweep.get("slo_compliant_throughput") is not None:
+        return None
+    return sweep.get("withheld") or (withheld_reason(sweep["points"], target) if sweep.get("points") else
+                                     "no tested load is sustained and SLO-compliant")
 
 
 # ----------------------------------------------------------------------------- a load search over any runner
 def search_rate(attainment_at, start_rate: float, *, bisections: int = 3, target: float = 0.9,
-                steps: int = 8, min_rate: float = 0.0) -> dict:
+                steps: int = 8, min_rate: float = 0.0, min_served: float = MIN_SERVED) -> dict:
     """Search the SLO-compliant rate of any runner (measured runs: ``examples/prefill.py --sweep auto``): from
-    ``start_rate``, double (or halve) until the SLO attainment crosses ``target`` (at most ``steps`` times), then
-    bisect (geometrically) ``bisections`` times. ``attainment_at(rate) -> slo_attainment`` runs (and records)
-    one load; each rate runs once. ``min_rate``: halving stops before a rate below it (a measured run there
-    takes too long). Returns ``{rate: attainment}`` of every rate run; when nothing met the target, even
-    ``2**steps`` below the start or down to ``min_rate``, no bisection runs."""
+    ``start_rate``, double (or halve) until a load stops passing (at most ``steps`` times), then bisect
+    (geometrically) ``bisections`` times. A load passes where the SLO attainment is >= ``target`` AND the
+    load is sustained (served fraction >= ``min_served``: ``serving.sustains_slo``).
+    ``attainment_at(rate) -> (slo_attainment, served_fraction)`` runs (and records) one load; each rate runs
+    once. ``min_rate``: halving stops before a rate below it (a measured run there takes too long). Returns
+    ``{rate: (attainment, served_fraction)}`` of every rate run; when nothing passed, even ``2**steps`` below
+    the start or down to ``min_rate``, no bisection runs."""
     if not (isinstance(start_rate, (int, float)) and start_rate > 0) or not (
             isinstance(min_rate, (int, float)) and min_rate >= 0):
         raise ValueError(f"search_rate: start_rate={start_rate!r} must be > 0 and min_rate={min_rate!r} >= 0")
@@ -371,8 +413,12 @@ def search_rate(attainment_at, start_rate: float, *, bisections: int = 3, target
 
     def ok(rate: float) -> bool:
         if rate not in seen:
-            seen[rate] = attainment_at(rate)
-        return seen[rate] >= target
+            got = attainment_at(rate)
+            if not (isinstance(got, tuple) and len(got) == 2):
+                raise ValueError(f"search_rate: attainment_at({rate!r}) returned {got!r}; it must return "
+                                 "(slo_attainment, served_fraction)")
+            seen[rate] = got
+        return sustains_slo(*seen[rate], target, min_served=min_served)
 
     r = start_rate
     if ok(r):

@@ -34,7 +34,10 @@ baseline's. On a grid of loads the SLO-compliant throughput is the load where
 the SLO attainment (median of the repeats) crosses the target, interpolated
 linearly between the last load that meets it and the first that does not
 (the last load of the grid if all meet it; None if the first fails), in
-requests/s; both sides use the same grid and the same rule. The SLO is
+requests/s; a load counts only where it is sustained (served tokens/s >= 0.9
+of offered, ``serving.slo_compliant_throughput``'s criterion: the first load
+that is not caps it without interpolation); both sides use the same grid and
+the same rule. A ratio with a None side is withheld ("-", JSON null). The SLO is
 ``--slo`` seconds, or 3 x the simulated unloaded TTFT of the baseline on the
 trace's p90 prompt on one DP group (no CP). ``validation_emulated.json`` holds every number; the
 table marks relative errors above 15%.
@@ -47,7 +50,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..serving.metrics import summarize_run
+from ..serving.metrics import MIN_SERVED, summarize_run, sustains_slo, throughput_ratio
 from ..serving.traces import Request, scale_trace
 from .validate_common import TARGET
 from .validate_common import validation_trace as validate_trace
@@ -74,16 +77,23 @@ CONFIGS = {
 }
 
 
-def crossing_rate(points, target: float) -> "float | None":
-    """The load where the attainment crosses ``target`` on a grid: ``points`` are ``(load, attainment)``;
-    linear between the last load that meets it and the first that does not; the highest load if all meet it;
-    None if the lowest fails."""
+def crossing_rate(points, target: float, *, min_served: float = MIN_SERVED) -> "float | None":
+    """The load where the SLO stops holding on a grid, ``serving.slo_compliant_throughput``'s criterion (the
+    attainment meets ``target`` AND the load is sustained, served >= ``min_served`` of offered) with the
+    attainment interpolated: ``points`` are ``(load, attainment, served_fraction)``. Walking up from the lowest
+    load: at the first load that fails, linear in the attainment between the last pass and it where it fails on
+    the attainment alone, else (not sustained) the last pass; the highest load if all pass; None if the lowest
+    fails."""
     pts = sorted(points)
     if not pts:
         raise ValueError("crossing_rate: no points")
-    if pts[0][1] < target:
+    if any(len(p) != 3 for p in pts):
+        raise ValueError(f"crossing_rate: points must be (load, attainment, served_fraction), got {pts[0]!r}")
+    if not sustains_slo(pts[0][1], pts[0][2], target, min_served=min_served):
         return None
-    for (l0, a0), (l1, a1) in zip(pts, pts[1:]):
+    for (l0, a0, _f0), (l1, a1, f1) in zip(pts, pts[1:]):
+        if f1 < min_served:
+            return l0
         if a1 < target:
             return l0 + (l1 - l0) * (a0 - target) / (a0 - a1)
     return pts[-1][0]
@@ -211,8 +221,9 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
         sct = {}
         for side in ("real", "sim"):
             for mode in ("async", "sync"):
-                sct[(side, mode)] = crossing_rate([(x["rate_req_s"], x[side]["slo_attainment"]) for x in rows
-                                                   if x["mode"] == mode], target)
+                sct[(side, mode)] = crossing_rate([(x["rate_req_s"], x[side]["slo_attainment"],
+                                                    x[side]["throughput_tokens_per_s"] / (x["rate_req_s"] * mean_len))
+                                                   for x in rows if x["mode"] == mode], target)
         per_mode = {}
         for mode in ("async", "sync"):
             rr, ss = sct[("real", mode)], sct[("sim", mode)]
@@ -220,16 +231,15 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
                               "real_tokens_per_s": None if rr is None else rr * mean_len,
                               "sim_tokens_per_s": None if ss is None else ss * mean_len,
                               "relative_error": _rel(ss, rr)}
-        rr = (sct[("real", "async")] / sct[("real", "sync")]) if sct[("real", "async")] and sct[("real", "sync")] \
-            else None
-        sr = (sct[("sim", "async")] / sct[("sim", "sync")]) if sct[("sim", "async")] and sct[("sim", "sync")] \
-            else None
+        rr, rr_why = throughput_ratio(sct[("real", "async")], sct[("real", "sync")])
+        sr, sr_why = throughput_ratio(sct[("sim", "async")], sct[("sim", "sync")])
         result_configs.append({
             "config": name, "attention_ranks": A, "attention_tp": atp, "expert_ranks": E, "sync_ranks": W,
             "sync_tp": stp, "cp_threshold": cp, "trace": kind, "rates_req_s": list(rates), "slo_s": cfg_slo, "slo_target": target,
             "p90_prompt_tokens": p90, "mean_prompt_tokens": mean_len, "runs": rows,
             "slo_compliant_throughput": per_mode, "host_overhead": fitted,
-            "ratio": {"real": rr, "sim": sr, "relative_error": _rel(sr, rr)}})
+            "ratio": {"real": rr, "sim": sr, "relative_error": _rel(sr, rr),
+                      "withheld": {k: w for k, w in (("real", rr_why), ("sim", sr_why)) if w}}})
     errs = []
     for c in result_configs:
         errs += [abs(e) for row in c["runs"] for e in row["relative_error"].values() if e is not None]
@@ -288,9 +298,10 @@ def table(result: dict) -> str:
             lines.append(f"SLO-compliant throughput {mode:5s}: real {_num(v['real_req_s'])} req/s -> sim "
                          f"{_num(v['sim_req_s'])} req/s {_pct(v['relative_error'])}")
         ra = c["ratio"]
-        rx = "none" if ra["real"] is None else f"{ra['real']:.3g}x"
-        sx = "none" if ra["sim"] is None else f"{ra['sim']:.3g}x"
-        lines.append(f"ratio ASAP / baseline: real {rx} -> sim {sx} {_pct(ra['relative_error'])}")
+        rx = "-" if ra["real"] is None else f"{ra['real']:.3g}x"
+        sx = "-" if ra["sim"] is None else f"{ra['sim']:.3g}x"
+        lines.append(f"ratio ASAP / baseline: real {rx} -> sim {sx} {_pct(ra['relative_error'])}"
+                     + "".join(f" ({k}: {w})" for k, w in (ra.get("withheld") or {}).items()))
     if result["compared"]:
         lines.append(f"{result['within_target']}/{result['compared']} within {TARGET:.0%}; median |error| "
                      f"{result['median_abs_relative_error']:.1%}, max {result['max_abs_relative_error']:.1%}; "
