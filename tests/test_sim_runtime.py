@@ -159,6 +159,30 @@ def test_cli_run_writes_the_runtime_keys_utilisation_and_plots(tmp_path):
 
 
 @pytest.mark.slow
+def test_cli_run_withholds_a_ratio_built_on_a_load_a_mode_does_not_sustain(tmp_path):
+    """ASAP meets p90 at both loads (its two long prompts, the last tenth of the requests, miss), but those two
+    are most of the tokens and finish long after the arrivals: it served under 90% of the offered tokens/s. Its
+    SLO-compliant throughput is null, the ratio is null with its reason, and the table prints '-' (before: the
+    attainment alone counted, ASAP's figure was the highest load and no ratio line was printed)."""
+    trace = tmp_path / "tail.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 512 if i >= 18 else 16,
+                                         "output_length": 1, "hash_ids": [i]}) + "\n" for i in range(20)))
+    p = _run(["run", "--out", str(tmp_path / "o"), "--model", "small", "--trace", str(trace), "--num-requests", "20",
+              "--rates", "20,40", "--slo", "0.05"])
+    assert p.returncode == 0, p.stderr
+    s = json.loads((tmp_path / "o" / "summary.json").read_text())
+    asap = [r for r in s["runs"] if r["mode"] == "async"]
+    assert len(asap) == 2 and all(r["slo_attainment"] >= 0.9 and r["served_fraction"] < 0.9 for r in asap)
+    assert all(r["served_fraction"] == pytest.approx(r["throughput_tokens_per_s"] / r["offered_tokens_per_s"])
+               for r in s["runs"])
+    assert s["async"]["slo_compliant_throughput"] is None and s["async"]["at_slo_compliant_load"] is None
+    assert s["async"]["withheld"].startswith("sustains no tested load (served ")
+    assert s["slo_compliant_throughput_ratio"] is None
+    assert s["ratio_withheld"].startswith("ratio withheld: ASAP sustains no tested load")
+    assert "SLO-compliant throughput, ASAP / baseline: - (ratio withheld: ASAP sustains no tested load" in p.stdout
+
+
+@pytest.mark.slow
 def test_cli_headline_quick(tmp_path):
     p = _run(["headline", "--out", str(tmp_path), "--quick", "--profiles", "h800-node", "--lane-wait", "none,1"])
     assert p.returncode == 0, p.stderr
