@@ -26,9 +26,11 @@ over the layers); the stall at one layer is ``max_r p_r - p_r``, reported as the
 from the per-group chunks (balanced routing, no CP, no overlap, dedicated devices), which the tests hold against
 the simulator's spans and step times.
 
-Two estimates of ``sigma``: **stationary** (the paper's: the standard deviation of one group's per-layer load
-over all steps and groups of the run, so workers i.i.d. from one distribution) and **per step** (the spread
-of the groups' loads within each step, ``sigma * e_r`` per step, averaged).
+Three readings of the model: **stationary** (the paper's: ``sigma`` is the standard deviation of one group's
+per-layer load over all steps and groups of the run, workers i.i.d. from one distribution), **within step**
+(``sigma`` from the groups' spread within each step, the unbiased variance pooled over steps: what is left when
+the step's common level, which no group waits for, is taken out), and **empirical tail** (the same i.i.d.
+barrier, the Gaussian replaced by the run's within-step residuals: ``E[max]`` from their order statistics).
 """
 from __future__ import annotations
 
@@ -112,7 +114,9 @@ def measure_barrier(step_loads: list, moe_layers: int, *, active_only: bool = Fa
     per = [[x / moe_layers for x in s] for s in steps]
     stall = [max(p) - statistics.fmean(p) for p in per]
     fastest = [max(p) - min(p) for p in per]
-    within = [statistics.pstdev(p) * e for p in per]
+    # within a step: the groups' spread, pooled over steps with the unbiased variance (a step's r loads
+    # estimate sigma^2 with r - 1 degrees of freedom)
+    sigma_w = math.sqrt(statistics.fmean(statistics.variance(p) for p in per)) if r > 1 else 0.0
     pooled = [x for p in per for x in p]
     mu, sigma = statistics.fmean(pooled), statistics.pstdev(pooled)
     # the groups' loads within a step are correlated through the step's common level: the share of the pooled
@@ -122,19 +126,20 @@ def measure_barrier(step_loads: list, moe_layers: int, *, active_only: bool = Fa
     m_stall = statistics.fmean(stall)
     # distribution-free: r i.i.d. draws from the run's within-step residuals (load - its step's mean), the
     # expected max from the order statistics: sum_i x_(i) * ((i/n)^r - ((i-1)/n)^r)
-    res = sorted(x - statistics.fmean(p) for p in per for x in p)
+    # residuals scaled by sqrt(r / (r - 1)): a residual from its own step's mean has (r - 1) / r of the variance
+    scale = math.sqrt(r / (r - 1)) if r > 1 else 0.0
+    res = sorted(scale * (x - statistics.fmean(p)) for p in per for x in p)
     n = len(res)
     emp = sum(x * ((i / n) ** r - ((i - 1) / n) ** r) for i, x in enumerate(res, 1))
-    sigma_w = math.sqrt(statistics.fmean(statistics.pvariance(p) for p in per))
     mean_res = statistics.fmean(res)
     skew = (statistics.fmean((x - mean_res) ** 3 for x in res) / sigma_w ** 3) if sigma_w > 0 else 0.0
     return {"groups": r, "steps": len(steps), "e_r": e, "mean_layer_load_s": mu, "sigma_stationary_s": sigma,
             "between_step_variance_share": between,
             "stall_s": m_stall, "fastest_wait_s": statistics.fmean(fastest),
             "model_stationary_stall_s": sigma * e, "model_stationary_fastest_s": 2 * sigma * e,
-            "model_per_step_stall_s": statistics.fmean(within),
+            "model_per_step_stall_s": sigma_w * e,
             "stationary_error": (sigma * e - m_stall) / m_stall if m_stall > 0 else None,
-            "per_step_error": (statistics.fmean(within) - m_stall) / m_stall if m_stall > 0 else None,
+            "per_step_error": (sigma_w * e - m_stall) / m_stall if m_stall > 0 else None,
             "sigma_within_step_s": sigma_w, "within_step_skewness": skew,
             "model_empirical_stall_s": emp,
             "empirical_error": (emp - m_stall) / m_stall if m_stall > 0 else None,
