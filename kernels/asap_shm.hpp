@@ -128,6 +128,10 @@ struct WaitResult {
 // The network engine as the shared-memory code sees it (kernels/net_engine.hpp):
 // waits help it progress while they spin, and a mailbox send to a PE on
 // another host goes through it. Null when every PE is on this host.
+// WaitResult::why of a mailbox send to another host that timed out waiting for the peer's answer (not for room):
+// the message may still be placed (see NetEngine::mbox_send).
+inline constexpr const char* kUnanswered = "unanswered";
+
 class NetIface {
  public:
   virtual ~NetIface() = default;

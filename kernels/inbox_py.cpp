@@ -277,7 +277,11 @@ PyObject* send_message(Inbox* b, int pe, const SendFacts& f, int64_t tag, double
   if (b->group->closed()) return closed_error("send");
   WaitResult r = deliver(b, pe, tag, f.code, f.ndim, f.dims, reinterpret_cast<const void*>(f.ptr), f.nbytes, timeout);
   if (r.status == kWaitOk) Py_RETURN_NONE;
-  PyObject* what = PyUnicode_FromFormat("send: waiting for a free slot in PE %d's inbox", pe);
+  PyObject* what = r.status == kWaitTimeout && r.why == kUnanswered
+                       ? PyUnicode_FromFormat("send: PE %d (on another host) did not answer: its process lives but "
+                                              "does not run (stopped?); the message may still be placed, and "
+                                              "offering the same message again awaits that same answer", pe)
+                       : PyUnicode_FromFormat("send: waiting for a free slot in PE %d's inbox", pe);
   raise_wait_error(r, timeout, what);
   Py_XDECREF(what);
   return nullptr;

@@ -204,6 +204,16 @@ void NetEngine::quiet(double timeout_s) {
   }
 }
 
+// Whether an unanswered message is the one offered now (net_engine.hpp, Unanswered).
+static bool same_message(const std::string& bytes, uintptr_t base_a, int64_t tag_a, uint32_t dtype_a, int ndim_a,
+                         const int64_t* dims_a, uintptr_t base, int64_t tag, uint32_t dtype, int ndim,
+                         const int64_t* dims, const void* payload, size_t nbytes) {
+  if (base_a != base || tag_a != tag || dtype_a != dtype || ndim_a != ndim || bytes.size() != nbytes) return false;
+  for (int i = 0; i < ndim; ++i)
+    if (dims_a[i] != dims[i]) return false;
+  return nbytes == 0 || std::memcmp(bytes.data(), payload, nbytes) == 0;
+}
+
 WaitResult NetEngine::mbox_send(int pe, uintptr_t local_base, size_t nslots, size_t slot_bytes, int64_t tag, uint32_t dtype,
                      int ndim, const int64_t* dims, const void* payload, size_t nbytes, double timeout_s) {
   uint32_t region = 0;
@@ -211,6 +221,46 @@ WaitResult NetEngine::mbox_send(int pe, uintptr_t local_base, size_t nslots, siz
   if (!locate(local_base, mailbox_bytes(slot_bytes, nslots), &region, &off))
     return {kWaitPeer, 0, pe, "cannot be reached: the mailbox is not in a registered region"};
   const auto start = Clock::now();
+  // The answer (placed, or full) is awaited past a short timeout, up to kAnswerS: a peer that answers within it
+  // gets the message placed or refused in one call. One that does not (a stopped process) leaves the message
+  // unanswered: the send raises TimeoutError, and offering the same message again awaits that same answer
+  // (bounded by that call's timeout) rather than sending a copy.
+  constexpr double kAnswerS = 1.0;
+  Unanswered& u = unanswered_[pe];
+  if (u.p != nullptr) {
+    const bool same = same_message(u.bytes, u.base, u.tag, u.dtype, u.ndim, u.dims, local_base, tag, dtype, ndim, dims,
+                                   payload, nbytes);
+    Pending* p = u.p;
+    if (!p->done.load(std::memory_order_acquire) && same) {
+      const char* why = nullptr;
+      PyThreadState* ts = PyEval_SaveThread();
+      const int outcome = await_reply(p, pe, timeout_s, &why);
+      PyEval_RestoreThread(ts);
+      if (outcome == 2) return {kWaitTimeout, 0, -1, kUnanswered};  // still unanswered; still kept
+      if (outcome == 3 && !p->done.load(std::memory_order_acquire)) {
+        free_pending(p);
+        u.p = nullptr;
+        if (group_->remote_state(pe) == kStateClosed) return {kWaitOk, 0, -1, nullptr};  // dropped, as on one host
+        return {kWaitPeer, 0, pe, why};
+      }
+    }
+    u.p = nullptr;
+    if (p->done.load(std::memory_order_acquire)) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      const int32_t status = p->status;
+      const uint64_t pos = p->value;
+      free_pending(p);
+      if (same && status == kReplyOk) {  // the message offered again was placed by its first offer
+        ++mbox_resumed_;
+        return {kWaitOk, pos, -1, nullptr};
+      }
+      if (same) ++mbox_resumed_;  // refused (full): offered anew below
+      else if (status == kReplyOk) ++mbox_abandoned_;  // placed after its sender gave up on it
+    } else {
+      free_pending(p);  // a different message: the unanswered one is abandoned (its late answer dropped)
+      ++mbox_abandoned_;
+    }
+  }
   int64_t backoff_us = 20;
   for (;;) {
     if (group_->remote_state(pe) == kStateClosed) return {kWaitOk, 0, -1, nullptr};  // dropped, as on one host
@@ -226,11 +276,18 @@ WaitResult NetEngine::mbox_send(int pe, uintptr_t local_base, size_t nslots, siz
     h.nbytes = nbytes;
     const double spent = std::chrono::duration<double>(Clock::now() - start).count();
     WaitResult r{kWaitOk, 0, -1, nullptr};
-    // The answer (placed, or full) is awaited even past a short timeout: `timeout` bounds the wait for
-    // room in the ring, and a send that gave up before the answer could not say whether the message was
-    // placed (a caller that retries would duplicate it). kAnswerS bounds a peer that never answers.
-    constexpr double kAnswerS = 10.0;
-    Pending* p = request_nothrow(pe, h, payload, nbytes, nullptr, 0, std::max(timeout_s - spent, kAnswerS), &r);
+    Pending* p = request_nothrow(pe, h, payload, nbytes, nullptr, 0, std::max(timeout_s - spent, kAnswerS), &r, true);
+    if (p != nullptr && r.status == kWaitTimeout) {  // sent, not answered: kept for the same message's next offer
+      u.p = p;
+      u.base = local_base;
+      u.tag = tag;
+      u.dtype = dtype;
+      u.ndim = ndim;
+      for (int i = 0; i < ndim; ++i) u.dims[i] = dims[i];
+      u.bytes.assign(static_cast<const char*>(payload), nbytes);
+      ++mbox_unanswered_;
+      return {kWaitTimeout, 0, -1, kUnanswered};
+    }
     if (p == nullptr) {
       if (r.status == kWaitPeer && group_->remote_state(pe) == kStateClosed) return {kWaitOk, 0, -1, nullptr};
       return r;
@@ -261,6 +318,9 @@ NetStats NetEngine::stats() {
   d.unauthenticated = unauth_;
   d.received = received_;
   d.sent = sent_;
+  d.mbox_unanswered = mbox_unanswered_;
+  d.mbox_resumed = mbox_resumed_;
+  d.mbox_abandoned = mbox_abandoned_;
   int lines = 0;
   for (int fd : lines_) lines += fd >= 0;
   d.liveness_lines = lines;

@@ -104,6 +104,7 @@ struct PythonError {};
 // The counters behind Communicator.net_stats() (net_py.cpp makes the dict).
 struct NetStats {
   uint64_t disorder = 0, bad_messages = 0, unauthenticated = 0, received = 0, sent = 0;
+  uint64_t mbox_unanswered = 0, mbox_resumed = 0, mbox_abandoned = 0;
   int liveness_lines = 0;
   uint64_t progress_wakeups = 0, progress_parks = 0;
   std::string last_error;
@@ -191,7 +192,10 @@ class NetEngine final : public NetIface {
   Pending* request(int pe, Hdr& h, const void* data, size_t n, void* dst, size_t cap, double timeout_s,
                    const char* fn);
   Pending* request_nothrow(int pe, Hdr& h, const void* data, size_t n, void* dst, size_t cap, double timeout_s,
-                           WaitResult* res);
+                           WaitResult* res, bool keep_unanswered = false);
+  // Waits (GIL released by the caller) for the reply to `p`, sent to `pe`: 1 answered, 2 timed out while `pe`
+  // lives, 3 `pe` died or closed (*why says how).
+  int await_reply(Pending* p, int pe, double timeout_s, const char** why);
   void complete(Pending* p);
 
   // receiving (net_recv.cpp; mu_ held)
@@ -253,6 +257,22 @@ class NetEngine final : public NetIface {
   std::mutex hs_mu_;
   std::vector<Handshake> handshakes_;  // received, for Python to answer or check
   std::string last_error_;
+  // A mailbox message whose answer (placed, or full) did not come within its send's bound: the peer's process
+  // lives but did not answer (stopped, say), so it may still place the message. The send raised TimeoutError;
+  // offering the same message again (same mailbox, tag, dtype, shape and bytes) awaits this answer instead of
+  // sending a copy, so a caller that retries never duplicates a message; a different message abandons it (its
+  // late answer is dropped; it may still be placed, before the new one). Touched with the GIL held only.
+  struct Unanswered {
+    Pending* p = nullptr;
+    uintptr_t base = 0;
+    int64_t tag = 0;
+    uint32_t dtype = 0;
+    int ndim = 0;
+    int64_t dims[kMaxDims] = {};
+    std::string bytes;
+  };
+  std::vector<Unanswered> unanswered_ = std::vector<Unanswered>(world_);
+  uint64_t mbox_unanswered_ = 0, mbox_resumed_ = 0, mbox_abandoned_ = 0;
 };
 
 }  // namespace asap::net

@@ -114,6 +114,9 @@ void bind_net(py::module& m) {
              d["received"] = s.received;
              d["sent"] = s.sent;
              d["liveness_lines"] = s.liveness_lines;
+             d["mbox_unanswered"] = s.mbox_unanswered;
+             d["mbox_resumed"] = s.mbox_resumed;
+             d["mbox_abandoned"] = s.mbox_abandoned;
              d["progress_wakeups"] = s.progress_wakeups;
              d["progress_parks"] = s.progress_parks;
              d["last_error"] = s.last_error;

@@ -176,9 +176,13 @@ Pending* NetEngine::request(int pe, Hdr& h, const void* data, size_t n, void* ds
 }
 
 // Sends a request and waits for its reply. On failure returns nullptr with
-// *res set (timeout, peer failure, interrupted).
+// *res set (timeout, peer failure, interrupted). A request whose send or reply
+// took longer than `timeout_s` while the peer lives times out (the peer may be
+// stopped: its liveness line stands); only a peer that died or closed is a peer
+// failure. `keep_unanswered`: such a request's slot is returned (with
+// res->status kWaitTimeout) instead of freed, so that a late reply still lands.
 Pending* NetEngine::request_nothrow(int pe, Hdr& h, const void* data, size_t n, void* dst, size_t cap, double timeout_s,
-                         WaitResult* res) {
+                         WaitResult* res, bool keep_unanswered) {
   const char* why = nullptr;
   if (group_->check(pe, &why) >= 0) {
     *res = {kWaitPeer, 0, pe, why};
@@ -198,7 +202,30 @@ Pending* NetEngine::request_nothrow(int pe, Hdr& h, const void* data, size_t n, 
     dirty_[pe] = 1;
     req = send_nb(pe, h, data, n);
   }
-  const bool sent_ok = req == nullptr || wait_req(req, pe, std::max(timeout_s, 0.0) + 1.0) == 0;
+  // 0 sent, 1 send error, 2 peer gone, 3 still sending (a stopped peer's window is full): it may yet arrive
+  const int sent = req == nullptr ? 0 : wait_req(req, pe, std::max(timeout_s, 0.0) + 1.0);
+  int outcome;  // 1 answered, 2 timeout, 3 peer
+  if (sent == 1 || sent == 2) {
+    outcome = 3;
+    if (group_->check(pe, &why) < 0) why = "could not be reached";
+  } else {
+    outcome = await_reply(p, pe, sent == 3 ? 0.0 : timeout_s, &why);
+  }
+  PyEval_RestoreThread(ts);
+  if (outcome == 1) {
+    std::atomic_thread_fence(std::memory_order_acquire);
+    return p;
+  }
+  if (outcome == 2 && keep_unanswered) {
+    *res = {kWaitTimeout, 0, -1, nullptr};
+    return p;
+  }
+  free_pending(p);  // a late reply finds the slot's generation changed and is dropped
+  *res = outcome == 2 ? WaitResult{kWaitTimeout, 0, -1, nullptr} : WaitResult{kWaitPeer, 0, pe, why};
+  return nullptr;
+}
+
+int NetEngine::await_reply(Pending* p, int pe, double timeout_s, const char** why) {
   const auto start = Clock::now();
   const int64_t timeout_ns = timeout_s <= 0 ? 0 : static_cast<int64_t>(std::min(timeout_s, 1e9) * 1e9);
   const int64_t spin_ns = std::min(spin_budget_ns(), timeout_ns);
@@ -208,10 +235,8 @@ Pending* NetEngine::request_nothrow(int pe, Hdr& h, const void* data, size_t n, 
   while (outcome == 0) {
     if (p->done.load(std::memory_order_acquire)) { outcome = 1; break; }
     const int64_t e = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-    if (!sent_ok || group_->check(pe, &why) >= 0) {
-      if (p->done.load(std::memory_order_acquire)) { outcome = 1; break; }
-      outcome = 3;
-      if (why == nullptr) why = "could not be reached";
+    if (group_->check(pe, why) >= 0) {
+      outcome = p->done.load(std::memory_order_acquire) ? 1 : 3;
       break;
     }
     if (e >= timeout_ns) { outcome = 2; break; }
@@ -227,14 +252,7 @@ Pending* NetEngine::request_nothrow(int pe, Hdr& h, const void* data, size_t n, 
     cv_.wait_for(lk, std::chrono::milliseconds(2), [&] { return p->done.load(std::memory_order_acquire) != 0; });
   }
   if (polling) poll_end(false);
-  PyEval_RestoreThread(ts);
-  if (outcome == 1) {
-    std::atomic_thread_fence(std::memory_order_acquire);
-    return p;
-  }
-  free_pending(p);  // a late reply finds the slot's generation changed and is dropped
-  *res = outcome == 2 ? WaitResult{kWaitTimeout, 0, -1, nullptr} : WaitResult{kWaitPeer, 0, pe, why};
-  return nullptr;
+  return outcome;
 }
 
 void NetEngine::complete(Pending* p) {

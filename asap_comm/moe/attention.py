@@ -7,6 +7,7 @@ import torch
 
 from ..errors import CommError
 from ..errors import TimeoutError as CommTimeoutError
+from ..patience import while_alive
 from .plan import _DESC_WORDS, _FIN, DispatchHandle, InflightLimitError, MoEPlan, _Buffers, _check_int
 
 __all__ = ["AttentionEnd"]
@@ -104,8 +105,11 @@ class AttentionEnd:
                       layer: int) -> DispatchHandle:
         """Send micro-batch ``x [T,H]`` with routing ``topk_ids [T,k]``, ``topk_weights [T,k]``; returns at once.
 
-        Never waits: the handle owns a slot (an error if ``max_inflight`` are
-        outstanding). Each token is written once into each expert rank that
+        Never waits for the experts: the handle owns a slot (an error if
+        ``max_inflight`` are outstanding). Toward an expert PE on another host
+        whose process lives but does not run (stopped), each put and
+        descriptor is offered again, attempt by attempt, for as long as it
+        lives (``asap_comm.patience``); ``PeerFailure`` once it died. Each token is written once into each expert rank that
         holds any of its experts, with the ids (-1 for experts elsewhere) and
         weights; then that rank gets a descriptor (release: it sees the rows).
         Toward another host with two or more expert ranks, once per host (the
@@ -172,14 +176,20 @@ class AttentionEnd:
         """The staged rows, ids and weights into PE ``pe``'s region (this rank, ``slot``) on another host."""
         a, comm, buf = self.comm.rank, self.comm, self._buf
         tok, eid, w = self._stage
-        comm.put(buf.tokens[a, slot, :n], tok[:n], pe)
-        comm.put(buf.expert_ids[a, slot, :n], eid[:n], pe)
-        comm.put(buf.weights[a, slot, :n], w[:n], pe)
+        for dst, src in ((buf.tokens[a, slot, :n], tok[:n]), (buf.expert_ids[a, slot, :n], eid[:n]),
+                         (buf.weights[a, slot, :n], w[:n])):
+            try:
+                comm.put(dst, src, pe)
+            except CommTimeoutError:  # a stopped peer (its process lives): offered again while it lives
+                while_alive(comm, (pe,), lambda: comm.put(dst, src, pe), "dispatch_send: put")
 
     def _send_descriptor(self, pe: int, slot: int, layer: int, n: int, off: int, gateway: int, mask: int) -> None:
         words = self._desc_words
         words[0], words[1], words[2], words[3], words[4], words[5] = slot, layer, n, off, gateway, mask
-        self._send_desc[pe]()
+        try:
+            self._send_desc[pe]()
+        except CommTimeoutError:  # a stopped peer on another host: offering the same message again never
+            while_alive(self.comm, (pe,), self._send_desc[pe], "dispatch_send: descriptor")  # duplicates it
 
     def _dispatch_host(self, pes: tuple, h: DispatchHandle, x, ids32, weights, rank_of, off: int) -> "int | None":
         """Node-aware dispatch of ``h``'s micro-batch to the expert PEs ``pes`` of one other host (module
@@ -199,8 +209,11 @@ class AttentionEnd:
         tok, eid, w = self._stage
         self._fill(tok, eid, w, x, ids32, weights, on, rows, h.num_tokens)
         self._put_staged(gateway, slot, n)
-        if contacted != [gateway]:
-            self.comm.quiet()  # the rows are in the gateway's memory before any other rank hears of them
+        if contacted != [gateway]:  # the rows are in the gateway's memory before any other rank hears of them
+            try:
+                self.comm.quiet()
+            except CommTimeoutError:
+                while_alive(self.comm, (gateway,), self.comm.quiet, "dispatch_send: quiet")
         mask = sum(1 << i for i, pe in enumerate(pes) if pe in contacted)
         for pe in contacted:
             self._send_descriptor(pe, slot, h.layer, n, off, gateway, mask)

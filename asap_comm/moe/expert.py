@@ -2,14 +2,18 @@
 node-aware reduction (``asap_comm.moe``)."""
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import torch
 
-from ..errors import CommError
+from ..errors import CommError, PeerFailure
+from ..errors import TimeoutError as CommTimeoutError
 from .plan import _DESC_WORDS, _FIN, ExpertBatch, MoEPlan, _Buffers
 
 __all__ = ["ExpertEnd"]
+
+_SENDERS_EVERY_S = 0.1  # how often a waiting dispatch_recv checks that an attention rank may still send
 
 
 class ExpertEnd:
@@ -102,13 +106,47 @@ class ExpertEnd:
 
         Returns None once every attention rank has finished. Ordering:
         acquire: the rows are complete. Raises ``TimeoutError``, or
-        ``PeerFailure`` if a PE died.
+        ``PeerFailure`` if a PE died, or once every attention rank that has
+        not finished has died or left (closed without ``finish``): a wait on
+        any of several senders ends when none of them can send any more
+        (checked about every 0.1 s), whatever the other PEs do.
         """
+        t = total = self.comm._timeout("dispatch_recv", timeout)
+        deadline = time.monotonic() + t
         while not self.finished:
-            b = self._batch(self._buf.inbox.recv(timeout))
+            try:
+                msg = self._buf.inbox.recv(min(t, _SENDERS_EVERY_S))
+            except CommTimeoutError:
+                msg = self._senders_gone()
+                if msg is None:
+                    t = deadline - time.monotonic()
+                    if t <= 0:
+                        raise CommTimeoutError(f"dispatch_recv: no micro-batch from attention ranks "
+                                               f"{self._unfinished()} within {total:.3g} s") from None
+                    continue
+            b = self._batch(msg)
             if b is not None:
                 return b
         return None
+
+    def _unfinished(self) -> list:
+        return [a for a in range(self.plan.num_attention_ranks) if a not in self._finished]
+
+    def _senders_gone(self):
+        """A message that arrived meanwhile, or None while an unfinished attention rank lives; ``PeerFailure`` once
+        none does. The states are read before the inbox, so a rank's last messages (placed before it left) are
+        seen first."""
+        states = {a: self.comm.peer_state(a) for a in self._unfinished()}
+        if any(s == "alive" for s in states.values()):
+            return None
+        msg = self._buf.inbox.poll()
+        if msg is not None:
+            return msg
+        first = next(iter(states))
+        reason = "died" if any(s == "died" for s in states.values()) else "closed"
+        raise PeerFailure(f"dispatch_recv: every attention rank that had not finished ({sorted(states)}) has died or "
+                          f"left without finishing ({', '.join(f'PE {a} {s}' for a, s in states.items())}): no "
+                          "micro-batch can come", pe=first, reason=reason)
 
     def dispatch_recv_many(self, max_batches: "int | None" = None, timeout=None) -> list:
         """Wait (bounded) for one micro-batch, then take every other one already pending, up to ``max_batches``.

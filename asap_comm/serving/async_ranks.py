@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from ..errors import CommError, PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import ExpertBatch, MoEPlan, apply_experts
 from .exchange import AsyncExchange
@@ -22,7 +23,7 @@ from .lane import LaneAborted, LaneRank, LaneWait
 from .patience import DeathWatch
 from .policies import Chunk, ExpertBatcher, MicroBatcher
 from .protocol import Channels, ModelInfo, RuntimeConfig
-from .worker import ChunkTaker, finish_chunks, layer_loop
+from .worker import ChunkTaker, finish_chunks, layer_loop, report_failure
 
 __all__ = ["moe_plan", "attention_main", "expert_main"]
 
@@ -163,16 +164,31 @@ class _AttentionRank(ChunkTaker):
             self.caches.pop(chunks[0].request_id, None)
         self._busy("attn tail", t[0])
 
+    def _check_front(self) -> None:
+        """``PeerFailure`` once the front end is gone (died, or closed) without having stopped this rank: nobody
+        is left to send it work or take its results. Its state is read before the inbox, so a stop message it
+        placed before leaving is taken first."""
+        if self.stopped:
+            return
+        state = self.comm.peer_state(self.front)
+        if state == "alive":
+            return
+        while (m := self.box.poll()) is not None:
+            self.stopped |= not self._take(m)
+        if not self.stopped:
+            raise PeerFailure(f"attention worker PE {self.comm.rank}: the front end (PE {self.front}) {state} "
+                              "before it stopped this worker", pe=self.front, reason=state)
+
     def run(self) -> list:
         self.watch = DeathWatch(self.comm, range(self.comm.world_size))
         running: list = []  # [generator, handle or None, dispatch sequence number]
         seq = 0
-        stopped = False
+        self.stopped = False
         max_running = 2 if self.cfg.ping_pong else 1
         while True:
             self.stats.publish()
             while (m := self.box.poll()) is not None:
-                stopped |= not self._take(m)
+                self.stopped |= not self._take(m)
             ready = None if self.lane is None else self.lane.can_start
             if not running and max_running == 2 and self.cfg.token_balanced:  # both ping-pong slots free
                 for batch in self.batcher.next_batches(2, ready):
@@ -182,7 +198,7 @@ class _AttentionRank(ChunkTaker):
                 if not batch:
                     break
                 running.append([self._microbatch(batch), None, -1])
-            if stopped and not running and len(self.batcher) == 0:
+            if self.stopped and not running and len(self.batcher) == 0:
                 break
             progressed = False
             for entry in list(running):
@@ -204,14 +220,16 @@ class _AttentionRank(ChunkTaker):
                 if isinstance(h, LaneWait):  # a lane chunk waits for earlier chunks' KV
                     h.wait(0.0005)
                     self.watch.check()
+                    self._check_front()
                 else:
                     self.exchange.wait(h, 0.002 if len(running) >= max_running else 0.0005)
             else:
                 try:  # with the lock-step ablation on (or a lane chunk waiting to start), come back soon
                     soon = self.lockstep is not None or len(self.batcher) > 0
-                    stopped |= not self._take(self.box.recv(timeout=0.0005 if soon else 0.05))
+                    self.stopped |= not self._take(self.box.recv(timeout=0.0005 if soon else 0.05))
                 except CommTimeoutError:
                     self.watch.check()
+                    self._check_front()
         if self.lockstep is not None:
             self.lockstep.leave()
         self.exchange.finish()
@@ -221,11 +239,23 @@ class _AttentionRank(ChunkTaker):
 
 def attention_main(comm, cfg, info, model_factory, ch: Channels):
     rank = _AttentionRank(comm, cfg, info, model_factory("attention", []), ch)
-    return rank.run()
+    try:
+        return rank.run()
+    except CommError as e:  # the front end fails the service with this reason (worker.report_failure)
+        report_failure(ch.box, comm.world_size - 1, "attention worker", e)
+        raise
 
 
 # ----------------------------------------------------------------------------- expert rank
 def expert_main(comm, cfg, info, model_factory, plan: MoEPlan, ch: Channels):
+    try:
+        return _expert_loop(comm, cfg, info, model_factory, plan, ch)
+    except CommError as e:  # the front end fails the service with this reason (worker.report_failure)
+        report_failure(ch.box, comm.world_size - 1, "expert worker", e)
+        raise
+
+
+def _expert_loop(comm, cfg, info, model_factory, plan: MoEPlan, ch: Channels):
     experts = plan.local_experts(comm.rank)
     model = model_factory("expert", experts)
     hooks = model_hooks(model)  # an emulated device holds its modelled transfers (hooks.py)

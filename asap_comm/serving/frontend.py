@@ -25,6 +25,7 @@ from .lane import FrontLane
 from .patience import DeathWatch
 from .policies import Placer, split_prompt
 from .protocol import CANCEL, HDR, STOP, PromptRequest, decode_result, encode_cancel, encode_chunk, request_mailbox
+from .worker import FAILED, decode_failure
 from .worker import ChunkTaker, layer_loop  # noqa: F401  (moved to worker.py; the README names them here)
 
 __all__ = ["STOP", "HDR", "request_mailbox", "FrontEnd", "Rejected", "Completion", "run_front_end", "replay_report",
@@ -106,7 +107,8 @@ class FrontEnd:
         self.pending = [deque() for _ in range(num_targets)]  # per rank: [request id, payload, tag, queued at]
         self.inflight: dict = {}  # request -> _Admitted
         self.queued_tokens = 0
-        self.watch = DeathWatch(comm, range(comm.world_size))
+        # a worker that dies, or leaves before stop() told it to (it gave up), fails the group
+        self.watch = DeathWatch(comm, range(comm.world_size), must_stay=range(comm.world_size))
         self._cp = cfg.cp_threshold if label == "sync" else None
         self.lane = FrontLane(cfg, info, num_targets, enabled=label == "async")  # the long-prompt lane (lane.py)
 
@@ -241,6 +243,7 @@ class FrontEnd:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Send every rank the stop message (after its queued chunks)."""
+        self.watch.release()  # the workers may leave from now on
         for w in range(self.W):
             self.pending[w].append((None, torch.zeros(1, dtype=torch.int64), STOP, time.monotonic()))
         deadline = time.monotonic() + timeout
@@ -276,6 +279,10 @@ class FrontEnd:
     def _result(self, m) -> "Completion | None":
         with m:
             rid, src = m.tag, m.src
+            if rid == FAILED:  # a worker gives up: the group failed, for the reason it gives
+                failure = decode_failure(src, m.tensor)
+                print(f"front end: {failure}", file=sys.stderr, flush=True)
+                raise failure
             token, hidden = decode_result(m.tensor)
         if rid not in self.inflight:
             return None  # cancelled meanwhile

@@ -16,24 +16,18 @@ from typing import Iterable, Sequence
 
 from ..errors import PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
+from ..patience import gone as _gone
 
 __all__ = ["ATTEMPT_S", "send_patiently", "wait_patiently", "DeathWatch"]
 
 ATTEMPT_S = 5.0  # one attempt's bound: how often a patient wait re-checks that its peers live
 
 
-def _gone(comm, pes: Iterable[int]) -> "tuple[int, str] | None":
-    for pe in pes:
-        if pe != comm.rank:
-            state = comm.peer_state(pe)
-            if state != "alive":
-                return pe, state
-    return None
-
-
 def send_patiently(box, pe: int, tensor, tag: int = 0, attempt_s: float = ATTEMPT_S) -> None:
-    """``box.send(pe, tensor, tag)`` that waits for room as long as ``pe`` lives (a send that times out placed
-    nothing, so offering it again never duplicates it); ``PeerFailure`` once ``pe`` died or closed."""
+    """``box.send(pe, tensor, tag)`` that waits for room as long as ``pe`` lives; ``PeerFailure`` once ``pe`` died or
+    closed. Offering it again never duplicates it: on one host a send that timed out placed nothing, and toward
+    a stopped PE on another host (no answer yet) the same message offered again awaits the first offer's
+    answer (``Mailbox.send``)."""
     comm = box.comm
     while True:
         try:
@@ -67,12 +61,19 @@ class DeathWatch:
     Mailbox receives and scoped waits fail only when *every* peer that could
     satisfy them is gone (``asap_comm``'s failure scope), so a serving loop
     that idles on its inbox checks the PEs it needs itself. PEs that closed
-    finished their work and are not failures.
+    finished their work and are not failures, except those of ``must_stay``
+    (the front end's workers until it stops them): their leaving is one
+    until :meth:`release`.
     """
 
-    def __init__(self, comm, peers: Sequence[int], every_s: float = 0.01) -> None:
+    def __init__(self, comm, peers: Sequence[int], every_s: float = 0.01, must_stay: Iterable[int] = ()) -> None:
         self.comm, self.peers, self.every_s = comm, [p for p in peers if p != comm.rank], every_s
+        self.must_stay = {p for p in must_stay if p != comm.rank}
         self._next = 0.0
+
+    def release(self) -> None:
+        """From now on the PEs of ``must_stay`` may leave (they were told to)."""
+        self.must_stay = set()
 
     def check(self) -> None:
         now = time.monotonic()
@@ -80,5 +81,9 @@ class DeathWatch:
             return
         self._next = now + self.every_s
         for pe in self.peers:
-            if self.comm.peer_state(pe) == "died":
+            state = self.comm.peer_state(pe)
+            if state == "died":
                 raise PeerFailure(f"PE {pe} died while PE {self.comm.rank} depended on it", pe=pe, reason="died")
+            if state == "closed" and pe in self.must_stay:
+                raise PeerFailure(f"PE {pe} left (closed) before PE {self.comm.rank} stopped it: it gave up",
+                                  pe=pe, reason="closed")

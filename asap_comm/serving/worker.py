@@ -18,10 +18,38 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import PeerFailure
 from .patience import send_patiently
 from .protocol import CANCEL, STOP, decode_cancel, decode_chunk, encode_result
 
-__all__ = ["ChunkTaker", "worker_cancel", "layer_loop", "run_to_end", "finish_chunks"]
+__all__ = ["ChunkTaker", "worker_cancel", "layer_loop", "run_to_end", "finish_chunks", "FAILED", "report_failure",
+           "decode_failure"]
+
+FAILED = -3  # tag of a worker's "I give up" message to the front end (payload: encode_failure's UTF-8 bytes)
+
+
+def report_failure(box, front: int, role: str, error: BaseException, timeout: float = 1.0) -> None:
+    """Best effort, bounded by ``timeout``: tell the front end (PE ``front``) why this worker gives up, so that
+    the service fails with that reason (503, exit status 3, the reason logged) instead of learning only that
+    the worker left. ``error``: what ended the worker (a ``PeerFailure`` names the PE it lost)."""
+    pe = getattr(error, "pe", None) if isinstance(error, PeerFailure) else None
+    reason = getattr(error, "reason", None) if pe is not None else None
+    text = f"{-1 if pe is None else pe}|{reason or ''}|{role} PE {box.comm.rank} gave up: {error}"
+    data = text.encode("utf-8", "replace")[: box.slot_bytes]
+    try:
+        box.send(front, torch.frombuffer(bytearray(data), dtype=torch.uint8), FAILED, timeout=timeout)
+    except Exception:  # the front end is gone or does not answer: it learns from the worker's leaving
+        pass
+
+
+def decode_failure(src: int, payload: torch.Tensor) -> PeerFailure:
+    """The front end's side of :func:`report_failure`: the ``PeerFailure`` to raise (naming the PE the worker
+    lost, with its reason, or the worker itself as ``"closed"``), its message the worker's."""
+    pe, reason, text = bytes(payload.tolist()).decode("utf-8", "replace").split("|", 2)
+    lost = int(pe) if pe.lstrip("-").isdigit() and int(pe) >= 0 else None
+    if lost is None or reason not in ("died", "closed"):
+        return PeerFailure(text, pe=src, reason="closed")
+    return PeerFailure(text, pe=lost, reason=reason)
 
 
 def finish_chunks(model, box, front: int, chunks, hs, caches: dict, batcher, cancelled: "set | None" = None) -> None:
