@@ -465,6 +465,22 @@ COMMANDS = {"calibrate": cmd_calibrate, "run": cmd_run, "validate": cmd_validate
 COMMANDS["lane-study"] = cmd_lane_study  # ASAP's long-prompt lane: the design study (lane_study.py)
 
 
+def cmd_scaling(argv) -> int:
+    from .scaling import main
+
+    return main(argv)
+
+
+def cmd_plan(argv) -> int:
+    from .plan import main
+
+    return main(argv)
+
+
+COMMANDS["scaling"] = cmd_scaling  # best vs best at each cluster size, p90/p99, Mooncake/Azure (scaling.py)
+COMMANDS["plan"] = cmd_plan  # which mode and deployment to run at one size, trace and SLO (plan.py)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
