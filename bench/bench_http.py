@@ -229,7 +229,6 @@ def slo_throughput(quick: bool) -> dict:
                 c, b, _ = prefill.check(res, refs)
                 checked, mismatches = checked + c, mismatches + b
                 s = summarize_run(res.records, slo).as_dict()
-                s["offered_tokens_per_s"] = rate * mean_len
                 points.setdefault((mode, "in_process"), []).append((rate, s["slo_attainment"], served_fraction(s)))
             for rate in rates:  # a fresh service per point, as the in-process runs start fresh processes
                 log(f"3/3 {mode}: {rate:g} req/s through HTTP (repeat {rep + 1}) ...")
@@ -243,7 +242,6 @@ def slo_throughput(quick: bool) -> dict:
                         checked += 1
                         mismatches += r["token"] != refs[trace[r["index"]].request_id][0]
                 s = summarize(recs, slo)
-                s["offered_tokens_per_s"] = rate * mean_len
                 points.setdefault((mode, "http"), []).append((rate, s["slo_attainment"], served_fraction(s)))
     # (rate, attainment, served fraction): a rate counts only where the SLO holds AND it is sustained
     sct = {f"{m}/{p}": slo_compliant_throughput(pts) for (m, p), pts in points.items()}

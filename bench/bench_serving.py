@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import prefill  # noqa: E402  (the example's load, reference and checking code)
 
-from asap_comm.serving import (served_fraction, slo_compliant_throughput, summarize_run,  # noqa: E402
+from asap_comm.serving import (slo_compliant_throughput, summarize_run,  # noqa: E402
                                throughput_ratio, withheld_reason)
 from asap_comm.serving.runtime import RuntimeConfig  # noqa: E402
 
@@ -163,7 +163,6 @@ def main(argv=None) -> int:
             load_mean = sum(int(r.token_ids.numel()) for r in load) / len(load)
             runs.append({"rate_req_s": rate, "offered_tokens_per_s": rate * load_mean, "requests": n, **s,
                          **({"overrun_fraction": emu["overrun_fraction"]} if emu else {})})
-            runs[-1]["served_fraction"] = served_fraction(runs[-1])
             p90 = "-" if s["ttft_p90_s"] is None else f"{s['ttft_p90_s']:.3f}"
             print(f"[{time.time() - t_start:6.0f} s] {name:24s} rate {rate:5.2f}: TTFT p90 {p90} s, "
                   f"SLO attainment {s['slo_attainment']:.2f}, served {runs[-1]['served_fraction']:.0%}"

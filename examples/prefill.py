@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-from asap_comm.serving import (ChromeTrace, load_trace, served_at_load, served_fraction, slo_compliant_throughput,
+from asap_comm.serving import (ChromeTrace, load_trace, served_at_load, slo_compliant_throughput,
                                summarize_run, sustains_slo, throughput_ratio, withheld_reason)
 from asap_comm.serving.lane import lane_tokens
 from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig, run_async
@@ -733,7 +733,6 @@ def main(argv=None) -> int:
         c, b, d = check(result, refs)
         checked, mismatches, details = checked + c, mismatches + b, details + d
         entry = {"mode": mode, "rate_req_s": rate, "offered_tokens_per_s": rate * mean_len, "requests": len(load), **s}
-        entry["served_fraction"] = served_fraction(entry)
         if result.lane:  # what the long-prompt lane's admission did in this run (serving.lane.LaneCounts)
             entry["lane"] = result.lane
         if emu is not None:

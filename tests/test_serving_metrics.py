@@ -11,7 +11,7 @@ from asap_comm.serving import (ChromeTrace, RequestRecord, RunSummary, percentil
                                slo_compliant_throughput, summarize_run, sustains_slo)
 
 SUMMARY_KEYS = {"ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s", "slo_attainment",
-                "num_requests", "num_failed"}
+                "num_requests", "num_failed", "served_fraction"}
 
 
 # --------------------------------------------------------------------------- percentile
@@ -65,13 +65,33 @@ def test_summarize_run_hand_computed():
     assert d["throughput_tokens_per_s"] == pytest.approx(1000 / 7)
     assert d["slo_attainment"] == pytest.approx(2 / 6)  # ttft 1.0 and 2.0 (inclusive) of all 6 requests
     assert (d["num_requests"], d["num_failed"]) == (6, 2)
+    # served over offered tokens/s: offered 2050 tokens over the arrivals' span (0 to 5 s); served 1000 over the
+    # first arrival to the last first token (7 s) less one SLO (2 s), never shorter than the span: 5 s
+    assert d["served_fraction"] == pytest.approx((1000 / 5) / (2050 / 5))
+    # a tighter SLO: the drain past it (7 - 1 = 6 s) lengthens the window
+    assert summarize_run(_records(), slo_ttft_s=1.0).served_fraction == pytest.approx((1000 / 6) / (2050 / 5))
     json.dumps(d, allow_nan=False)  # summary.json-ready
+
+
+def test_served_fraction_counts_a_backlog_past_one_slo():
+    """A mode that keeps up (each request done 0.5 s after it arrives, SLO 1 s) reads 1.0; one that meets the SLO
+    for 90% of the requests but leaves the last tenth queued until 100 s after the arrivals end reads the
+    arrivals' span over the window: 9 / (109 - 1)."""
+    arrivals = [float(i) for i in range(10)]  # one request a second, 0..9 s
+    keep_up = [RequestRecord(i, t, 100, t, t + 0.5) for i, t in enumerate(arrivals)]
+    assert summarize_run(keep_up, 1.0).served_fraction == pytest.approx(1.0)
+    backlog = keep_up[:9] + [RequestRecord(9, 9.0, 100, 9.0, 109.0)]
+    s = summarize_run(backlog, 1.0)
+    assert s.slo_attainment == pytest.approx(0.9) and s.served_fraction == pytest.approx(9 / 108)
+    assert slo_compliant_throughput([s.as_dict() | {"offered_tokens_per_s": 100.0}]) is None
+    assert slo_compliant_throughput([summarize_run(keep_up, 1.0).as_dict() | {"offered_tokens_per_s": 100.0}]) \
+        == 100.0
 
 
 def test_summarize_run_edge_cases():
     all_failed = [RequestRecord(0, 0.0, 10, error="bad token id"), RequestRecord(1, 1.0, 10, error="x")]
     s = summarize_run(all_failed, slo_ttft_s=1.0)
-    assert s == RunSummary(None, None, None, 0.0, 0.0, 2, 2)
+    assert s == RunSummary(None, None, None, 0.0, 0.0, 2, 2, 0.0)
     json.dumps(s.as_dict(), allow_nan=False)
     one = summarize_run([RequestRecord(0, 2.0, 64, 2.0, 2.5)], slo_ttft_s=0.5)
     assert (one.ttft_p50_s, one.ttft_p99_s, one.slo_attainment) == (0.5, 0.5, 1.0)
@@ -119,11 +139,10 @@ def test_a_load_counts_only_where_the_mode_sustains_it():
     # repetitions at one load: every one must be sustained
     assert slo_compliant_throughput([(1.0, 1.0, 1.0), (2.0, 1.0, 1.0), (2.0, 1.0, 0.7)]) == 1.0
     # run summaries as points: offered_tokens_per_s is the load, served = throughput / offered
-    runs = [{"offered_tokens_per_s": 100.0, "slo_attainment": 1.0, "throughput_tokens_per_s": 99.0},
-            {"offered_tokens_per_s": 200.0, "slo_attainment": 0.95, "throughput_tokens_per_s": 120.0}]
+    runs = [{"offered_tokens_per_s": 100.0, "slo_attainment": 1.0, "served_fraction": 0.99},
+            {"offered_tokens_per_s": 200.0, "slo_attainment": 0.95, "served_fraction": 0.6}]
     assert slo_compliant_throughput(runs) == 100.0
-    assert served_fraction(runs[1]) == pytest.approx(0.6)
-    assert served_fraction({**runs[1], "served_fraction": 0.3}) == 0.3  # a stored fraction is used as is
+    assert served_fraction(runs[1]) == 0.6
     assert sustains_slo(0.95, 0.95) and not sustains_slo(0.95, 0.89) and not sustains_slo(0.89, 1.0)
 
 
@@ -157,8 +176,9 @@ def test_slo_compliant_throughput_errors():
         slo_compliant_throughput([(1, 1.0)])
     with pytest.raises(ValueError, match="served_fraction"):
         slo_compliant_throughput([(1, 1.0, None)])
-    with pytest.raises(ValueError, match="throughput_tokens_per_s"):
-        slo_compliant_throughput([{"offered_tokens_per_s": 1.0, "slo_attainment": 1.0}])
+    with pytest.raises(ValueError, match="served_fraction"):
+        slo_compliant_throughput([{"offered_tokens_per_s": 1.0, "slo_attainment": 1.0,
+                                   "throughput_tokens_per_s": 1.0}])
     with pytest.raises(ValueError, match="min_served"):
         slo_compliant_throughput([(1, 1.0, 1.0)], min_served=1.5)
 

@@ -173,8 +173,6 @@ def test_cli_run_withholds_a_ratio_built_on_a_load_a_mode_does_not_sustain(tmp_p
     s = json.loads((tmp_path / "o" / "summary.json").read_text())
     asap = [r for r in s["runs"] if r["mode"] == "async"]
     assert len(asap) == 2 and all(r["slo_attainment"] >= 0.9 and r["served_fraction"] < 0.9 for r in asap)
-    assert all(r["served_fraction"] == pytest.approx(r["throughput_tokens_per_s"] / r["offered_tokens_per_s"])
-               for r in s["runs"])
     assert s["async"]["slo_compliant_throughput"] is None and s["async"]["at_slo_compliant_load"] is None
     assert s["async"]["withheld"].startswith("sustains no tested load (served ")
     assert s["slo_compliant_throughput_ratio"] is None

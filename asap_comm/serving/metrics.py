@@ -12,8 +12,8 @@ numpy.
 
 **SLO-compliant throughput** (:func:`slo_compliant_throughput`, the one definition every sweep uses): the highest
 tested offered load at which the mode meets the SLO percentile AND sustains the load, i.e. served tokens/s >= 0.9
-of offered over the window from the first arrival to the last first token (:func:`served_fraction`; the arrivals
-should span >= 10 SLOs). Where no tested load counts the figure is None and any ratio built on it is withheld
+of offered over the window from the first arrival to the last first token less one SLO (:func:`served_fraction`;
+the arrivals should span >= 10 SLOs). Where no tested load counts the figure is None and any ratio built on it is withheld
 (:func:`throughput_ratio`, :func:`withheld_reason`).
 """
 from __future__ import annotations
@@ -104,7 +104,8 @@ class RunSummary:
     over ``(last done) - (first arrival)`` (0.0 if none succeeded or that span
     is zero); ``slo_attainment`` is the fraction
     of ALL requests that succeeded with a TTFT <= the SLO (failed requests are
-    misses).
+    misses); ``served_fraction`` is served over offered tokens/s over the
+    window (:func:`served_fraction`: whether the run sustained its load).
     """
 
     ttft_p50_s: float | None
@@ -114,6 +115,7 @@ class RunSummary:
     slo_attainment: float
     num_requests: int
     num_failed: int
+    served_fraction: float
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -149,7 +151,20 @@ def summarize_run(records: Sequence[RequestRecord], slo_ttft_s: float) -> RunSum
         slo_attainment=met / len(records),
         num_requests=len(records),
         num_failed=len(records) - len(ok),
+        served_fraction=_served_fraction(records, ok, slo_ttft_s),
     )
+
+
+def _served_fraction(records: Sequence[RequestRecord], ok: Sequence[RequestRecord], slo_s: float) -> float:
+    """See :func:`served_fraction` (the window and why)."""
+    if not ok:
+        return 0.0
+    t0 = min(r.arrival_s for r in records)
+    span = max(r.arrival_s for r in records) - t0
+    window = max(span, max(r.done_s for r in ok) - t0 - slo_s)
+    offered = sum(r.prompt_len for r in records)
+    share = sum(r.prompt_len for r in ok) / offered if offered > 0 else len(ok) / len(records)
+    return share * (span / window if window > 0 else 1.0)
 
 
 #: The served share of the offered load below which a load is not sustained (``slo_compliant_throughput``).
@@ -157,26 +172,25 @@ MIN_SERVED = 0.9
 
 
 def served_fraction(run: dict) -> float:
-    """Served over offered tokens/s of one run summary (a dict with ``throughput_tokens_per_s`` and
-    ``offered_tokens_per_s``; a ``served_fraction`` key, where present, is returned as is).
+    """Served over offered tokens/s of one run: its summary's ``served_fraction`` (:func:`summarize_run`).
 
-    **The window.** Served tokens/s is :func:`summarize_run`'s ``throughput_tokens_per_s``: the prompt tokens of
-    the requests that got their first token, over the span from the first arrival to the last first token, so a
-    backlog left when the arrivals stop (requests queued without bound) lengthens the window and lowers it.
-    Offered tokens/s is the nominal load, the arrival rate times the mean prompt (a window can show a little
-    over 1). A mode that keeps up still needs up to about one SLO after the last arrival, which costs
-    ``1 / (1 + span/SLO)`` of the fraction: the arrivals must span at least 10 SLOs (the load searches warn
-    below that; ``find_slo_throughput``'s ``arrival_span_over_slo``) for a sustaining mode to read >= 0.9.
+    **The window.** Offered tokens/s: the prompt tokens of all requests over the arrivals' span (first to last
+    arrival). Served tokens/s: the prompt tokens of the requests that got their first token, over the window
+    from the first arrival to the last first token less one SLO (the time the last arrival is allowed), and
+    never shorter than the arrivals' span. So a mode that keeps up and finishes within an SLO of the last
+    arrival reads 1.0 (less its failed requests' share), and one that leaves a backlog when the arrivals stop
+    (requests queued without bound) reads below 1 by the backlog's excess drain. Measure loads whose arrivals
+    span at least 10 SLOs (the simulator's load searches warn below that, ``arrival_span_over_slo``): a window
+    of a few SLOs is a burst, and a backlog there hides in the one SLO allowed.
+
+    ``run``: a dict with ``served_fraction`` (a run summary's ``as_dict()``). Raises ``ValueError`` otherwise:
+    a load cannot count as sustained without it.
     """
-    if run.get("served_fraction") is not None:
-        return float(run["served_fraction"])
-    try:
-        served, offered = run["throughput_tokens_per_s"], run["offered_tokens_per_s"]
-    except KeyError as e:
-        raise ValueError(f"served_fraction: the run summary has no {e.args[0]!r} (keys: {sorted(run)})") from None
-    if not (isinstance(offered, (int, float)) and math.isfinite(offered) and offered > 0):
-        raise ValueError(f"served_fraction: offered_tokens_per_s={offered!r} must be a positive number")
-    return float(served) / float(offered)
+    v = run.get("served_fraction")
+    if v is None:
+        raise ValueError(f"served_fraction: the run summary has no 'served_fraction' (keys: {sorted(run)}); "
+                         "make it with summarize_run")
+    return float(v)
 
 
 def _point(point) -> tuple[float, float, float]:
@@ -207,8 +221,8 @@ def slo_compliant_throughput(points: Iterable, target: float = 0.9, *, min_serve
 
     ``points``, any order: ``(offered_load, slo_attainment, served_fraction)`` triples (load in requests/s or
     tokens/s, as the sweep measured it; the result is in the same unit), or run summary dicts (load
-    ``offered_tokens_per_s``, ``slo_attainment``, and ``served_fraction`` or ``throughput_tokens_per_s``, see
-    :func:`served_fraction`). A pair without the served fraction is an error, not a silent pass.
+    ``offered_tokens_per_s``, ``slo_attainment`` and ``served_fraction``, see :func:`served_fraction`). A pair
+    or a dict without the served fraction is an error, not a silent pass.
 
     A load passes iff its attainment is >= ``target`` and its served fraction >= ``min_served`` (0.9: at a
     p90 SLO a mode could otherwise pass by letting its longest tenth queue without bound on a finite window).
@@ -286,9 +300,9 @@ def served_at_load(runs: Iterable[dict], load: "float | None") -> "dict | None":
 
     ``runs``: a sweep's run summaries (dicts with ``offered_tokens_per_s``, ``throughput_tokens_per_s``,
     ``ttft_p99_s``), any order; ``load``: an offered load in tokens/s (None: returns None). Returns the
-    median over the runs at exactly that load of ``served_tokens_per_s``, ``served_fraction`` (served over
-    offered; the offered load is nominal, the rate times the mean prompt, so a window can show a little over 1)
-    and ``ttft_p99_s``, with ``runs`` (how many), and where the runs report the long-prompt lane's counts
+    median over the runs at exactly that load of ``served_tokens_per_s``, ``served_fraction`` (the runs'
+    own, :func:`served_fraction`; for runs without one, served over the nominal offered load, the rate times
+    the mean prompt) and ``ttft_p99_s``, with ``runs`` (how many), and where the runs report the long-prompt lane's counts
     (``lane``: opened, waited, gave_up, summed; wait_s_max), those; None if no run is at that load."""
     if load is None:
         return None
@@ -297,8 +311,9 @@ def served_at_load(runs: Iterable[dict], load: "float | None") -> "dict | None":
         return None
     served = statistics.median(r["throughput_tokens_per_s"] for r in at)
     p99 = [r["ttft_p99_s"] for r in at if r.get("ttft_p99_s") is not None]
+    fractions = [r["served_fraction"] for r in at if r.get("served_fraction") is not None]
     out = {"offered_tokens_per_s": load, "served_tokens_per_s": served,
-           "served_fraction": served / load if load > 0 else None,
+           "served_fraction": (statistics.median(fractions) if fractions else served / load if load > 0 else None),
            "ttft_p99_s": statistics.median(p99) if p99 else None, "runs": len(at)}
     lanes = [r["lane"] for r in at if r.get("lane")]
     if lanes:  # the long-prompt lane's counts there (LaneCounts), summed over the runs

@@ -212,17 +212,17 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
                               f"{r['slo_attainment']:.2f} (sim {sim['slo_attainment']:.2f}), failed {r['num_failed']}, "
                               f"overruns {r['overrun_fraction']:.1%}", file=sys.stderr, flush=True)
                 real = {m: (statistics.median(x[m] for x in reals) if all(x[m] is not None for x in reals) else None)
-                        for m in METRICS + ("slo_attainment",)}
+                        for m in METRICS + ("slo_attainment", "served_fraction")}
                 real["overrun_fraction"] = max(x["overrun_fraction"] for x in reals)
                 real["num_failed"] = max(x["num_failed"] for x in reals)
                 rows.append({"rate_req_s": rate, "mode": mode, "num_requests": len(trace), "real": real,
-                             "real_runs": reals, "sim": {m: sim[m] for m in METRICS + ("slo_attainment", "num_failed")},
+                             "real_runs": reals, "sim": {m: sim[m] for m in METRICS + ("slo_attainment", "served_fraction", "num_failed")},
                              "relative_error": {m: _rel(sim[m], real[m]) for m in METRICS}})
         sct = {}
         for side in ("real", "sim"):
             for mode in ("async", "sync"):
                 sct[(side, mode)] = crossing_rate([(x["rate_req_s"], x[side]["slo_attainment"],
-                                                    x[side]["throughput_tokens_per_s"] / (x["rate_req_s"] * mean_len))
+                                                    x[side]["served_fraction"])
                                                    for x in rows if x["mode"] == mode], target)
         per_mode = {}
         for mode in ("async", "sync"):
