@@ -261,7 +261,7 @@ class Evaluator:
         key = (_key(d), k)
         if key in self.cache:
             s = self.cache[key]
-            if not s.get("bounded") or s["bound_target"] >= target:
+            if not s.get("bounded") or s["bound_target"] <= target:  # a bound failing p90 fails p99 too
                 self.stats["cached"] += 1
                 return s
         rate = self.rate(k)
@@ -320,6 +320,7 @@ def load_search(ev: Evaluator, d: Deployment, target: float, k_inc: "int | None"
     passes above ``k_inc``): from ``k_start`` (or just above ``k_inc``) in steps of ``coarse`` lattice steps up
     (down while it fails), then bisection to one step."""
     S = max(1, coarse)
+    hi = None  # the lowest index known to fail
     if k_inc is not None:
         if not ev.passes(d, k_inc + 1, target):
             return None
@@ -331,16 +332,16 @@ def load_search(ev: Evaluator, d: Deployment, target: float, k_inc: "int | None"
             if ev.passes(d, k, target):
                 lo = k
                 break
-            k -= S
+            hi, k = k, k - S
         if lo is None:
             return None
-    hi = None
-    for _ in range(MAX_STEPS):
-        if ev.passes(d, lo + S, target):
-            lo += S
-        else:
-            hi = lo + S
-            break
+    if hi is None:
+        for _ in range(MAX_STEPS):
+            if ev.passes(d, lo + S, target):
+                lo += S
+            else:
+                hi = lo + S
+                break
     if hi is None:
         return lo  # passed even 2**MAX_STEPS above: saturated search (recorded by the caller)
     while hi - lo > 1:
