@@ -110,3 +110,82 @@ def test_the_capacity_window_matches_the_published_screening_window():
     assert t[-1].arrival_s == pytest.approx(33.0)
     with pytest.raises(ValueError, match="num_requests=4"):
         P.validate_published("unused", num_requests=4, progress=False)
+
+
+# ----------------------------------------------------------------------------- afd-plugin async-prefill rows
+AFD_ASYNC = ("v4flash_", "v32r_")
+
+
+def test_afd_async_figures_carry_the_published_values_and_recipes():
+    by = {f.key: f for f in P.FIGURES}
+    assert [by[f"v4flash_gain_{x}x"].value for x in ("1", "1.25", "1.5")] == [1.048, 1.066, 1.086]
+    assert by["v4flash_p99_ratio_1x"].value == pytest.approx(1 - 0.221)
+    assert (by["v4flash_slo10_baseline"].value, by["v4flash_slo10_afd"].value) == (0.652, 0.852)
+    assert (by["v32r_median_baseline_12rps"].value, by["v32r_median_afd_12rps"].value) == (15.1, 8.0)
+    for f in P.FIGURES:
+        if f.key.startswith("v4flash_"):
+            assert "deepseek_v4_flash/README.md" in f.source and "issues/227" in f.source
+        if f.key.startswith("v32r_"):
+            assert "deepseek_v3_2/README.md" in f.source
+    afd = P.DEPLOYMENTS[P.V4A]
+    assert (afd.attention_ranks, afd.attention_tp, afd.expert_ranks, afd.dies) == (4, 2, 8, 16)
+    assert len(P.V4B.split(" vs ")) >= 2  # the best of several baseline layouts, as the recipe compares
+    for name in ("v32r-baseline-dp4pcp8", "v32r-afd-dp3pcp8-ep8"):
+        sh = ModelShapes.from_hf_config(json.loads((P._PUBLISHED_MODELS / f"{P.DEPLOYMENTS[name].shapes}.json")
+                                                   .read_text()))
+        assert (sh.num_layers, sh.num_moe_layers) == (10, 7)  # "3 dense layers and 7 MoE layers"
+    v4 = ModelShapes.from_hf_config(json.loads((P._PUBLISHED_MODELS / "deepseek-v4-flash.json").read_text()))
+    assert (v4.num_layers, v4.num_moe_layers, v4.hidden, v4.num_experts, v4.top_k, v4.moe_inter, v4.heads) == (
+        43, 43, 4096, 256, 6, 2048, 64)
+
+
+def test_hybrid_sparse_attention_cost():
+    assert all(P._sum_min(a, b, w) == sum(min(q, w) for q in range(a, b + 1))
+               for a in (1, 5, 100, 300) for b in (0, 4, 99, 128, 700) for w in (1, 64, 128, 2048))
+    config = json.loads((P._PUBLISHED_MODELS / "deepseek-v4-flash.json").read_text())
+    shapes = ModelShapes.from_hf_config(config, name="deepseek-v4-flash")
+    profile = P.stack_profile("ascend-910c-cm384", "vllm-ascend-eager")
+    dense, sparse = CostModel(profile, shapes), P._HybridSparseCost(profile, shapes, config)
+    _, fd, _ = dense.attention_work([(32768, 0)])
+    _, fs, _ = sparse.attention_work([(32768, 0)])
+    assert fs["core"] < fd["core"] / 10  # window + compressed keys instead of all 16k keys per query on average
+    assert fs["gemm"] < fd["gemm"]  # no kv_b expansion, the grouped low-rank output projection
+    # per query the sparse core grows only through the indexer and the 1/128-compressed layers (linear in the
+    # context, small coefficients): a chunk late in a 64k prompt costs a few times an early one, not ~30x
+    _, late, _ = sparse.attention_work([(4096, 60000)])
+    _, early, _ = sparse.attention_work([(4096, 0)])
+    assert late["core"] < 5 * early["core"]
+    _, dlate, _ = dense.attention_work([(4096, 60000)])
+    _, dearly, _ = dense.attention_work([(4096, 0)])
+    assert dlate["core"] > 25 * dearly["core"]
+    assert sparse.attention_s([(32768, 0)], tp=2) < dense.attention_s([(32768, 0)], tp=2)
+
+
+def test_afd_async_rows_simulate_with_fits_and_reasons(tmp_path):
+    """The new rows through the regime: the two fitted ones (the V4 cell's 1.0x load, the V3.2 lengths) within the
+    target; every row outside it carries its reason; the V4 rows compare with the best baseline at each load."""
+    shapes = ModelShapes.load("deepseek-v3")
+    costs = {s: CostModel(P.stack_profile("ascend-910c-cm384", s), shapes)
+             for s in ("vllm-ascend-eager", "cloudmatrix-infer")}
+    cache, rows = {}, {}
+    for f in P.FIGURES:
+        if f.key.startswith(AFD_ASYNC):
+            v = P.simulate_figure(f, costs, shapes, cache=cache)
+            assert v is not None and v > 0, f.key
+            rows[f.key] = (f, P.relative_error(v, f.value))
+    for key in ("v4flash_afd_served_1x", "v32r_median_baseline_12rps"):
+        f, err = rows[key]
+        assert f.fitted and abs(err) <= P.TARGET, (key, err)
+    notes = P._afd_async_notes(cache)
+    for key, (f, err) in rows.items():
+        assert abs(err) <= P.TARGET or key in notes or ("note", key) in cache, key
+    for load in (1.0, 1.25, 1.5):
+        pt = cache[("v4", load)]
+        names = P.V4B.split(" vs ")
+        assert pt["best_baseline"] == max(names, key=lambda n: pt[n]["throughput_tokens_per_s"])
+        gain = P.simulate_figure(P._by_key(f"v4flash_gain_{load:g}x"), costs, shapes, cache=cache)
+        assert gain == pytest.approx(pt[P.V4A]["throughput_tokens_per_s"]
+                                     / pt[pt["best_baseline"]]["throughput_tokens_per_s"])
+    # the load anchor: the simulated AFD serves the published 96.1% of the simulated 1.0x load
+    served = cache[("v4", 1.0)][P.V4A]
+    assert served["throughput_tokens_per_s"] / served["offered_tokens_per_s"] == pytest.approx(P.V4_SERVED_1X, abs=0.02)
