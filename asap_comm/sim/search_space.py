@@ -17,7 +17,8 @@ Every candidate passes the memory check (``memory.deployment_problems``) or is l
 **The search** (:func:`search_mode`, per mode, coordinate-wise): (1) every structure (TP x CP, TP x split) with
 the middle knobs (8k chunks, 16k budget; ASAP 0.5 ms / 16384-row expert batches, the lane's default pool and no
 wait bound); (2) the chunk/budget pairs on the two best structures; (3) on the best so far, the mode's own
-knobs (the baseline's CP thresholds; ASAP's expert batching, then its lane). Offered loads lie on one lattice,
+knobs (the baseline's CP thresholds; ASAP's expert batching, then its lane); (4) every structure again with the
+winner's knobs (they interact: at 384 dies ASAP's lane pool of two prompts lifted its best by half). Offered loads lie on one lattice,
 ``rate0 * 2**(k / 16)`` (steps of 4.4%), so that points are shared: across candidates, stages and percentiles
 (the :class:`Evaluator` caches every run by deployment and lattice index). The first candidate's load is
 searched coarse to fine (steps of 2x up or down, then bisection to one lattice step); every later candidate
@@ -202,16 +203,32 @@ def _with(d: Deployment, **kw) -> Deployment:
                   kw.get("lane_tokens", c.lane_tokens), kw.get("lane_wait", c.lane_wait_s))
 
 
+def with_knobs_of(d: Deployment, w: Deployment) -> Deployment:
+    """Structure ``d`` (TP, CP threshold / expert split) with the knobs of ``w`` (chunk, budget; ASAP's expert
+    batching and lane)."""
+    c = w.cfg
+    if d.mode == "sync":
+        return _with(d, chunk=c.chunk_len, budget=c.token_budget)
+    return _with(d, chunk=c.chunk_len, budget=c.token_budget, deadline=c.expert_deadline_s,
+                 rows=c.expert_token_budget, lane_tokens=c.lane_tokens, lane_wait=c.lane_wait_s)
+
+
 def refinements(d: Deployment, stage: str, slo_s: float, chunk_budgets=CHUNK_BUDGETS, cps=CPS,
                 batching=EXPERT_BATCHING, lanes=LANES) -> list:
-    """Stage 2 (``"chunk"``: every chunk/budget pair) or stage 3 (``"mode"``: the baseline's CP thresholds; ASAP's
-    expert batching, then the lane: pool and wait bound, the bound in multiples of ``slo_s``) around ``d``."""
+    """Stage 2 (``"chunk"``: every chunk/budget pair) or stage 3 (``"cp"``: the baseline's CP thresholds;
+    ``"batching"``: ASAP's expert deadline and rows; ``"lane"``: its lane's pool and wait bound, the bound in
+    multiples of ``slo_s``) around ``d``."""
     if stage == "chunk":
         return [_with(d, chunk=c, budget=b) for c, b in chunk_budgets]
+    if stage == "cp":
+        return [_with(d, cp=cp) for cp in cps] if d.mode == "sync" else []
     if d.mode == "sync":
-        return [_with(d, cp=cp) for cp in cps]
-    return ([_with(d, deadline=dl, rows=r) for dl, r in batching]
-            + [_with(d, lane_tokens=lt, lane_wait=None if w is None else w * slo_s) for lt, w in lanes])
+        return []
+    if stage == "batching":
+        return [_with(d, deadline=dl, rows=r) for dl, r in batching]
+    if stage == "lane":
+        return [_with(d, lane_tokens=lt, lane_wait=None if w is None else w * slo_s) for lt, w in lanes]
+    raise ValueError(f"refinements: stage={stage!r} must be 'chunk', 'cp', 'batching' or 'lane'")
 
 
 def _key(d: Deployment) -> str:
@@ -395,15 +412,24 @@ def search_mode(ev: Evaluator, mode: str, dies: int, target: float, *, first: "l
             consider(d, "hint")
     for d in structures(mode, dies, shapes, cost, g.get("tps", TPS), g.get("cps", CPS)):
         consider(d, "structure")
-    stages = g.get("stages", ("chunk", "mode"))
+    stages = g.get("stages", ("chunk", "mode", "restructure"))
     if "chunk" in stages:
         for base in list(reversed(state["order"]))[:2]:
             for d in refinements(base, "chunk", ev.slo_s, chunk_budgets=g.get("chunk_budgets", CHUNK_BUDGETS)):
                 consider(d, "chunk")
-    if "mode" in stages and state["best"] is not None:
-        for d in refinements(state["best"], "mode", ev.slo_s, cps=g.get("cps", CPS),
-                             batching=g.get("batching", EXPERT_BATCHING), lanes=g.get("lanes", LANES)):
-            consider(d, "knobs")
+    if "mode" in stages and state["best"] is not None:  # one knob after the other, each around the best so far
+        subs = ("cp",) if mode == "sync" else ("batching", "lane")
+        for sub in subs:
+            if state["best"] is None:
+                break
+            for d in refinements(state["best"], sub, ev.slo_s, cps=g.get("cps", CPS),
+                                 batching=g.get("batching", EXPERT_BATCHING), lanes=g.get("lanes", LANES)):
+                consider(d, "knobs")
+    if "restructure" in stages and state["best"] is not None:
+        # the knobs interact with the structure (ASAP's lane pool most): every other structure once more with the
+        # winner's knobs (a structure that cannot beat the winner costs one run)
+        for d in structures(mode, dies, shapes, cost, g.get("tps", TPS), g.get("cps", CPS)):
+            consider(with_knobs_of(d, state["best"]), "restructure")
     best = state["best"]
     return {"best": best, "result": None if best is None else ev.result(best, target),
             "candidates": rows, "infeasible": infeasible, "searched": len(rows)}
