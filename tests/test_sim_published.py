@@ -5,6 +5,7 @@ import pytest
 
 from asap_comm.serving.traces import Request
 from asap_comm.sim import published as P
+from asap_comm.sim import published_afd as PA
 from asap_comm.sim.costs import CostModel, Profile
 from asap_comm.sim.shapes import ModelShapes
 from asap_comm.sim.validate import main as validate_main
@@ -127,25 +128,25 @@ def test_afd_async_figures_carry_the_published_values_and_recipes():
             assert "deepseek_v4_flash/README.md" in f.source and "issues/227" in f.source
         if f.key.startswith("v32r_"):
             assert "deepseek_v3_2/README.md" in f.source
-    afd = P.DEPLOYMENTS[P.V4A]
+    afd = P.DEPLOYMENTS[PA.V4A]
     assert (afd.attention_ranks, afd.attention_tp, afd.expert_ranks, afd.dies) == (4, 2, 8, 16)
-    assert len(P.V4B.split(" vs ")) >= 2  # the best of several baseline layouts, as the recipe compares
+    assert len(PA.V4B.split(" vs ")) >= 2  # the best of several baseline layouts, as the recipe compares
     for name in ("v32r-baseline-dp4pcp8", "v32r-afd-dp3pcp8-ep8"):
-        sh = ModelShapes.from_hf_config(json.loads((P._PUBLISHED_MODELS / f"{P.DEPLOYMENTS[name].shapes}.json")
+        sh = ModelShapes.from_hf_config(json.loads((PA._PUBLISHED_MODELS / f"{P.DEPLOYMENTS[name].shapes}.json")
                                                    .read_text()))
         assert (sh.num_layers, sh.num_moe_layers) == (10, 7)  # "3 dense layers and 7 MoE layers"
-    v4 = ModelShapes.from_hf_config(json.loads((P._PUBLISHED_MODELS / "deepseek-v4-flash.json").read_text()))
+    v4 = ModelShapes.from_hf_config(json.loads((PA._PUBLISHED_MODELS / "deepseek-v4-flash.json").read_text()))
     assert (v4.num_layers, v4.num_moe_layers, v4.hidden, v4.num_experts, v4.top_k, v4.moe_inter, v4.heads) == (
         43, 43, 4096, 256, 6, 2048, 64)
 
 
 def test_hybrid_sparse_attention_cost():
-    assert all(P._sum_min(a, b, w) == sum(min(q, w) for q in range(a, b + 1))
+    assert all(PA._sum_min(a, b, w) == sum(min(q, w) for q in range(a, b + 1))
                for a in (1, 5, 100, 300) for b in (0, 4, 99, 128, 700) for w in (1, 64, 128, 2048))
-    config = json.loads((P._PUBLISHED_MODELS / "deepseek-v4-flash.json").read_text())
+    config = json.loads((PA._PUBLISHED_MODELS / "deepseek-v4-flash.json").read_text())
     shapes = ModelShapes.from_hf_config(config, name="deepseek-v4-flash")
     profile = P.stack_profile("ascend-910c-cm384", "vllm-ascend-eager")
-    dense, sparse = CostModel(profile, shapes), P._HybridSparseCost(profile, shapes, config)
+    dense, sparse = CostModel(profile, shapes), PA.HybridSparseCost(profile, shapes, config)
     _, fd, _ = dense.attention_work([(32768, 0)])
     _, fs, _ = sparse.attention_work([(32768, 0)])
     assert fs["core"] < fd["core"] / 10  # window + compressed keys instead of all 16k keys per query on average
@@ -176,16 +177,17 @@ def test_afd_async_rows_simulate_with_fits_and_reasons(tmp_path):
     for key in ("v4flash_afd_served_1x", "v32r_median_baseline_12rps"):
         f, err = rows[key]
         assert f.fitted and abs(err) <= P.TARGET, (key, err)
-    notes = P._afd_async_notes(cache)
+    notes = PA.async_notes(cache)
     for key, (f, err) in rows.items():
         assert abs(err) <= P.TARGET or key in notes or ("note", key) in cache, key
     for load in (1.0, 1.25, 1.5):
         pt = cache[("v4", load)]
-        names = P.V4B.split(" vs ")
+        names = PA.V4B.split(" vs ")
         assert pt["best_baseline"] == max(names, key=lambda n: pt[n]["throughput_tokens_per_s"])
         gain = P.simulate_figure(P._by_key(f"v4flash_gain_{load:g}x"), costs, shapes, cache=cache)
-        assert gain == pytest.approx(pt[P.V4A]["throughput_tokens_per_s"]
+        assert gain == pytest.approx(pt[PA.V4A]["throughput_tokens_per_s"]
                                      / pt[pt["best_baseline"]]["throughput_tokens_per_s"])
     # the load anchor: the simulated AFD serves the published 96.1% of the simulated 1.0x load
-    served = cache[("v4", 1.0)][P.V4A]
-    assert served["throughput_tokens_per_s"] / served["offered_tokens_per_s"] == pytest.approx(P.V4_SERVED_1X, abs=0.02)
+    served = cache[("v4", 1.0)][PA.V4A]
+    share = served["throughput_tokens_per_s"] / served["offered_tokens_per_s"]
+    assert share == pytest.approx(PA.V4_SERVED_1X, abs=0.02)

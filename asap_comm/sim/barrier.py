@@ -46,7 +46,7 @@ from ..serving.protocol import RuntimeConfig
 from ..serving.traces import LogNormalLengths, Request, load_trace, resolve_trace, synthetic_trace
 from .costs import CostModel, Profile
 from .shapes import ModelShapes
-from .simulate import Parallelism, rows_per_rank_fraction, simulate
+from .simulate import rows_per_rank_fraction, simulate
 
 __all__ = ["expected_max_normal", "barrier_model", "step_group_loads", "measure_barrier", "layer_loads",
            "step_time", "af_ratio_rule", "barrier_sweep", "main"]
@@ -241,7 +241,8 @@ def af_ratio_rule(cost: CostModel, shapes: ModelShapes, batch_tokens: int, *, at
 
     r_a = solve(expert_die_s, t_side)
     c = cost.profile.collective
-    s_per_byte = c["inter_s_per_byte"] if c.get("ranks_per_node") and expert_dies > c["ranks_per_node"] else c["s_per_byte"]
+    inter = c.get("ranks_per_node") and expert_dies > c["ranks_per_node"]
+    s_per_byte = c["inter_s_per_byte"] if inter else c["s_per_byte"]
     per_row = cost.dispatch_row_bytes * s_per_byte
     r_c = t_side / (per_die * k * per_row) if per_row > 0 else float("inf")
     big = cost.expert_s(1 << 16) / (1 << 16)
@@ -297,7 +298,8 @@ def barrier_sweep(groups=(8, 16, 32, 48, 64, 96), spreads=(0.25, 0.5, 1.0, 1.5),
             rows.append(row)
             if progress:
                 a = row["all_steps"]
-                print(f"  spread {spread!s:8s} W={W:3d}: {a['steps']:5d} steps, stall {a['stall_s'] * 1e3:7.3f} ms/layer, "
+                print(f"  spread {spread!s:8s} W={W:3d}: {a['steps']:5d} steps, "
+                      f"stall {a['stall_s'] * 1e3:7.3f} ms/layer, "
                       f"model {a['model_stationary_stall_s'] * 1e3:7.3f} ({a['stationary_error']:+.1%}), per-step "
                       f"{a['model_per_step_stall_s'] * 1e3:7.3f} ({a['per_step_error']:+.1%})  [{row['wall_s']:.0f} s]",
                       file=sys.stderr, flush=True)
@@ -367,7 +369,8 @@ def table(result: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         a = r["all_steps"]
-        lines.append(f"| {r['spread']} ({r['prompt_cv']:.2f}) | {r['groups']} | {a['steps']} | {a['stall_s'] * 1e3:.2f} | "
+        lines.append(f"| {r['spread']} ({r['prompt_cv']:.2f}) | {r['groups']} | {a['steps']} | "
+                     f"{a['stall_s'] * 1e3:.2f} | "
                      f"{a['model_stationary_stall_s'] * 1e3:.2f} ({a['stationary_error']:+.0%}) | "
                      f"{a['model_per_step_stall_s'] * 1e3:.2f} ({a['per_step_error']:+.0%}) | "
                      f"{a['model_empirical_stall_s'] * 1e3:.2f} ({a['empirical_error']:+.0%}) | "
@@ -393,7 +396,8 @@ def _plot(rows: list, path: Path) -> None:
     ax.set_xlabel("DP groups (r)")
     ax.set_ylabel("barrier stall per MoE layer (ms, mean group)")
     ax.set_yscale("log")
-    ax.set_title("Baseline barrier: simulator vs mu + sigma * E[max of r normals]\n(dashed: stationary sigma, dotted: within-step sigma, x: empirical tail)")
+    ax.set_title("Baseline barrier: simulator vs mu + sigma * E[max of r normals]\n"
+                 "(dashed: stationary sigma, dotted: within-step sigma, x: empirical tail)")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
