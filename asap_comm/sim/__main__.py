@@ -19,6 +19,8 @@
 * ``headline``: the documented CloudMatrix384 comparison (and the same on H800 nodes), with the
   sensitivity to length skew and load (``DIR/summary.json`` and plots).
 * ``skew``: both modes' SLO-compliant throughput across routing skews (``skew.py``, ``DIR/skew.json``).
+* ``barrier``: the baseline's per-MoE-layer barrier stall against the expected-max-of-r-normals model, 8-96 DP
+  groups x prompt spreads (``barrier.py``, ``DIR/barrier.json``, ``DIR/barrier.png``).
 """
 from __future__ import annotations
 
@@ -479,6 +481,15 @@ def cmd_plan(argv) -> int:
 
 COMMANDS["scaling"] = cmd_scaling  # best vs best at each cluster size, p90/p99, Mooncake/Azure (scaling.py)
 COMMANDS["plan"] = cmd_plan  # which mode and deployment to run at one size, trace and SLO (plan.py)
+
+
+def cmd_barrier(argv) -> int:
+    from .barrier import main
+
+    return main(argv)
+
+
+COMMANDS["barrier"] = cmd_barrier  # the baseline's per-layer barrier against the expected-max model (barrier.py)
 
 
 def main(argv=None) -> int:

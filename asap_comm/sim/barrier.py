@@ -1,6 +1,6 @@
 """The synchronous baseline's per-layer barrier, measured in the simulator and against an independent model.
 
-``python -m asap_comm.sim.barrier --out DIR`` writes ``DIR/barrier.json``, ``DIR/barrier.png`` and
+``python -m asap_comm.sim barrier --out DIR`` writes ``DIR/barrier.json``, ``DIR/barrier.png`` and
 ``DIR/README.md``.
 
 **The model** (Song et al., "Analytical Provisioning for Attention-FFN Disaggregated LLM Serving under
@@ -317,7 +317,7 @@ def _headline_splits() -> list:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m asap_comm.sim.barrier", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m asap_comm.sim barrier", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--groups", default="8,16,32,48,64,96")
     p.add_argument("--spreads", default="0.25,0.5,1.0,1.5,mooncake")
