@@ -1,7 +1,7 @@
 """The synchronous baseline's per-layer barrier, measured in the simulator and against an independent model.
 
-``python -m asap_comm.sim barrier --out DIR`` writes ``DIR/barrier.json``, ``DIR/barrier.png`` and
-``DIR/README.md``.
+``python -m asap_comm.sim barrier --out DIR`` writes ``DIR/barrier.json`` and ``DIR/barrier.png`` and prints
+the table (``docs/results/barrier/README.md`` holds it with the verdict).
 
 **The model** (Song et al., "Analytical Provisioning for Attention-FFN Disaggregated LLM Serving under
 Stochastic Workloads", arXiv 2601.21351, v3/v4; earlier versions "Theoretically Optimal Attention/FFN Ratios
