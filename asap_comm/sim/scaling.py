@@ -131,7 +131,9 @@ def plot_scaling(path: Path, rows: list, title: str = "") -> list:
                 continue
             xs = [x for x, _ in pts]
             ys = [float("nan") if y is None else y for _, y in pts]
-            ax.plot(xs, ys, styles.get(pct, "o-"), label=f"{trace}, p{pct}")
+            cross = crossover_dies(rows).get(str(pct), {}).get(trace)
+            ax.plot(xs, ys, styles.get(pct, "o-"),
+                    label=f"{trace}, p{pct} ({'no crossover' if cross is None else f'crossover {cross} dies'})")
     ax.axhline(1.0, color="black", lw=0.8, ls=":", label="1.0 (equal)")
     ax.set_xscale("log", base=2)
     sizes = sorted({r["dies"] for r in rows})
