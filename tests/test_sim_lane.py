@@ -195,9 +195,9 @@ def test_lane_study_sweep_shares_points_between_percentiles():
 
     calls = []
 
-    def run(rate):  # attainment falls with load: 1.0 up to 4 req/s, then 0.95 up to 8, then 0.5
+    def run(rate):  # attainment falls with load: 1.0 up to 4 req/s, then 0.95 up to 8, then 0.5; all served
         calls.append(rate)
-        return 1.0 if rate <= 4 else 0.95 if rate <= 8 else 0.5
+        return (1.0 if rate <= 4 else 0.95 if rate <= 8 else 0.5), 1.0
 
     sw = _Sweep(run, 1.0, 1000.0)
     p90 = sw.search(0.9, bisections=3)
@@ -207,6 +207,11 @@ def test_lane_study_sweep_shares_points_between_percentiles():
     assert 4000 <= p99["slo_compliant_throughput"] < 8000
     assert len(calls) == len(set(calls))  # no load run twice
     assert len(calls) - n < n  # the p99 search reused the p90 search's doublings
+    # the same attainment, but above 6 req/s only 60% of the offered load is served: not sustained, not counted
+    sw = _Sweep(lambda rate: ((1.0 if rate <= 4 else 0.95 if rate <= 8 else 0.5), 1.0 if rate <= 6 else 0.6),
+                1.0, 1000.0)
+    p90 = sw.search(0.9, bisections=3)
+    assert 4000 <= p90["slo_compliant_throughput"] <= 6000 and p90["withheld"] is None
 
 
 def test_lane_study_rejects_unknown_deployments(tmp_path):
