@@ -113,9 +113,10 @@ class ToyMoE:
             else:
                 r = self.route(layer, a.mlp_input)
                 y = self.shared_experts(layer, a.mlp_input)
-                for t in range(h.shape[0]):
+                for t in range(h.shape[0]):  # token by token, choice by choice
                     for j in range(K):
-                        y[t] += r.topk_weights[t, j] * self.expert(layer, int(r.topk_ids[t, j]), a.mlp_input[t:t + 1])[0]
+                        e = int(r.topk_ids[t, j])
+                        y[t] += r.topk_weights[t, j] * self.expert(layer, e, a.mlp_input[t:t + 1])[0]
             h = a.hidden + y
         normed = self.final_norm(h[-1:])
         return int(self.lm_head_logits(normed).argmax(-1)[0]), normed[0]
