@@ -167,3 +167,258 @@ def test_a_worker_that_gives_up_tells_the_front_end_why():
     assert results[other][:3] == ("PeerFailure", 4, "closed"), results[other]
     for pe in (2, 3):
         assert results[pe][0] == "PeerFailure" and results[pe][2] == "closed", results[pe]
+
+
+# --------------------------------------------------------------------------- simulated hosts
+def _netns_or_skip():
+    from netns import unavailable
+
+    why = unavailable()
+    if why is not None:
+        if os.environ.get("ASAP_REQUIRE_NETNS"):
+            pytest.fail(f"multi-host tests cannot run ({why}) and $ASAP_REQUIRE_NETNS is set", pytrace=False)
+        pytest.skip(f"simulated hosts unavailable: {why}")
+
+
+def _stream_through_a_stop(comm, marker_dir, n):
+    """PE 0 sends PE 1 (on the other host) ``n`` messages through a 4-slot inbox with a short timeout, offering
+    each again after a TimeoutError (as the front end does) while PE 1 is stopped; PE 1 receives them all."""
+    box = comm.mailbox(64, 4)
+    comm.barrier()
+    with open(os.path.join(marker_dir, f"ready-{comm.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    if comm.rank == 0:
+        retries, i = 0, 0
+        while i < n:
+            try:
+                box.send(1, torch.tensor([i, 7 * i]), tag=i, timeout=0.01)
+                i += 1
+            except asap_comm.TimeoutError:
+                retries += 1
+                time.sleep(0.01)
+        got = None
+    else:
+        time.sleep(1.0)  # stopped within this
+        got = []
+        while len(got) < n + 5:  # more than were sent: a duplicate would show
+            try:
+                m = box.recv(timeout=5)
+            except asap_comm.TimeoutError:
+                break
+            with m:
+                got.append((m.src, m.tag, m.tensor.tolist()))
+        retries = None
+    stats = comm.net_stats()
+    comm.barrier(timeout=120)
+    return {"got": got, "retries": retries, "stats": stats}
+
+
+@pytest.mark.slow
+def test_a_send_offered_again_to_a_stopped_remote_pe_is_never_placed_twice(tmp_path):
+    """PE 1 (another host) is stopped for 15 s while PE 0 streams to it with a 10 ms timeout and offers each
+    message again after a TimeoutError: PE 1 gets every message exactly once, in order (before: the send waited
+    10 s for the stopped peer's answer, then the message offered again was placed a second time)."""
+    _netns_or_skip()
+    from netns import Hosts, run_across_hosts
+
+    out = str(tmp_path)
+
+    def stop_pe1(hs, procs):
+        deadline = time.monotonic() + 90
+        while not all(os.path.exists(os.path.join(out, f"ready-{r}")) for r in (0, 1)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the PEs never started"
+            time.sleep(0.05)
+        pid1 = int(open(os.path.join(out, "ready-1")).read())
+        os.kill(pid1, signal.SIGSTOP)
+        try:
+            time.sleep(15)
+        finally:
+            os.kill(pid1, signal.SIGCONT)
+
+    with Hosts(2) as hs:
+        results = run_across_hosts(hs, [1, 1], _stream_through_a_stop, out, 12, timeout=180, during=stop_pe1,
+                                   env={"ASAP_NET_PEER_TIMEOUT_S": "3"})
+    got = results[1]["got"]
+    assert got == [(0, i, [i, 7 * i]) for i in range(12)], got
+    assert results[0]["retries"] > 0, results[0]  # the stop was met: sends timed out and were offered again
+    s0 = results[0]["stats"]
+    assert s0["mbox_unanswered"] >= 1 and s0["mbox_resumed"] >= 1 and s0["mbox_abandoned"] == 0, s0
+    assert s0["disorder"] == 0 and results[1]["stats"]["disorder"] == 0
+
+
+# --------------------------------------------------------------------------- the HTTP service across hosts
+_CLIENTS = r"""
+import json, sys, threading, time, urllib.request, urllib.error
+url, prompts, seconds, threads = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+end = time.monotonic() + seconds
+lock = threading.Lock()
+def client(k):
+    i = k
+    while time.monotonic() < end:
+        p = i % len(prompts)
+        data = json.dumps({"prompt": prompts[p]}).encode()
+        req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+        t0 = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                out = [r.status, p, json.loads(r.read())["choices"][0]["token_ids"][0]]
+        except urllib.error.HTTPError as e:
+            out = [e.code, p, e.read().decode()[:300]]
+        except Exception as e:
+            out = [0, p, str(e)[:300]]
+        with lock:
+            print(json.dumps(out + [round(t0, 3), round(time.monotonic(), 3)]), flush=True)
+        i += threads
+threads_ = [threading.Thread(target=client, args=(k,)) for k in range(threads)]
+for t in threads_: t.start()
+for t in threads_: t.join()
+"""
+
+
+def _health(host, port):
+    from faults_lib import http_in_host
+
+    got = http_in_host(host, "/health", port)
+    return got[0] if got else (0, None)
+
+
+def _start_service(hs, port, extra=()):
+    from netns import torchrun
+
+    return torchrun(hs, [2, 3], ["-m", "asap_comm.serving.server", "--model", "tiny", "--port", str(port),
+                                 "--attention-ranks", "2", "--expert-ranks", "2", "--failure-exit-s", "2",
+                                 "--comm-timeout-s", "10", "--worker-stall-s", "5", *extra],
+                    env={**os.environ, "ASAP_NET_PEER_TIMEOUT_S": "3"})
+
+
+def _wait_healthy(hs, port, procs, limit_s=300):
+    deadline = time.monotonic() + limit_s
+    while True:  # a hang guard for the start-up, not a speed check
+        status, body = _health(hs[0], port)
+        if status == 200:
+            return body
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            "\n".join((p.communicate(timeout=10)[0] or "")[-3000:] for p in procs if p.poll() is not None)
+        time.sleep(1.0)
+
+
+def _prompts_and_answers():
+    from models import preset, random_init
+
+    model = random_init(preset("tiny"), seed=0)
+    prompts = [[(7 * i + 3 * j) % 120 + 1 for j in range(5 + 11 * i)] for i in range(6)]
+    return prompts, [int(model.prefill(torch.tensor(p)).logits[-1].argmax()) for p in prompts]
+
+
+def _end_service(hs, procs):
+    """SIGTERM to node 0's launcher (the front end drains and stops every worker); the logs of both nodes."""
+    procs[0].send_signal(signal.SIGTERM)
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for h in hs.hosts:
+                h.kill_all()
+            logs.append(p.communicate(timeout=30)[0])
+    return logs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim,stop_s", [(2, 60.0), (1, 30.0)], ids=["remote expert 60 s", "remote attention 30 s"])
+def test_the_service_across_hosts_outlives_a_stopped_remote_worker(victim, stop_s):
+    """``python -m asap_comm.serving.server`` under torchrun: the front end and attention PE 0 on node 0, attention
+    PE 1 and expert PEs 2, 3 on node 1; --comm-timeout-s 10 (each attempt's bound). Under load from four clients,
+    a worker on node 1 is stopped (SIGSTOP) for 60 s (the expert PE that node 0's attention PE dispatches to) or
+    30 s (the attention PE the front end sends chunks to), then continued. /health calls it stalled meanwhile
+    (never died, no failure); every call gets 200 with the right token, calls finish after the stop, and the
+    service then stops cleanly on SIGTERM. (Before: node 0's attention PE gave up on the expert after one
+    attempt's bound, `send: waiting for a free slot in PE 2's inbox: timed out`, and the service died; a chunk
+    offered again to the stopped attention PE was placed twice.)"""
+    _netns_or_skip()
+    from netns import Hosts, free_port
+
+    prompts, want = _prompts_and_answers()
+    port = free_port()
+    with Hosts(2) as hs:
+        procs = _start_service(hs, port, ["--request-timeout-s", "300"])
+        try:
+            health = _wait_healthy(hs, port, procs)
+            pid = health["workers"][victim]["pid"]
+            load = hs[0].popen([sys.executable, "-c", _CLIENTS, f"http://127.0.0.1:{port}/v1/completions",
+                                json.dumps(prompts), str(stop_s + 30), "4"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+            time.sleep(6)
+            os.kill(pid, signal.SIGSTOP)
+            t_stop = time.time()
+            during = []
+            try:
+                while time.time() - t_stop < stop_s:
+                    time.sleep(5)
+                    during.append(_health(hs[0], port))
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            t_cont = time.time()
+            lines = [json.loads(x) for x in load.communicate(timeout=stop_s + 400)[0].splitlines() if x.startswith("[")]
+            after = _health(hs[0], port)
+            logs = _end_service(hs, procs)
+        finally:
+            for h in hs.hosts:
+                h.kill_all()
+    bad = [x for x in lines if x[0] != 200 or x[2] != want[x[1]]]
+    assert lines and not bad, (bad[:5], logs[0][-3000:], logs[1][-3000:])
+    offset = time.monotonic() - time.time()  # the clients' clock is CLOCK_MONOTONIC (shared by the namespaces)
+    assert any(x[3] < t_stop + offset < x[4] for x in lines), "no call was in flight across the stop"
+    assert sum(x[4] > t_cont + offset for x in lines) >= 4, "too few calls after the stop"
+    stalled = [b for s, b in during if s == 503]
+    assert stalled and all("stalled" in b.get("error", "") and "failure" not in b.get("error", "") for b in stalled), \
+        during
+    assert all(w["state"] == "alive" for s, b in during if isinstance(b, dict) and "workers" in b
+               for w in b["workers"]), during
+    assert after[0] == 200, after
+    assert "stopped cleanly" in logs[0] and "worker failure" not in logs[0] and "gave up" not in logs[0], logs[0][-3000:]
+    # node 1's launcher: every worker ended with 0 (node 0's torchrun itself exits 1 on the SIGTERM it was sent)
+    assert procs[1].returncode == 0, logs[1][-3000:]
+
+
+@pytest.mark.slow
+def test_node_1_workers_exit_on_their_own_once_node_0_and_their_launcher_are_gone():
+    """After a failure (expert PE 3 on node 1 killed under load), node 0 is cut off (its link down: no goodbye,
+    no end of file; the liveness lines fail their keepalive within ASAP_NET_PEER_TIMEOUT_S = 3 s) and node 1's
+    torchrun is killed (SIGKILL: nobody stops its workers; they ignore SIGTERM by design). Each remaining worker
+    on node 1 logs why and exits (status 3) on its own within the liveness limit (plus slack for this host)."""
+    _netns_or_skip()
+    from netns import Hosts, free_port
+
+    prompts, _ = _prompts_and_answers()
+    port = free_port()
+    with Hosts(2) as hs:
+        procs = _start_service(hs, port)
+        try:
+            health = _wait_healthy(hs, port, procs)
+            pids = {w["pe"]: w["pid"] for w in health["workers"]}
+            load = hs[0].popen([sys.executable, "-c", _CLIENTS, f"http://127.0.0.1:{port}/v1/completions",
+                                json.dumps(prompts), "20", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+            time.sleep(4)
+            os.kill(pids[3], signal.SIGKILL)  # the failure
+            procs[1].kill()  # node 1's launcher
+            hs[0].link_down()  # node 0, gone
+            t0 = time.monotonic()
+            left = None
+            while time.monotonic() - t0 < 60:
+                alive = [pe for pe in (1, 2) if os.path.exists(f"/proc/{pids[pe]}")
+                         and open(f"/proc/{pids[pe]}/stat").read().split(")")[-1].split()[0] != "Z"]
+                if not alive:
+                    left = time.monotonic() - t0
+                    break
+                time.sleep(0.1)
+            log1 = procs[1].communicate(timeout=60)[0]  # the workers held the pipe: EOF once they are gone
+            load.kill()
+        finally:
+            for h in hs.hosts:
+                h.kill_all()
+    assert left is not None, f"node 1's workers were still running 60 s later:\n{log1[-3000:]}"
+    assert left < 3 + 20, f"node 1's workers took {left:.1f} s"  # the liveness limit, plus slack for a loaded host
+    for pe in (1, 2):
+        assert f"asap serve: PE {pe}: stopped:" in log1, log1[-3000:]
