@@ -119,7 +119,8 @@ def ffn_engine(conn) -> dict:
     while (payload := conn.recv_attn_output()) is not None:
         x, meta, st = payload.hidden_states, payload.context.metadata, payload.context.states
         assert meta.validate_tensor_shape(tuple(x.shape)) and st.topk_ids.shape == (x.shape[0], K)
-        out = torch.zeros_like(x)
+        # FFN rank 1 computes in place where the rows go back (ffn_output_buffer), rank 0 into a tensor of its own
+        out = conn.ffn_output_buffer(payload.context).zero_() if conn.role_rank == 1 else torch.zeros_like(x)
         for e in mine:  # this rank's experts, weighted; ids elsewhere are -1
             t, j = (st.topk_ids == e).nonzero(as_tuple=True)
             out.index_add_(0, t, st.topk_weights[t, j, None] * torch.relu(x[t] @ experts[meta.layer_idx][e]))
