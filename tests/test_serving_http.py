@@ -288,9 +288,8 @@ def test_client_replays_traces_and_agrees_with_the_server(server, reference, tmp
             from asap_comm.serving import slo_compliant_throughput
             pts = [(p["rate_req_s"], p["slo_attainment"], p["served_fraction"]) for p in sweep["points"]]
             assert [p[1] for p in pts] == [1.0, 1.0]
-            for p, run in zip(sweep["points"], sweep["runs"].values()):
-                assert p["served_fraction"] == pytest.approx(run["throughput_tokens_per_s"]
-                                                             / run["offered_tokens_per_s"])
+            for p, run in zip(sweep["points"], sweep["runs"].values()):  # the run summary's (summarize_run)
+                assert 0 < p["served_fraction"] == run["served_fraction"] <= 1.0
             sct = sweep["slo_compliant_throughput_req_s"]
             assert sct == slo_compliant_throughput(pts)
             assert (f"SLO-compliant throughput: {sct:g} req/s" if sct else "SLO-compliant throughput: - (") \
