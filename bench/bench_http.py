@@ -447,7 +447,8 @@ def _markdown_slo(s: dict) -> list:
     out = [f"## 3. SLO-compliant throughput (example workload, SLO {s['slo_ttft_s']:.3f} s)", "",
             "| mode | in process req/s | through HTTP req/s |", "|---|---|---|"]
     for m in ("async", "sync"):
-        out.append(f"| {m} | {s['slo_compliant_req_s'][f'{m}/in_process']} | {s['slo_compliant_req_s'][f'{m}/http']} |")
+        cells = ["-" if v is None else v for v in (s["slo_compliant_req_s"][f"{m}/{w}"] for w in ("in_process", "http"))]
+        out.append(f"| {m} | {cells[0]} | {cells[1]} |")
     out += ["", "SLO attainment per rate (each repeat):", "", "| mode / path | " + " | ".join(
         f"{r:g} req/s" for r in s["rates_req_s"]) + " |", "|---|" + "---|" * len(s["rates_req_s"])]
     for key, pts in s["points"].items():
