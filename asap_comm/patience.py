@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 
 def gone(comm, pes: Iterable[int]) -> "tuple[int, str] | None":
-    """``(pe, "died" | "closed")`` for the first PE of ``pes`` (this one excluded) that is no longer alive, else None."""
+    """``(pe, "died" | "closed")``: the first PE of ``pes`` (this one excluded) no longer alive, else None."""
     for pe in pes:
         if pe != comm.rank:
             state = comm.peer_state(pe)

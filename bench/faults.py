@@ -784,6 +784,74 @@ class Suite:
         row.details = {"statuses": dict(tally.statuses), "examples": tally.examples, "health": dead,
                        "log_node0": tail(log0)}
 
+    # 7b. a remote worker stopped 60 s (service under torchrun) ------------------
+    def stop_remote_worker(self, row: Row) -> None:
+        """SIGSTOP of expert PE 2 on node 1 (node 0's attention PE dispatches to it across hosts) for 60 s (20 s
+        quick) under load from four clients whose calls may wait 300 s; --comm-timeout-s 10 bounds each attempt."""
+        from patience_load import calls, long_clients
+
+        stop_s = 20.0 if self.mode == "quick" else 60.0
+        prompts = [p for p, _ in self.ref.pool(6, (5, 60), seed=7)]
+        want = [self.ref.token(p) for p in prompts]
+        with Hosts(2) as hs:
+            procs = torchrun(hs, [2, 3], ["-m", "asap_comm.serving.server", "--model", "tiny", "--port",
+                                          str(HOST_PORT), "--attention-ranks", "2", "--expert-ranks", "2",
+                                          "--failure-exit-s", str(FAILURE_EXIT_S), "--comm-timeout-s", "10",
+                                          "--worker-stall-s", "5", "--request-timeout-s", "300"],
+                             env={**os.environ, "ASAP_NET_PEER_TIMEOUT_S": "3"})
+            try:
+                health = self._wait_host_health(hs[0], procs, 300)
+                if health is None:
+                    row.observed = "the service did not start"
+                    row.details = {"logs": [tail(p.communicate(timeout=30)[0] or "") for p in procs]}
+                    row.passed = False
+                    return
+                pid = health["workers"][2]["pid"]
+                load = long_clients(hs[0], HOST_PORT, prompts, stop_s + 30)
+                time.sleep(6)
+                log(f"  expert PE 2 on node 1 stopped for {stop_s:.0f} s under load ...")
+                os.kill(pid, signal.SIGSTOP)
+                t_stop, states = time.monotonic(), Counter()
+                try:
+                    while time.monotonic() - t_stop < stop_s:
+                        time.sleep(5)
+                        got = http_in_host(hs[0], "/health", HOST_PORT)
+                        body = got[0][1] if got and isinstance(got[0][1], dict) else {}
+                        err = body.get("error", "")
+                        states["failure" if "failure" in err else "stalled" if "stalled" in err else
+                               str(got[0][0] if got else 0)] += 1
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                t_cont = time.monotonic()
+                lines = calls(load, stop_s + 400)
+                after = http_in_host(hs[0], "/health", HOST_PORT)
+                procs[0].send_signal(signal.SIGTERM)
+                logs = [p.communicate(timeout=120)[0] or "" for p in procs]
+            finally:
+                for h in hs.hosts:
+                    h.kill_all()
+        tally = Tally()
+        for status, j, token, start, end in lines:
+            if status == 200:
+                ok = token == want[j]
+                tally.wrong += not ok
+                tally.add("200", None if ok else f"wrong token for prompt {j}", end - start)
+            else:
+                tally.add(str(status), str(token), end - start)
+        across = sum(1 for x in lines if x[3] < t_stop < x[4])
+        later = sum(1 for x in lines if x[4] > t_cont)
+        clean = "stopped cleanly" in logs[0] and "worker failure" not in logs[0]
+        row.observed = (f"stopped {stop_s:.0f} s; /health during: {dict(states)}; after: "
+                        f"{after[0][0] if after else 0}; {across} calls in flight across the stop, {later} ended after "
+                        f"it; slowest 200: {tally.max_latency_s:.1f} s; then SIGTERM: "
+                        f"{'stopped cleanly' if clean else 'NOT clean'}, node 1's torchrun {procs[1].returncode}")
+        row.answered, row.wrong = tally.answered(), tally.wrong
+        row.passed = (tally.only("200") and tally.admitted > 0 and tally.wrong == 0 and across > 0 and later > 0
+                      and states["stalled"] > 0 and not states["failure"] and bool(after) and after[0][0] == 200
+                      and clean and procs[1].returncode == 0)
+        row.details = {"statuses": dict(tally.statuses), "examples": tally.examples, "log_node0": tail(logs[0]),
+                       "log_node1": tail(logs[1])}
+
     def _wait_host_health(self, host, procs, timeout_s: float) -> "dict | None":
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and all(p.poll() is None for p in procs):
@@ -980,6 +1048,10 @@ FAULTS = {
     "link-down": ("link down across hosts (service under torchrun)",
                   "node 1's workers died in /health, 503 with the reason, front end exits 3, nothing left on "
                   "node 0; every answer right or 503", why_no_hosts, lambda s, r: s.link_down(r)),
+    "stop-remote-worker": ("a remote worker stopped 60 s (expert PE on node 1, service under torchrun)",
+                           "/health 503 stalled meanwhile (never died, no failure), 200 after; every call 200 with "
+                           "the right token, calls in flight across the stop answered; a clean stop after",
+                           why_no_hosts, lambda s, r: s.stop_remote_worker(r)),
     "loss-5": ("5% packet loss (nftables) across hosts",
                "every message and row delivered once, in order (disorder 0), nobody declared dead", why_no_nft,
                lambda s, r: s.loss(r, 5)),
@@ -998,7 +1070,7 @@ FAULTS = {
                   "refuses to start, saying how to set it; nothing served", why_no_hosts,
                   lambda s, r: s.no_secret(r)),
 }
-RUN_ORDER = ["rogue-store", "small-shm", "no-secret", "rogue-peer", "loss-5", "loss-20", "link-down",
+RUN_ORDER = ["rogue-store", "small-shm", "no-secret", "rogue-peer", "loss-5", "loss-20", "link-down", "stop-remote-worker",
              "hostile-bodies", "hog-client", "cpu-hogs", "stop-front-end", "stop-worker", "kill-worker"]
 assert sorted(RUN_ORDER) == sorted(FAULTS)
 

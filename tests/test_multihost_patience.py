@@ -25,6 +25,7 @@ import torch
 import asap_comm
 from asap_comm.moe import AttentionEnd, ExpertEnd, MoEPlan
 from distributed_utils import run
+from patience_load import calls, long_clients
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -247,34 +248,6 @@ def test_a_send_offered_again_to_a_stopped_remote_pe_is_never_placed_twice(tmp_p
 
 
 # --------------------------------------------------------------------------- the HTTP service across hosts
-_CLIENTS = r"""
-import json, sys, threading, time, urllib.request, urllib.error
-url, prompts, seconds, threads = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-end = time.monotonic() + seconds
-lock = threading.Lock()
-def client(k):
-    i = k
-    while time.monotonic() < end:
-        p = i % len(prompts)
-        data = json.dumps({"prompt": prompts[p]}).encode()
-        req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
-        t0 = time.monotonic()
-        try:
-            with urllib.request.urlopen(req, timeout=300) as r:
-                out = [r.status, p, json.loads(r.read())["choices"][0]["token_ids"][0]]
-        except urllib.error.HTTPError as e:
-            out = [e.code, p, e.read().decode()[:300]]
-        except Exception as e:
-            out = [0, p, str(e)[:300]]
-        with lock:
-            print(json.dumps(out + [round(t0, 3), round(time.monotonic(), 3)]), flush=True)
-        i += threads
-threads_ = [threading.Thread(target=client, args=(k,)) for k in range(threads)]
-for t in threads_: t.start()
-for t in threads_: t.join()
-"""
-
-
 def _health(host, port):
     from faults_lib import http_in_host
 
@@ -345,9 +318,7 @@ def test_the_service_across_hosts_outlives_a_stopped_remote_worker(victim, stop_
         try:
             health = _wait_healthy(hs, port, procs)
             pid = health["workers"][victim]["pid"]
-            load = hs[0].popen([sys.executable, "-c", _CLIENTS, f"http://127.0.0.1:{port}/v1/completions",
-                                json.dumps(prompts), str(stop_s + 30), "4"], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+            load = long_clients(hs[0], port, prompts, stop_s + 30)
             time.sleep(6)
             os.kill(pid, signal.SIGSTOP)
             t_stop = time.time()
@@ -359,7 +330,7 @@ def test_the_service_across_hosts_outlives_a_stopped_remote_worker(victim, stop_
             finally:
                 os.kill(pid, signal.SIGCONT)
             t_cont = time.time()
-            lines = [json.loads(x) for x in load.communicate(timeout=stop_s + 400)[0].splitlines() if x.startswith("[")]
+            lines = calls(load, stop_s + 400)
             after = _health(hs[0], port)
             logs = _end_service(hs, procs)
         finally:
@@ -376,7 +347,8 @@ def test_the_service_across_hosts_outlives_a_stopped_remote_worker(victim, stop_
     assert all(w["state"] == "alive" for s, b in during if isinstance(b, dict) and "workers" in b
                for w in b["workers"]), during
     assert after[0] == 200, after
-    assert "stopped cleanly" in logs[0] and "worker failure" not in logs[0] and "gave up" not in logs[0], logs[0][-3000:]
+    assert "stopped cleanly" in logs[0] and "worker failure" not in logs[0], logs[0][-3000:]
+    assert "gave up" not in logs[0], logs[0][-3000:]
     # node 1's launcher: every worker ended with 0 (node 0's torchrun itself exits 1 on the SIGTERM it was sent)
     assert procs[1].returncode == 0, logs[1][-3000:]
 
@@ -397,9 +369,7 @@ def test_node_1_workers_exit_on_their_own_once_node_0_and_their_launcher_are_gon
         try:
             health = _wait_healthy(hs, port, procs)
             pids = {w["pe"]: w["pid"] for w in health["workers"]}
-            load = hs[0].popen([sys.executable, "-c", _CLIENTS, f"http://127.0.0.1:{port}/v1/completions",
-                                json.dumps(prompts), "20", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+            load = long_clients(hs[0], port, prompts, 20)
             time.sleep(4)
             os.kill(pids[3], signal.SIGKILL)  # the failure
             procs[1].kill()  # node 1's launcher

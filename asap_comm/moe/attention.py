@@ -109,8 +109,9 @@ class AttentionEnd:
         ``max_inflight`` are outstanding). Toward an expert PE on another host
         whose process lives but does not run (stopped), each put and
         descriptor is offered again, attempt by attempt, for as long as it
-        lives (``asap_comm.patience``); ``PeerFailure`` once it died. Each token is written once into each expert rank that
-        holds any of its experts, with the ids (-1 for experts elsewhere) and
+        lives (``asap_comm.patience``); ``PeerFailure`` once it died. Each
+        token is written once into each expert rank that holds any of its
+        experts, with the ids (-1 for experts elsewhere) and
         weights; then that rank gets a descriptor (release: it sees the rows).
         Toward another host with two or more expert ranks, once per host (the
         module docstring's node-aware path).
