@@ -46,6 +46,17 @@ class Mailbox(_C.Inbox):
     ``tag``. Waits while the inbox is full, bounded by ``timeout`` (default:
     the communicator's); raises ``PeerFailure`` if ``pe`` died or closed
     meanwhile. Ordering: release; the consumer sees the payload complete.
+    On one host a send that raises ``TimeoutError`` placed nothing. Toward
+    a PE on another host the consumer's engine answers whether the message
+    was placed; when that answer does not come in time (the peer's process
+    lives but does not run: stopped) the send raises ``TimeoutError``
+    saying so, and the message may still be placed once the peer runs
+    again: offering the same message again (same tag, dtype, shape and
+    bytes) awaits that same answer instead of sending a copy, so a caller
+    that retries never places it twice (``Communicator.net_stats``:
+    ``mbox_unanswered``, ``mbox_resumed``; ``mbox_abandoned`` counts
+    unanswered messages given up for a different one, which may still be
+    placed, before it).
 
     ``recv(timeout=None) -> Message``: wait (bounded) for the next message.
     Ordering: acquire. Raises ``TimeoutError``, or ``PeerFailure`` if a PE
