@@ -22,15 +22,25 @@ from ...errors import CommError, PeerFailure
 from ...errors import TimeoutError as CommTimeoutError
 from .engine import Engine
 from .options import ServiceOptions
+from .frontdoor import ConnectionGuard, default_max_connections, install_accept_error_filter
 from .request import BodyBudget, ClientErrorFilter, HttpError, api_key_matches, check_headers, completion_of, read_body
 from .schemas import INLINE_BYTES, ParseProcess, parse_call
 
-__all__ = ["HttpApp", "HttpFront"]
+__all__ = ["HttpApp", "HttpFront", "client_of"]
 
 _BODY_BUDGET_BODIES = 8  # request bodies held at once: at most this many times --max-body-bytes
+_BODY_RESERVE_BODIES = 1  # of which this many times --max-body-bytes are kept for small bodies (<= INLINE_BYTES)
+_BODY_CLIENT_BODIES = 2  # and one client's large bodies hold at most this many times --max-body-bytes
+_MAX_REQUEST_ID = 128  # characters of an X-Request-Id
 _OPEN_PATHS = ("/health", "/metrics")  # what --api-key leaves open
 # what each refused status counts as in asap_requests_total{outcome}
 _OUTCOME = {401: "unauthorized", 429: "overloaded", 503: "unavailable", 504: "timeout"}
+
+
+def client_of(request) -> str:
+    """Who sent ``request``, for fairness and the body budget: the peer's address (one API key is shared by all
+    its users, so the address is what tells them apart; behind a proxy, every client is the proxy)."""
+    return request.remote or "?"
 
 
 class HttpApp:
@@ -40,7 +50,9 @@ class HttpApp:
     def __init__(self, svc: Engine, opts: ServiceOptions) -> None:
         self.svc, self.opts = svc, opts
         info, cfg = svc.info, svc.cfg
-        self.bodies = BodyBudget(_BODY_BUDGET_BODIES * opts.body_bound)
+        self.bodies = BodyBudget(_BODY_BUDGET_BODIES * opts.body_bound, reserve=_BODY_RESERVE_BODIES * opts.body_bound,
+                                 per_client=_BODY_CLIENT_BODIES * opts.body_bound, small=INLINE_BYTES)
+        self.guard: "ConnectionGuard | None" = None  # set by HttpFront once it listens
         self.parser = ParseProcess({"model_name": opts.model_name, "vocab_size": info.vocab_size,
                                     "max_prompt_len": cfg.max_prompt_len, "max_call_tokens": opts.max_queued_tokens})
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asap-tokenize")  # not thread-safe
@@ -74,14 +86,27 @@ class HttpApp:
         return (self.key_digest is None or request.path in _OPEN_PATHS
                 or api_key_matches(request.headers.get("Authorization"), self.key_digest))
 
+    def _has_key(self, request) -> bool:
+        """Whether ``request`` may see everything: the right key, or a service without one."""
+        return self.key_digest is None or api_key_matches(request.headers.get("Authorization"), self.key_digest)
+
     def _unauthorized(self) -> HttpError:
         return HttpError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
                          headers={"WWW-Authenticate": 'Bearer realm="asap"'})
 
     async def _guard(self, request, handler):
-        """Middleware: the API key, and every HTTP error (an unknown path, a wrong method) as a JSON body. An
-        answer given before a compressed body was read closes the connection: aiohttp would otherwise read
-        (and decompress) the rest only to drop it."""
+        """Middleware: the connection guard's request span, the API key, and every HTTP error (an unknown path, a
+        wrong method) as a JSON body. An answer given before a compressed body was read closes the connection:
+        aiohttp would otherwise read (and decompress) the rest only to drop it."""
+        if self.guard is not None:
+            self.guard.begin(request.transport)
+        try:
+            return await self._guarded(request, handler)
+        finally:
+            if self.guard is not None:
+                self.guard.end(request.transport)
+
+    async def _guarded(self, request, handler):
         from aiohttp import web
 
         if not self._authorized(request):
@@ -126,35 +151,52 @@ class HttpApp:
         in the parse process (``schemas``), so they never hold this loop; a body holds its bytes of the body
         budget until its parse is over. Text goes through the tokenizer on its one thread."""
         info, cfg = self.svc.info, self.svc.cfg
-        held = [0]
+        lease = self.bodies.lease(client_of(request))
+        handed = False
         try:
             body = await read_body(request, self.opts.body_bound,
-                                   self.opts.request_timeout_s - (time.monotonic() - arrived), self.bodies, held)
+                                   self.opts.request_timeout_s - (time.monotonic() - arrived), lease,
+                                   self.opts.min_body_rate)
             if len(body) <= INLINE_BYTES:
                 call = parse_call(body, self.opts.model_name, info.vocab_size, cfg.max_prompt_len,
                                   self.opts.max_queued_tokens)
             else:
-                n = held[0]
-                held[0] = 0  # given back by the parse process's worker once it is done with the body
-                call = await self.parser.parse(body, lambda: self.bodies.give(n))
+                handed = True  # released by the parse process's worker once it is done with the body
+                call = await self.parser.parse(body, lease.release)
             del body
         finally:
-            self.bodies.give(held[0])
+            if not handed:
+                lease.release()
         if call.ids is None:  # text: through the tokenizer, off the loop
             return await asyncio.get_running_loop().run_in_executor(
                 self.tokenizing, completion_of, call, info, cfg, self.tokenizer, self.opts.max_queued_tokens)
         return completion_of(call, info, cfg, self.tokenizer, self.opts.max_queued_tokens)
 
     async def completions(self, request):
+        resp = await self._completions(request)
+        base = request.get("asap_request_id")
+        if base is not None and not resp.prepared:
+            resp.headers["X-Request-Id"] = base
+        return resp
+
+    async def _completions(self, request):
         from aiohttp import web
 
         arrived = time.monotonic()
         try:
+            given = request.headers.get("X-Request-Id")
+            if given is not None and not (0 < len(given) <= _MAX_REQUEST_ID and given.isprintable()):
+                raise HttpError(400, f"X-Request-Id must be 1 to {_MAX_REQUEST_ID} printable characters (got "
+                                     f"{len(given)})")
+            if given is not None:
+                request["asap_request_id"] = given  # echoed on every answer, errors too
             err = self.svc.unavailable()
             if err is not None:
                 raise err
             call = await self._read_call(request, arrived)
-            rids, futs = await self.svc.admit(call, arrived)
+            rids, futs = await self.svc.admit(call, arrived, client_of(request))
+            if given is None:  # unique across restarts: a random prefix per start
+                request["asap_request_id"] = f"{self.svc.id_prefix}-{rids[0]}"
         except HttpError as e:
             self.svc.metrics.count(_OUTCOME.get(e.status, "invalid"))
             return self._json_error(e)
@@ -166,16 +208,17 @@ class HttpApp:
         except HttpError as e:
             self.svc.cancel(rids)
             return self._json_error(e)
-        answer = self._answer(call.prompts, results, call.hidden)
+        answer = self._answer(request["asap_request_id"], call.prompts, results, call.hidden)
         if not call.stream:
             return web.json_response(answer)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": request["asap_request_id"]})
         await resp.prepare(request)
         await resp.write(b"data: " + json.dumps(answer).encode() + b"\n\ndata: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
-    def _answer(self, prompts: list, results: list, hidden: bool) -> dict:
+    def _answer(self, base: str, prompts: list, results: list, hidden: bool) -> dict:
         choices = []
         for i, c in enumerate(results):
             text = self.tokenizer.decode([c.token]) if self.tokenizer is not None else str(c.token)
@@ -186,7 +229,7 @@ class HttpApp:
                 choice["hidden_states"] = c.hidden.tolist()
             choices.append(choice)
         prompt_tokens = sum(int(p.numel()) for p in prompts)
-        return {"id": f"cmpl-{results[0].request_id}", "object": "text_completion", "created": int(time.time()),
+        return {"id": f"cmpl-{base}", "object": "text_completion", "created": int(time.time()),
                 "model": self.opts.model_name, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(prompts),
                           "total_tokens": prompt_tokens + len(prompts)}}
@@ -208,6 +251,9 @@ class HttpApp:
             err = HttpError(503, "stalled: " + "; ".join(
                 f"{w['role']} PE {w['pe']} (pid {w['pid']}) sent no heartbeat for {w['heartbeat_age_s']:.1f} s"
                 for w in stalled) + f" (--worker-stall-s {limit:g})")
+        if not self._has_key(request):  # without the key: healthy or not, nothing else (no pids, no reasons)
+            return web.json_response({"status": "ok" if err is None else "unhealthy"},
+                                     status=200 if err is None else 503)
         body = {"status": "ok" if err is None else "unhealthy", "mode": self.opts.mode, "model": self.opts.model_name,
                 "front_end_pid": os.getpid(), "worker_stall_s": limit, "workers": workers}
         if err is not None:
@@ -256,12 +302,21 @@ class HttpFront:
         if not any(isinstance(f, ClientErrorFilter) for f in logger.filters):
             logger.addFilter(ClientErrorFilter())
         runner = web.AppRunner(http.app(), handler_cancellation=True, access_log=None, auto_decompress=False,
-                               logger=logger)
+                               logger=logger, keepalive_timeout=self.opts.idle_timeout_s + 5.0)  # the guard's first
+        install_accept_error_filter()
         await http.parser.start()
         await runner.setup()
-        site = web.TCPSite(runner, self.opts.host, self.opts.port)
-        await site.start()
-        port = runner.addresses[0][1]
+        limit = self.opts.max_connections or default_max_connections()
+        guard = http.guard = ConnectionGuard(runner.server, self.opts.header_timeout_s, self.opts.idle_timeout_s, limit,
+                                             svc.metrics.connection_closed)
+        svc.metrics.watch_connections(guard)
+        server = await asyncio.get_running_loop().create_server(guard.protocol, self.opts.host, self.opts.port,
+                                                                reuse_address=True)
+        guard.start()
+        port = server.sockets[0].getsockname()[1]
+        print(f"asap serve: connections: at most {limit} open (--max-connections), headers within "
+              f"{self.opts.header_timeout_s:g} s, idle ones closed after {self.opts.idle_timeout_s:g} s; bodies at "
+              f"{self.opts.min_body_rate} bytes/s or more", file=sys.stderr, flush=True)
         print(f"asap serve: bodies up to {self.opts.body_bound} bytes; admission bound "
               f"{self.opts.max_queued_tokens} tokens, waiting room {self.opts.waiting_bound} tokens; "
               + ("/v1/* needs the API key" if self.opts.api_key is not None else "no API key"),
@@ -271,6 +326,8 @@ class HttpFront:
         try:
             await svc.run()
         finally:
+            guard.stop()
+            server.close()
             await runner.cleanup()
             await http.parser.close()
             http.tokenizing.shutdown(wait=False, cancel_futures=True)

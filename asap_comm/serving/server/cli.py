@@ -7,8 +7,9 @@ import os
 import sys
 
 from ..protocol import RuntimeConfig
+from .frontdoor import check_connection_limit
 from .options import ServiceOptions
-from .workers import serve_on_this_host, serve_one_pe
+from .workers import remove_stale, serve_on_this_host, serve_one_pe
 
 __all__ = ["build_parser", "service_options", "main"]
 
@@ -51,6 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="require 'Authorization: Bearer KEY' on every path but /health and /metrics; unset: "
                          "the environment variable ASAP_API_KEY (preferred: a command line is visible to ps)")
     ap.add_argument("--request-timeout-s", type=float, default=60.0, help="per-request deadline (504 past it)")
+    ap.add_argument("--header-timeout-s", type=float, default=10.0,
+                    help="a connection must send a request's headers within this long of its first byte (408 and "
+                         "closed otherwise: slowloris)")
+    ap.add_argument("--idle-timeout-s", type=float, default=60.0,
+                    help="a connection with no request in progress is closed after this long without one")
+    ap.add_argument("--max-connections", type=int, default=None,
+                    help="open connections at most; at the limit the oldest idle or slow-header one is closed, and "
+                         "a new one gets 503 only when every open one is in a request; unset: the file limit "
+                         "(RLIMIT_NOFILE) less 128; must be below it")
+    ap.add_argument("--min-body-rate", type=int, default=16384,
+                    help="bytes per second a request body must arrive at, averaged over every 5 s (408 otherwise)")
     ap.add_argument("--worker-stall-s", type=float, default=10.0,
                     help="/health answers 503 naming a worker whose heartbeat is older than this (not a failure)")
     ap.add_argument("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM/Ctrl-C: in-flight grace")
@@ -65,17 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def service_options(args, environ) -> ServiceOptions:
     """The HTTP side's settings from parsed arguments; the API key from ``--api-key`` or else
-    ``environ["ASAP_API_KEY"]``. ``ValueError`` for an empty key (a typo must not switch authentication off)."""
+    ``environ["ASAP_API_KEY"]``, stripped of surrounding whitespace (said on stderr). ``ValueError`` for an empty
+    key (a typo must not switch authentication off)."""
+    source = "--api-key" if args.api_key is not None else "ASAP_API_KEY"
     api_key = args.api_key if args.api_key is not None else environ.get("ASAP_API_KEY")
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key / ASAP_API_KEY is empty: give a key, or unset it for no authentication")
+    if api_key is not None and api_key != api_key.strip():  # a mounted secret often ends with a newline
+        api_key = api_key.strip()
+        print(f"asap serve: the API key from {source} had surrounding whitespace (a trailing newline?); it was "
+              "stripped", file=sys.stderr, flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return ServiceOptions(host=args.host, port=args.port, model_name=name, mode=args.mode,
                           max_queued_tokens=args.max_queued_tokens, request_timeout_s=args.request_timeout_s,
                           drain_timeout_s=args.drain_timeout_s, failure_exit_s=args.failure_exit_s,
                           tokenizer=args.tokenizer, max_body_bytes=args.max_body_bytes,
                           max_waiting_tokens=args.max_waiting_tokens, worker_stall_s=args.worker_stall_s,
-                          api_key=api_key)
+                          header_timeout_s=args.header_timeout_s, idle_timeout_s=args.idle_timeout_s,
+                          max_connections=args.max_connections, min_body_rate=args.min_body_rate, api_key=api_key)
 
 
 def main(argv=None) -> int:
@@ -96,9 +115,11 @@ def main(argv=None) -> int:
                             chunk_len=args.chunk_len, sync_collectives=args.sync_collectives,
                             lane_tokens=args.lane_tokens, lane_wait_s=args.lane_wait_s)
         opts = service_options(args, os.environ)
+        check_connection_limit(opts.max_connections)
     except (ValueError, LookupError, OSError) as e:
         print(f"asap serve: {e}", file=sys.stderr)
         return 2
+    remove_stale()  # what a crash of a whole service tree left in /dev/shm
     if os.environ.get("TORCHELASTIC_RUN_ID") is not None:  # started by torchrun: one PE of a group across hosts
         return serve_one_pe(args, factory, info, cfg, opts)
     return serve_on_this_host(args, factory, info, cfg, opts)

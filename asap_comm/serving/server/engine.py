@@ -16,6 +16,7 @@ import asyncio
 import heapq
 import math
 import os
+import secrets
 import sys
 import time
 from collections import deque
@@ -24,7 +25,8 @@ from ...errors import CommError, PeerFailure
 from ...errors import TimeoutError as CommTimeoutError
 from ..frontend import FrontEnd, Rejected
 from ..heartbeat import Heartbeats
-from ..waiting_room import MAX_WAITING_CALLS, Waiter, WaitingRoom
+from ..waiting_room import MAX_WAITING_CALLS
+from .fairness import LINGER_S, FairRoom, FairWaiter
 from .metrics import ServiceMetrics
 from .options import ServiceOptions
 from .schemas import HttpError
@@ -46,7 +48,11 @@ class Engine:
         self.futures: dict = {}  # request id -> asyncio future of its Completion
         self.deadline_of: dict = {}  # request id -> its deadline (time.monotonic())
         self.deadlines: list = []  # heap of (deadline, request id)
-        self.room = WaitingRoom(opts.waiting_bound, MAX_WAITING_CALLS)
+        self.room = FairRoom(opts.waiting_bound, MAX_WAITING_CALLS)  # per client, in turn (.fairness)
+        self.client_tokens: dict = {}  # client -> its admitted prompt tokens
+        self.client_of: dict = {}  # request id -> (client, its prompt tokens)
+        self.linger: dict = {}  # client -> until when it counts as active after its last call ended
+        self.id_prefix = secrets.token_hex(4)  # response ids: unique across restarts
         self.beats = Heartbeats(ch.stats.table, range(comm.world_size - 1))
         self.stalled: set = set()  # PEs reported stalled (for the log's transitions)
         self.next_id = 1
@@ -113,7 +119,29 @@ class Engine:
                     pass
         self.done.set()
 
+    def _release(self, rid: int) -> None:
+        """A request left flight (done, failed, cancelled): its client's admitted tokens go down."""
+        entry = self.client_of.pop(rid, None)
+        if entry is None:
+            return
+        client, n = entry
+        left = self.client_tokens.get(client, 0) - n
+        if left > 0:
+            self.client_tokens[client] = left
+        else:
+            self.client_tokens.pop(client, None)
+            self.linger[client] = time.monotonic() + LINGER_S
+
+    def share(self) -> int:
+        """The admitted prompt tokens each active client may hold (``.fairness``)."""
+        now = time.monotonic()
+        if len(self.linger) > 1024:
+            self.linger = {c: t for c, t in self.linger.items() if t > now}
+        active = set(self.client_tokens) | self.room.clients() | {c for c, t in self.linger.items() if t > now}
+        return max(1, self.opts.max_queued_tokens // max(1, len(active)))
+
     def _complete(self, c) -> None:
+        self._release(c.request_id)
         fut = self.futures.pop(c.request_id, None)
         deadline = self.deadline_of.pop(c.request_id, math.inf)
         self.metrics.completed(c)
@@ -133,6 +161,7 @@ class Engine:
         self.metrics.count("ok")
 
     def _reject(self, rid: int, err: HttpError) -> None:
+        self._release(rid)
         fut = self.futures.pop(rid, None)
         self.deadline_of.pop(rid, None)
         if fut is not None and not fut.done():
@@ -180,18 +209,18 @@ class Engine:
 
     # ------------------------------------------------------------------ admission
     def _drain_room(self) -> None:
-        """Admit waiting calls from the head of the room while they fit; answer those whose deadline passed."""
+        """Admit waiting calls in turn while they fit (``.fairness``); answer those whose deadline passed."""
         if not len(self.room):
             return
         admit, expired = self.room.take_ready(self.opts.max_queued_tokens - self.fe.queued_tokens,
-                                              time.monotonic())
+                                              self.client_tokens, self.share(), time.monotonic())
         for w in expired:
             if not w.future.done():
                 w.future.set_exception(HttpError(504, f"this call waited for admission past its deadline of "
                                                       f"{self.opts.request_timeout_s:g} s"))
         for w in admit:
             if not w.future.done():
-                w.future.set_result(self._start(w.call, w.deadline))
+                w.future.set_result(self._start(w.call, w.deadline, w.client))
 
     def _empty_room(self, err: HttpError) -> None:
         """Answer every waiting call with ``err`` (the service failed or stops)."""
@@ -199,24 +228,36 @@ class Engine:
             if not w.future.done():
                 w.future.set_exception(err)
 
-    async def admit(self, call, arrived: float) -> tuple:
-        """Admit every prompt of a call, or none: ``(request ids, futures)``. 413 past the bound on its own;
-        waits its turn in the room when others wait or it does not fit; 429 when the room is full."""
+    async def admit(self, call, arrived: float, client: str = "") -> tuple:
+        """Admit every prompt of a call of ``client``, or none: ``(request ids, futures)``. 413 past the bound on
+        its own; waits its turn in the room (``.fairness``) when it may not start now; 429 when the room is
+        full (and the client holds its share of it)."""
         fe, bound, total = self.fe, self.opts.max_queued_tokens, call.num_tokens
         if total > bound:
             raise HttpError(413, f"prompt: {total} prompt tokens in one call are more than the admission bound of "
                                  f"{bound} tokens (--max-queued-tokens); send fewer or shorter prompts per call",
                             "prompt")
+        err = self.unavailable()  # the service may have failed or begun to stop while the body came
+        if err is not None:
+            raise err
         deadline = arrived + self.opts.request_timeout_s
-        if not len(self.room) and fe.queued_tokens + total <= bound:
-            return self._start(call.prompts, deadline)
-        if not self.room.has_room(total):
+        w = FairWaiter(total, deadline, call.prompts, asyncio.get_running_loop().create_future(), client)
+        pushed = self.room.add(w)
+        if pushed is None:
             raise HttpError(429, f"over the admission bound: {fe.queued_tokens} prompt tokens in flight (bound "
                                  f"{bound}) and {self.room.tokens} in {len(self.room)} waiting call(s) (bound "
-                                 f"{self.room.max_tokens} tokens, {self.room.max_calls} calls); {total} more do "
-                                 "not fit; retry later", retry_after=self.retry_after_s())
-        w = Waiter(total, deadline, call.prompts, asyncio.get_running_loop().create_future())
-        self.room.add(w)
+                                 f"{self.room.max_tokens} tokens, {self.room.max_calls} calls; this client "
+                                 f"holds {self.room.held.get(client, 0)} of them); {total} more do not fit; retry "
+                                 "later", retry_after=self.retry_after_s())
+        for p in pushed:  # counted by the route that answers them
+            if not p.future.done():
+                p.future.set_exception(HttpError(429, f"this call waited in a full waiting room while its client "
+                                                      f"({p.client}) held more than its share of it; a call of "
+                                                      "another client took its place; retry later",
+                                                      retry_after=self.retry_after_s()))
+        self._drain_room()
+        if w.future.done():  # admitted at once
+            return w.future.result()
         self.wake.set()
         try:
             done, _ = await asyncio.wait({w.future}, timeout=max(0.0, deadline - time.monotonic()))
@@ -230,8 +271,8 @@ class Engine:
                                  f"{self.opts.request_timeout_s:g} s")
         return w.future.result()  # or its error (504, or 503 if the service failed or stops)
 
-    def _start(self, prompts: list, deadline: float) -> tuple:
-        """Hand a call's prompts to the front end: ``(request ids, futures)``."""
+    def _start(self, prompts: list, deadline: float, client: str = "") -> tuple:
+        """Hand a call's prompts (of ``client``) to the front end: ``(request ids, futures)``."""
         loop = asyncio.get_running_loop()
         rids, futs = [], []
         for p in prompts:
@@ -242,6 +283,9 @@ class Engine:
             except Rejected as e:  # validated already: not expected
                 self.cancel(rids)
                 raise HttpError(400, e.reason, "prompt") from None
+            n = int(p.numel())
+            self.client_of[rid] = (client, n)
+            self.client_tokens[client] = self.client_tokens.get(client, 0) + n
             fut = loop.create_future()
             self.futures[rid] = fut
             self.deadline_of[rid] = deadline
@@ -254,6 +298,7 @@ class Engine:
     def cancel(self, rids: list) -> None:
         """Cancel admitted requests (their client left, or the call failed): their tokens come back at once."""
         for rid in rids:
+            self._release(rid)
             fut = self.futures.pop(rid, None)
             self.deadline_of.pop(rid, None)
             if self.fe.cancel(rid) and fut is not None:

@@ -38,6 +38,11 @@ class ServiceMetrics:
         self.waiting_tokens = Gauge("asap_waiting_prompt_tokens", "Prompt tokens of the calls in the waiting "
                                     "room (bounded by --max-waiting-tokens)", registry=r)
         self.waiting_tokens.set_function(lambda: svc.room.tokens)
+        self.closed = Counter("asap_connections_closed", "Connections the service closed by reason (header_timeout, "
+                              "idle, evicted: the oldest idle one at --max-connections, refused: 503 at the limit)",
+                              ["reason"], registry=r)
+        self.open = Gauge("asap_open_connections", "Connections open now", registry=r)
+        self.limit = Gauge("asap_connections_limit", "--max-connections", registry=r)
         r.register(WorkerCollector(svc))
         r.register(LaneCollector(svc))
 
@@ -46,6 +51,15 @@ class ServiceMetrics:
         self.ttft.observe(c.done_s)
         self.queue.observe(c.queue_s)
         self.prompt.inc(c.tokens)
+
+    def watch_connections(self, guard) -> None:
+        """Report ``guard``'s (a ``frontdoor.ConnectionGuard``) open connections and limit."""
+        self.open.set_function(lambda: len(guard))
+        self.limit.set(guard.max_connections)
+
+    def connection_closed(self, reason: str) -> None:
+        """One more connection closed by the front door, in ``asap_connections_closed_total{reason}``."""
+        self.closed.labels(reason).inc()
 
     def count(self, outcome: str) -> None:
         """One more request in ``asap_requests_total{outcome}``."""

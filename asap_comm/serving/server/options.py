@@ -13,7 +13,11 @@ __all__ = ["ServiceOptions"]
 class ServiceOptions:
     """The HTTP side's settings (the runtime's are a ``RuntimeConfig``). ``max_body_bytes`` and
     ``max_waiting_tokens`` of None take their defaults from ``max_queued_tokens`` (see :attr:`body_bound`,
-    :attr:`waiting_bound`); ``api_key`` None: no authentication."""
+    :attr:`waiting_bound`); ``api_key`` None: no authentication. The front door (``.frontdoor``): a connection
+    must send a request's headers within ``header_timeout_s`` of its first byte, an idle one is closed after
+    ``idle_timeout_s``, at most ``max_connections`` are open (None: the file limit less 128, see
+    :func:`~.frontdoor.default_max_connections`), and a body must arrive at ``min_body_rate`` bytes/s or more
+    (averaged over every ``request.BODY_RATE_WINDOW_S``; 408 otherwise)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -27,16 +31,22 @@ class ServiceOptions:
     max_body_bytes: "int | None" = None
     max_waiting_tokens: "int | None" = None
     worker_stall_s: float = 10.0
+    header_timeout_s: float = 10.0
+    idle_timeout_s: float = 60.0
+    max_connections: "int | None" = None
+    min_body_rate: int = 16384
     api_key: "str | None" = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.port, int) and 0 <= self.port < 65536):
             raise ValueError(f"ServiceOptions: port={self.port!r} must be in [0, 65536)")
-        for name in ("max_queued_tokens", "max_body_bytes", "max_waiting_tokens"):
+        for name in ("max_queued_tokens", "max_body_bytes", "max_waiting_tokens", "max_connections", "min_body_rate"):
             v = getattr(self, name)
-            if (v is not None or name == "max_queued_tokens") and not (isinstance(v, int) and v >= 1):
+            required = name in ("max_queued_tokens", "min_body_rate")
+            if (v is not None or required) and not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"ServiceOptions: {name}={v!r} must be an int >= 1")
-        for name in ("request_timeout_s", "drain_timeout_s", "failure_exit_s", "worker_stall_s"):
+        for name in ("request_timeout_s", "drain_timeout_s", "failure_exit_s", "worker_stall_s", "header_timeout_s",
+                     "idle_timeout_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"ServiceOptions: {name}={v!r} must be a positive number of seconds")
@@ -44,6 +54,9 @@ class ServiceOptions:
             raise ValueError(f"ServiceOptions: mode={self.mode!r} must be 'async' or 'sync'")
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
             raise ValueError("ServiceOptions: api_key must be a non-empty string (or None: no authentication)")
+        if self.api_key is not None and self.api_key != self.api_key.strip():
+            raise ValueError("ServiceOptions: api_key has surrounding whitespace (a trailing newline?); strip it "
+                             "(service_options does, and says so)")
 
     @property
     def body_bound(self) -> int:

@@ -11,8 +11,8 @@ exception:
   ``Content-Encoding`` (415), a ``Content-Length`` within the bound (413
   before a byte is read);
 * :func:`read_body`: at most ``max_bytes`` (413 as soon as a chunked body
-  passes it), within the request's deadline (408), from a shared
-  :class:`BodyBudget` (429);
+  passes it), within the request's deadline and at a minimum rate (408),
+  charged to a shared :class:`BodyBudget` (429);
 * ``schemas.parse_call`` (in the front end for small bodies, in the
   parse process for large ones): UTF-8, JSON, the fields and the prompts;
 * :func:`completion_of`: the prompts as int64 tensors ``[len_i]`` (text
@@ -32,12 +32,14 @@ from ..frontend import validate
 from ..protocol import PromptRequest
 from .schemas import MAX_BATCH, Call, HttpError, check_fields, check_id_lists, decode_body, describe
 
-__all__ = ["HttpError", "BodyBudget", "Completion", "MAX_BATCH", "BYTES_PER_TOKEN", "BODY_SLACK_BYTES",
+__all__ = ["HttpError", "BodyBudget", "BodyLease", "BODY_RATE_WINDOW_S", "Completion", "MAX_BATCH", "BYTES_PER_TOKEN",
+           "BODY_SLACK_BYTES",
            "default_max_body_bytes", "check_content_type", "check_headers", "read_body", "decode_body",
            "completion_of", "parse_completion", "describe", "api_key_matches", "ClientErrorFilter"]
 
 BYTES_PER_TOKEN = 16  # body bytes allowed per admissible prompt token: "123456, " is 8; room for whitespace
 BODY_SLACK_BYTES = 1 << 20  # plus this much for the other fields, a batch's brackets and pretty-printing
+BODY_RATE_WINDOW_S = 5.0  # --min-body-rate is averaged over windows of this long
 
 
 def default_max_body_bytes(max_queued_tokens: int) -> int:
@@ -104,12 +106,27 @@ def check_content_type(content_type: "str | None", content_encoding: "str | None
 
 class BodyBudget:
     """The request-body bytes held at once across all requests (read, or waiting to be parsed): bounds what many
-    concurrent bodies cost. One event loop owns it (``take`` and ``give`` are not thread-safe)."""
+    concurrent bodies cost, and keeps stalled large uploads from locking small calls out.
 
-    def __init__(self, total: int) -> None:
-        self.total, self.used = total, 0
+    ``total`` bytes in all. A body is *small* while it holds at most ``small`` bytes (it is parsed inline) and
+    *large* after. Large bodies together hold at most ``total - reserve``: the ``reserve`` stays for small ones;
+    the large bodies of one client (``BodyLease.client``) hold at most ``per_client``. Each body charges a
+    :class:`BodyLease` (:meth:`lease`). One event loop owns it (not thread-safe)."""
+
+    def __init__(self, total: int, reserve: int = 0, per_client: "int | None" = None, small: int = 0) -> None:
+        if not 0 <= reserve < total:
+            raise ValueError(f"BodyBudget: reserve={reserve} must be in [0, total={total})")
+        self.total, self.reserve, self.small = total, reserve, small
+        self.per_client = per_client if per_client is not None else total
+        self.used = 0  # all bodies
+        self.large = 0  # large bodies
+        self.by_client: dict = {}  # client -> bytes of its large bodies
+
+    def lease(self, client: str = "") -> "BodyLease":
+        return BodyLease(self, client)
 
     def take(self, n: int) -> bool:
+        """Charge ``n`` bytes of an anonymous small body (kept for callers without a lease)."""
         if self.used + n > self.total:
             return False
         self.used += n
@@ -117,6 +134,49 @@ class BodyBudget:
 
     def give(self, n: int) -> None:
         self.used -= n
+
+
+class BodyLease:
+    """The bytes of one body, charged to a :class:`BodyBudget` as they arrive (:meth:`take`) and given back all at
+    once (:meth:`release`, idempotent)."""
+
+    def __init__(self, budget: BodyBudget, client: str) -> None:
+        self.budget, self.client, self.held, self.is_large = budget, client, 0, False
+
+    def take(self, n: int) -> "str | None":
+        """Charge ``n`` more bytes; None, or why not (the message of a 429)."""
+        b = self.budget
+        if b.used + n > b.total:
+            return f"the service holds {b.used} bytes of request bodies (bound {b.total})"
+        if self.held + n > b.small:
+            move = n if self.is_large else self.held + n  # a body that turns large brings what it held
+            if b.large + move > b.total - b.reserve:
+                return (f"large request bodies hold {b.large} bytes (bound {b.total - b.reserve}; the other "
+                        f"{b.reserve} bytes are kept for bodies of up to {b.small} bytes)")
+            mine = b.by_client.get(self.client, 0)
+            if mine + move > b.per_client:
+                return (f"this client ({self.client}) holds {mine} bytes of request bodies being received or parsed "
+                        f"(bound {b.per_client} per client)")
+            b.large += move
+            b.by_client[self.client] = mine + move
+            self.is_large = True
+        b.used += n
+        self.held += n
+        return None
+
+    def release(self) -> None:
+        b, n = self.budget, self.held
+        if not n:
+            return
+        b.used -= n
+        if self.is_large:
+            b.large -= n
+            left = b.by_client.get(self.client, 0) - n
+            if left > 0:
+                b.by_client[self.client] = left
+            else:
+                b.by_client.pop(self.client, None)
+        self.held, self.is_large = 0, False
 
 
 def check_headers(headers, max_bytes: int) -> None:
@@ -132,38 +192,50 @@ def check_headers(headers, max_bytes: int) -> None:
                                  f"{max_bytes} bytes (--max-body-bytes)")
 
 
-async def read_body(request, max_bytes: int, timeout_s: float, budget: BodyBudget, held: list) -> bytes:
+async def read_body(request, max_bytes: int, timeout_s: float, lease: BodyLease, min_rate: int = 0) -> bytes:
     """The body of an aiohttp ``request``, at most ``max_bytes`` (413 from ``Content-Length`` before reading a
-    byte, or as soon as a chunked body passes the bound), read within ``timeout_s`` (408). Every byte is taken
-    from ``budget`` first (429 when other bodies hold it); ``held[0]`` counts what this call took, for the
-    caller to give back once the body is parsed or dropped."""
+    byte, or as soon as a chunked body passes the bound), read within ``timeout_s`` (408) and at ``min_rate``
+    bytes/s or more, averaged over every ``BODY_RATE_WINDOW_S`` (408 as soon as a window falls short; 0: no
+    minimum). Every byte is charged to ``lease`` first (429 when the budget refuses it); the caller releases
+    the lease once the body is parsed or dropped."""
     from aiohttp.web_protocol import RequestPayloadError
 
     check_headers(request.headers, max_bytes)
     length = request.headers.get("Content-Length")
     length = int(length) if length is not None else None
     buf = bytearray()
-    try:
-        async with _timeout(timeout_s):
-            while length is None or len(buf) < length:  # with a length, no read waits for the end
-                try:
-                    chunk = await request.content.readany()
-                except (ConnectionError, RequestPayloadError) as e:  # the client left, or broke the chunked framing
-                    raise HttpError(400, f"the request body broke off after {len(buf)} bytes: {_clip(str(e), 120)}",
-                                    close=True) from None
-                if not chunk:
-                    break
-                if len(buf) + len(chunk) > max_bytes:
-                    raise HttpError(413, f"request body is larger than this service's bound of {max_bytes} bytes "
-                                         "(--max-body-bytes); it was cut off there", close=True)
-                if not budget.take(len(chunk)):
-                    raise HttpError(429, f"the service holds {budget.used} bytes of other request bodies (bound "
-                                         f"{budget.total}); retry later", retry_after=1, close=True)
-                held[0] += len(chunk)
-                buf += chunk
-    except asyncio.TimeoutError:
-        raise HttpError(408, f"the request body did not arrive within {timeout_s:.3g} s ({len(buf)} bytes came)",
-                        close=True) from None
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    end = start + timeout_s
+    window_end, window_bytes, need = start + BODY_RATE_WINDOW_S, 0, min_rate * BODY_RATE_WINDOW_S
+    while length is None or len(buf) < length:  # with a length, no read waits for the end
+        now = loop.time()
+        if now >= end:
+            raise HttpError(408, f"the request body did not arrive within {timeout_s:.3g} s ({len(buf)} bytes came)",
+                            close=True)
+        if min_rate and now >= window_end:
+            if len(buf) - window_bytes < need:
+                raise HttpError(408, f"the request body came too slowly: {len(buf) - window_bytes} bytes in the last "
+                                     f"{BODY_RATE_WINDOW_S:g} s ({len(buf)} in all), less than --min-body-rate "
+                                     f"{min_rate} bytes/s", close=True)
+            window_end, window_bytes = now + BODY_RATE_WINDOW_S, len(buf)
+        try:
+            async with _timeout((min(end, window_end) if min_rate else end) - now):
+                chunk = await request.content.readany()
+        except asyncio.TimeoutError:
+            continue  # a bound passed: checked above
+        except (ConnectionError, RequestPayloadError) as e:  # the client left, or broke the chunked framing
+            raise HttpError(400, f"the request body broke off after {len(buf)} bytes: {_clip(str(e), 120)}",
+                            close=True) from None
+        if not chunk:
+            break
+        if len(buf) + len(chunk) > max_bytes:
+            raise HttpError(413, f"request body is larger than this service's bound of {max_bytes} bytes "
+                                 "(--max-body-bytes); it was cut off there", close=True)
+        refused = lease.take(len(chunk))
+        if refused is not None:
+            raise HttpError(429, f"{refused}; retry later", retry_after=1, close=True)
+        buf += chunk
     return bytes(buf)
 
 
@@ -190,7 +262,7 @@ class _Deadline:
         return False
 
 
-_timeout = getattr(asyncio, "timeout", _Deadline)  # a timer per body, not a task per read
+_timeout = getattr(asyncio, "timeout", _Deadline)  # a timer per read, not a task per read
 
 
 @dataclass

@@ -15,9 +15,10 @@ from ..group import GroupSpec, group_main
 from ..protocol import RuntimeConfig
 from ..sync import check_config
 from .app import HttpFront
+from .frontdoor import remove_stale_segments
 from .options import ServiceOptions
 
-__all__ = ["service_main", "serve_on_this_host", "serve_one_pe"]
+__all__ = ["service_main", "serve_on_this_host", "serve_one_pe", "StopFlag", "remove_stale"]
 
 
 def service_main(comm, spec: GroupSpec):
@@ -29,12 +30,37 @@ def service_main(comm, spec: GroupSpec):
     return group_main(comm, spec)
 
 
+class StopFlag:
+    """The stop request the launcher's signal handler sets and the front-end PE polls (``set``/``is_set``, as an
+    ``Event``): one byte of anonymous shared memory, so that a crash of the whole process tree leaves no named
+    semaphore (``/dev/shm/sem.mp-*``, which an ``mp.Event`` is made of) behind. Picklable to a spawned child."""
+
+    def __init__(self) -> None:
+        self._flag = mp.get_context("spawn").RawValue("b", 0)
+
+    def set(self) -> None:
+        self._flag.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._flag.value)
+
+
+def remove_stale(shm_dir: str = "/dev/shm") -> None:
+    """At start-up: remove what a crashed service of this user left in ``shm_dir`` (``frontdoor.remove_stale_segments``:
+    only files no live process holds), and say so."""
+    removed = remove_stale_segments(shm_dir)
+    if removed:
+        names = ", ".join(os.path.basename(p) for p in removed[:8]) + (" ..." if len(removed) > 8 else "")
+        print(f"asap serve: removed {len(removed)} stale shared-memory file(s) of this user that no live process "
+              f"holds (left by a crash): {names}", file=sys.stderr, flush=True)
+
+
 def serve_on_this_host(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions) -> int:
     """The whole service on this host: ``launch`` the workers and the front end (the group's last PE) until a
     signal or a failure. Returns the exit status."""
     if not _can_listen(opts):
         return 2
-    stop = mp.get_context("spawn").Event()
+    stop = StopFlag()
     front = HttpFront(opts, stop)
     return _handling_signals(_stop_on_signals(stop), lambda: _launch_here(args, factory, info, cfg, opts, front))
 

@@ -1,0 +1,180 @@
+"""Fair admission per client for the HTTP service: the waiting room of ``..waiting_room``, with one queue per
+client served in turn, and a share of the admission bound per active client.
+
+A client is the caller's peer address (``app.client_of``). The rule, for a
+call of ``t`` prompt tokens from client ``c`` (calls over the admission
+bound got 413 before):
+
+* **Share.** A client is *active* while it has tokens admitted or calls
+  waiting, and for ``LINGER_S`` after its last call ended (so that a client
+  that sends one call after another keeps its share between calls). Each
+  active client may hold ``bound // active`` admitted tokens; a client with
+  nothing admitted may always start one call that fits under the bound.
+* **Turns.** Waiting calls queue per client, first come first served within
+  a client; the clients take turns (round robin, one call per turn). A
+  client over its share is skipped until its own calls finish; a call within
+  its share that does not fit under the bound stops the turns until it does
+  (nobody passes it: no starvation, as in ``waiting_room``).
+* **Room.** The room holds ``max_tokens`` tokens in ``max_calls`` calls. A
+  call that finds it full, from a client holding no more than its share of
+  the room (``max_tokens`` / clients waiting), makes room: the newest
+  waiting calls of the client holding the most get 429 until it fits. So
+  one client that floods fills the room only while nobody else needs it.
+
+A call is admitted at once exactly when it would be admitted at the head of
+its turn: the engine adds it and runs the turns.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["FairWaiter", "FairRoom", "LINGER_S"]
+
+LINGER_S = 1.0  # a client stays active this long after its last call ended
+
+
+@dataclass(eq=False)
+class FairWaiter:
+    """One waiting call: its prompt tokens, deadline (the caller's clock), client, and what its owner admits
+    (``call``) and resolves when it does (``future``)."""
+
+    tokens: int
+    deadline: float
+    call: object = None
+    future: object = None
+    client: str = ""
+
+
+class FairRoom:
+    """Per-client FIFOs of :class:`FairWaiter`, bounded by ``max_tokens`` waiting tokens and ``max_calls`` calls
+    in all, served in turn by :meth:`take_ready`. One thread owns it."""
+
+    def __init__(self, max_tokens: int, max_calls: int) -> None:
+        if not (isinstance(max_tokens, int) and max_tokens >= 1):
+            raise ValueError(f"FairRoom: max_tokens={max_tokens!r} must be an int >= 1")
+        if not (isinstance(max_calls, int) and max_calls >= 1):
+            raise ValueError(f"FairRoom: max_calls={max_calls!r} must be an int >= 1")
+        self.max_tokens, self.max_calls = max_tokens, max_calls
+        self.queues: dict = {}  # client -> deque of its waiters
+        self.turn: deque = deque()  # clients with waiters, the next to be served first
+        self.held: dict = {}  # client -> its waiting tokens
+        self.tokens = 0
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return self.calls
+
+    def clients(self) -> set:
+        return set(self.queues)
+
+    def has_room(self, tokens: int) -> bool:
+        return self.calls < self.max_calls and self.tokens + tokens <= self.max_tokens
+
+    def add(self, w: FairWaiter) -> "list | None":
+        """Queue ``w`` last among its client's calls, making room if the room is full and ``w``'s client holds no
+        more than its share (see the module docstring). Returns the calls pushed out to make room (the caller
+        answers them 429), or None if ``w`` found no room (it was not added)."""
+        out: list = []
+        if not self.has_room(w.tokens):
+            n = len(self.queues) + (w.client not in self.queues)
+            fair_tokens, fair_calls = self.max_tokens / n, self.max_calls / n
+            mine = self.held.get(w.client, 0)
+            if mine + w.tokens > fair_tokens or len(self.queues.get(w.client, ())) + 1 > fair_calls:
+                return None
+            while not self.has_room(w.tokens):
+                others = [c for c in self.queues if c != w.client]
+                if not others:
+                    break
+                top = max(others, key=lambda c: (self.held[c], len(self.queues[c])))
+                if self.held[top] <= fair_tokens and len(self.queues[top]) <= fair_calls:
+                    break
+                victim = self.queues[top][-1]
+                self.remove(victim)
+                out.append(victim)
+            if not self.has_room(w.tokens):  # nothing gained: put them back, as they were
+                self._put_back(reversed(out))
+                return None
+        q = self.queues.get(w.client)
+        if q is None:
+            q = self.queues[w.client] = deque()
+            self.turn.append(w.client)
+        q.append(w)
+        self.held[w.client] = self.held.get(w.client, 0) + w.tokens
+        self.tokens += w.tokens
+        self.calls += 1
+        return out
+
+    def _put_back(self, ws) -> None:
+        for w in ws:  # each was the newest of its client
+            q = self.queues.get(w.client)
+            if q is None:
+                q = self.queues[w.client] = deque()
+                self.turn.append(w.client)
+            q.append(w)
+            self.held[w.client] = self.held.get(w.client, 0) + w.tokens
+            self.tokens += w.tokens
+            self.calls += 1
+
+    def remove(self, w: FairWaiter) -> bool:
+        """Take ``w`` out (its client left, its deadline passed, or it made room); False if it is not here."""
+        q = self.queues.get(w.client)
+        if q is None:
+            return False
+        try:
+            q.remove(w)
+        except ValueError:
+            return False
+        self._taken(w)
+        return True
+
+    def _taken(self, w: FairWaiter) -> None:
+        self.tokens -= w.tokens
+        self.calls -= 1
+        left = self.held[w.client] - w.tokens
+        if self.queues[w.client]:
+            self.held[w.client] = left
+        else:
+            del self.queues[w.client], self.held[w.client]
+            self.turn.remove(w.client)
+
+    def take_ready(self, free_tokens: int, admitted: dict, share: int, now: float) -> tuple:
+        """``(admit, expired)``: the turns (module docstring) over ``free_tokens`` free admission tokens, with
+        ``admitted`` (client -> its admitted tokens; not changed) and each client's ``share``. Both leave the
+        room."""
+        admit, expired = [], []
+        mine = dict(admitted)
+        skipped = 0
+        while self.turn and skipped < len(self.turn):
+            c = self.turn[0]
+            w = self.queues[c][0]
+            if w.deadline <= now:
+                self.queues[c].popleft()
+                self._taken(w)
+                expired.append(w)
+                continue
+            held = mine.get(c, 0)
+            if held and held + w.tokens > share:  # over its share: its own calls must finish first
+                self.turn.rotate(-1)
+                skipped += 1
+                continue
+            if w.tokens > free_tokens:
+                break  # within its share but no room under the bound: nobody passes it
+            self.queues[c].popleft()
+            self._taken(w)
+            admit.append(w)
+            free_tokens -= w.tokens
+            mine[c] = held + w.tokens
+            if c in self.queues and self.turn and self.turn[0] == c:
+                self.turn.rotate(-1)  # its turn is over
+            skipped = 0
+        return admit, expired
+
+    def take_all(self) -> list:
+        """Every waiting call; the room is empty after."""
+        out = [w for q in self.queues.values() for w in q]
+        self.queues.clear()
+        self.turn.clear()
+        self.held.clear()
+        self.tokens = self.calls = 0
+        return out

@@ -1,0 +1,221 @@
+"""The front door's parts without a service (the cheap tier of tests/test_serving_http_frontdoor.py): the fair
+waiting room, the body budget's reserve and per-client cap, the connection guard's timeouts and limit, the
+accept-error log filter, the stale-segment sweep, and the API key's whitespace."""
+import argparse
+import logging
+import os
+import resource
+import time
+
+import pytest
+
+from asap_comm.serving.server import build_parser, service_options
+from asap_comm.serving.server.fairness import FairRoom, FairWaiter
+from asap_comm.serving.server.frontdoor import (AcceptErrorFilter, ConnectionGuard, check_connection_limit,
+                                                default_max_connections, remove_stale_segments)
+from asap_comm.serving.server.options import ServiceOptions
+from asap_comm.serving.server.request import BodyBudget
+
+
+# ----------------------------------------------------------------------------- fairness
+def _w(client: str, tokens: int, deadline: float = 1e9) -> FairWaiter:
+    return FairWaiter(tokens, deadline, client=client)
+
+
+def test_fair_room_takes_turns_and_skips_a_client_over_its_share():
+    room = FairRoom(max_tokens=10_000, max_calls=100)
+    for _ in range(6):
+        assert room.add(_w("A", 100)) == []
+    room.add(_w("B", 100))
+    # A holds 400 admitted tokens, its share is 500: A's next call fits, then B's, then A is over its share
+    admit, expired = room.take_ready(free_tokens=1000, admitted={"A": 400}, share=500, now=0.0)
+    assert [w.client for w in admit] == ["A", "B"] and not expired
+    assert len(room) == 5 and room.tokens == 500 and room.held == {"A": 500}
+    # a call within its share that does not fit stops the turns: nobody passes it
+    room.add(_w("C", 300))
+    admit, _ = room.take_ready(free_tokens=200, admitted={}, share=1000, now=0.0)
+    assert [w.client for w in admit] == ["A"]  # A's turn came first, C's 300 does not fit the remaining 100
+    admit, _ = room.take_ready(free_tokens=250, admitted={}, share=1000, now=0.0)
+    assert admit == []  # C is next and waits for room; A does not pass it
+    admit, _ = room.take_ready(free_tokens=300, admitted={}, share=1000, now=0.0)
+    assert [w.client for w in admit] == ["C"]
+
+
+def test_fair_room_expires_at_the_head_and_a_newcomer_pushes_out_the_flooder():
+    room = FairRoom(max_tokens=1000, max_calls=10)
+    for _ in range(10):
+        assert room.add(_w("A", 100)) == []
+    assert not room.has_room(1)
+    pushed = room.add(_w("B", 100))  # B holds nothing: A's newest waiting call makes room
+    assert [w.client for w in pushed] == ["A"] and room.held == {"A": 900, "B": 100}
+    assert room.add(_w("A", 100)) is None  # A, over its share of the room, gets no room
+    old = _w("B", 50, deadline=1.0)
+    room2 = FairRoom(max_tokens=1000, max_calls=10)
+    room2.add(old)
+    admit, expired = room2.take_ready(free_tokens=1000, admitted={}, share=1000, now=2.0)
+    assert expired == [old] and admit == [] and len(room2) == 0 and room2.clients() == set()
+    with pytest.raises(ValueError, match="max_tokens"):
+        FairRoom(0, 1)
+
+
+def test_fair_room_remove_and_take_all_keep_the_counts():
+    room = FairRoom(max_tokens=1000, max_calls=10)
+    ws = [_w(c, 10 * (i + 1)) for i, c in enumerate("ABAB")]
+    for w in ws:
+        room.add(w)
+    assert room.remove(ws[1]) and not room.remove(ws[1])
+    assert room.tokens == 10 + 30 + 40 and room.held == {"A": 40, "B": 40}
+    assert sorted(w.tokens for w in room.take_all()) == [10, 30, 40]
+    assert len(room) == 0 and room.tokens == 0 and not room.turn
+
+
+# ----------------------------------------------------------------------------- the body budget
+def test_body_budget_keeps_a_reserve_for_small_bodies_and_caps_a_client():
+    b = BodyBudget(total=8000, reserve=1000, per_client=2000, small=100)
+    big = [b.lease("A") for _ in range(3)]
+    assert big[0].take(50) is None and big[0].take(950) is None  # turns large: all 1000 move to the large pool
+    assert big[1].take(1000) is None
+    assert "per client" in big[2].take(1000)  # A's third large body
+    others = [b.lease(f"C{i}") for i in range(5)]
+    assert [o.take(1000) for o in others[:5]][:5].count(None) == 5
+    assert b.large == 7000 and "kept for bodies of up to 100" in b.lease("D").take(200)
+    small = [b.lease("A") for _ in range(10)]
+    assert all(s.take(100) is None for s in small)  # the reserve: small bodies of the capped client still fit
+    assert b.used == 8000 and "bound 8000" in b.lease("E").take(1)
+    for lease in big + others + small:
+        lease.release()
+        lease.release()  # idempotent
+    assert b.used == 0 and b.large == 0 and b.by_client == {}
+
+
+# ----------------------------------------------------------------------------- connections
+class _Transport:
+    def __init__(self) -> None:
+        self.written, self.closed, self.aborted = b"", False, False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+
+class _Inner:
+    def __init__(self) -> None:
+        self.data, self.made, self.lost = b"", False, False
+
+    def connection_made(self, t) -> None:
+        self.made = True
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+
+
+def test_guard_times_out_headers_and_idle_connections_and_makes_room_at_the_limit():
+    closed = []
+    g = ConnectionGuard(_Inner, header_timeout_s=2.0, idle_timeout_s=5.0, max_connections=3, count=closed.append)
+    conns = []
+    for _ in range(3):
+        c = g.protocol()
+        c.connection_made(_Transport())
+        conns.append(c)
+    slow, idle, busy = conns
+    slow.data_received(b"GET / HTTP/1.1\r\nHost")  # headers that never end
+    busy.data_received(b"GET / HTTP/1.1\r\nHost: x\r")
+    busy.data_received(b"\n\r\n")  # complete across two reads
+    assert busy.busy and not slow.busy and busy.inner.data == b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+    now = time.monotonic()
+    g.sweep(now + 1.0)
+    assert closed == []
+    g.sweep(now + 2.5)
+    assert closed == ["header_timeout"] and slow.transport.written.startswith(b"HTTP/1.1 408 ")
+    assert slow.transport.closed and len(g) == 2
+    # at the limit, the oldest connection not in a request is closed to make room
+    g.end(busy.transport)  # the request ended: busy is idle now, newer than `idle`
+    extra = [g.protocol() for _ in range(2)]
+    for c in extra:
+        c.connection_made(_Transport())
+    assert closed == ["header_timeout", "evicted"] and idle.transport.aborted and not busy.transport.aborted
+    # every open connection in a request: a new one gets 503
+    for c in [busy] + extra:
+        g.begin(c.transport)
+    late = g.protocol()
+    late.connection_made(_Transport())
+    assert closed[-1] == "refused" and late.transport.written.startswith(b"HTTP/1.1 503 ") and not late.inner.made
+    late.connection_lost(None)  # never started: aiohttp's protocol is not told
+    assert not late.inner.lost
+    for c in [busy] + extra:
+        g.end(c.transport)
+    g.sweep(time.monotonic() + 6.0)
+    assert closed.count("idle") == 3 and len(g) == 0
+
+
+def test_accept_errors_are_logged_once_per_interval_without_a_traceback():
+    f = AcceptErrorFilter(interval_s=60.0)
+    try:
+        raise OSError(24, "Too many open files")
+    except OSError:
+        import sys
+        exc_info = sys.exc_info()
+    records = [logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system resource",
+                                 (), exc_info) for _ in range(100)]
+    passed = [r for r in records if f.filter(r)]
+    assert len(passed) == 1 and passed[0].exc_info is None and "Too many open files" in passed[0].getMessage()
+    other = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "something else", (), exc_info)
+    assert f.filter(other) and other.exc_info is exc_info
+
+
+def test_connection_limit_is_below_the_file_limit():
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert default_max_connections() < soft
+    check_connection_limit(None)
+    check_connection_limit(default_max_connections())
+    with pytest.raises(ValueError, match=r"--max-connections .* RLIMIT_NOFILE is"):
+        check_connection_limit(soft)
+    with pytest.raises(ValueError, match="max_connections"):
+        ServiceOptions(max_connections=0)
+    with pytest.raises(ValueError, match="header_timeout_s"):
+        ServiceOptions(header_timeout_s=0)
+
+
+# ----------------------------------------------------------------------------- what a crash leaves
+def test_stale_segments_are_removed_only_when_nobody_holds_them(tmp_path):
+    def plant(name: str, age_s: float) -> str:
+        p = tmp_path / name
+        p.write_bytes(b"x")
+        os.utime(p, (time.time() - age_s, time.time() - age_s))
+        return str(p)
+
+    stale = [plant("asap-aaaa", 600), plant("sem.mp-bbbb", 600)]
+    young = plant("asap-cccc", 5)
+    other = plant("unrelated", 600)
+    held = plant("asap-dddd", 600)
+    fd = os.open(held, os.O_RDONLY)
+    try:
+        removed = remove_stale_segments(str(tmp_path))
+    finally:
+        os.close(fd)
+    assert sorted(removed) == sorted(stale)
+    assert all(os.path.exists(p) for p in (young, other, held))
+
+
+# ----------------------------------------------------------------------------- the API key
+def test_the_key_is_stripped_of_surrounding_whitespace_and_said_so(capsys):
+    args = build_parser().parse_args([])
+    opts = service_options(args, {"ASAP_API_KEY": "s3cret\n"})
+    assert opts.api_key == "s3cret" and "stripped" in capsys.readouterr().err
+    opts = service_options(argparse.Namespace(**{**vars(args), "api_key": " k "}), {})
+    assert opts.api_key == "k"
+    with pytest.raises(ValueError, match="empty"):
+        service_options(args, {"ASAP_API_KEY": "\n"})
+    with pytest.raises(ValueError, match="whitespace"):
+        ServiceOptions(api_key="k\n")
