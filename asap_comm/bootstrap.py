@@ -86,11 +86,18 @@ def _form(comm, rank: int, world: int, keeper: Keeper) -> None:
                           for pe in range(world)]
     gs.rendezvous("hosts")  # every PE read every host before any refuses (a refusing store host ends the store)
     spans = len(set(hosts)) > 1
+    refusal = None  # every PE reaches the same verdict from the same hosts
     if spans and found.source == "file":
-        raise spans_hosts_without_secret(hosts)
-    if spans and comm._backend_arg == "shm":
-        raise CommError(f"init: backend='shm' needs every PE on one host, but this group spans "
-                        f"{len(set(hosts))} hosts ({host_summary(hosts)}); use backend='auto'")
+        refusal = spans_hosts_without_secret(hosts)
+    elif spans and comm._backend_arg == "shm":
+        refusal = CommError(f"init: backend='shm' needs every PE on one host, but this group spans "
+                            f"{len(set(hosts))} hosts ({host_summary(hosts)}); use backend='auto'")
+    if refusal is not None:
+        try:  # rank 0 (which usually hosts the store) leaves after every PE read its release of "hosts"
+            gs.arrive("refused")
+        except CommError:
+            pass
+        raise refusal
     comm.local_pes = [pe for pe in range(world) if hosts[pe] == comm.host_id]
     comm.local_rank = comm.local_pes.index(rank)
     comm.local_world_size = len(comm.local_pes)

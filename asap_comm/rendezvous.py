@@ -169,6 +169,14 @@ class Keeper:
             self._serve.append(fn)
             self._wake()
 
+    def arrive(self, key: str) -> None:
+        """Every PE but rank 0 publishes its arrival at ``key`` and goes on; rank 0 waits for all of them."""
+        if self.rank == 0:
+            for pe in range(1, self._world):
+                self._read(self.prefix, f"{key}/{pe}", f"PE {pe} at {key!r}")
+        else:
+            self._publish(self.prefix, f"{key}/{self.rank}", b"1")
+
     def formed(self) -> None:
         """The group has formed: nothing of its formation is needed any more."""
         with self._cv:
@@ -405,6 +413,14 @@ class GroupStore:
             raise CommTimeoutError(f"init: rendezvous {key!r} did not complete within {self._timeout} s: {e}") \
                 from None
 
+    def arrive(self, key: str) -> None:
+        """Every PE but rank 0 publishes its arrival at ``key`` and goes on; rank 0 waits for all of them."""
+        if self.rank == 0:
+            for pe in range(1, self._world):
+                self._read(self.prefix, f"{key}/{pe}", f"PE {pe} at {key!r}")
+        else:
+            self._publish(self.prefix, f"{key}/{self.rank}", b"1")
+
     def formed(self) -> None:
         """The group has formed (every PE passed its first barrier): the formation's values are no longer
         needed; a value published from now on is kept for ``timeout`` seconds."""
@@ -524,11 +540,13 @@ def _file_secret(store, rank: int, world_size: int, host_id: str, shm_prefix: st
     reader = _Reader(store, keeper, timeout_s)
     try:
         secret = reader.read(f"{_FILE_KEY}ans/{rank}/{nonce}", accept, "rank 0's group secret")
-    except CommTimeoutError as e:
+    except CommError as e:  # the wait ran out, or rank 0 (hosting the store) gave up first and left
         if elsewhere:
             raise CommError(f"init: this group spans hosts (rank 0 on {elsewhere[-1]!r}, this PE on {host_id!r}) "
                             f"and no {SECRET_ENV} is set: a group across hosts needs a shared secret; "
                             f"{_SET_HINT}") from None
+        if not isinstance(e, CommTimeoutError):
+            raise
         raise CommTimeoutError(f"{e}; no {SECRET_ENV} is set, so this PE waited for rank 0 of this host to hand "
                                f"it one; {_SET_HINT} to avoid the hand-over") from None
     finally:
