@@ -29,6 +29,9 @@ Rows (``--only`` names):
                    ``/health`` latency while four clients send 50 MB bodies (against unloaded, same run)
 ``hog-client``     one client sends calls at the admission bound back to back beside three small clients
 ``no-secret``      the service under torchrun on two hosts without ``ASAP_GROUP_SECRET``
+``slowloris``      1,134 connections trickling header bytes into a service with a file limit of 1,024
+``stalled-uploads`` 8 uploads of 1 byte short of the body bound, stalled, beside small calls
+``flood-client``   client A (127.0.0.2) keeps 64 calls in flight; client B (127.0.0.1) calls one at a time
 =================  =====================================================================================
 
 Columns: ``fault``; ``expected``; ``observed``; ``answered`` (the admitted requests and how they were
@@ -76,6 +79,7 @@ import bench_http  # noqa: E402  (/health probes under hostile bodies)
 from _common import git_commit  # noqa: E402
 from asap_comm.rendezvous import loopback_store, new_secret  # noqa: E402
 from asap_comm.serving.client import ServiceProcess  # noqa: E402
+from asap_comm.serving.server.request import default_max_body_bytes  # noqa: E402
 from asap_models import preset, random_init  # noqa: E402
 from faults_lib import (cpu_hogs, http_in_host, in_small_shm, plant_forged_value, plant_old_layout,  # noqa: E402
                         rogue_peer, run_pair, stream_in_order, victim)
@@ -90,6 +94,31 @@ LOSS_MSGS = {"quick": {5: 300, 20: 100}, "full": {5: 1000, 20: 300}}  # mailbox 
 WORKER_STALL_S = 5.0  # --worker-stall-s of the shared service
 FAILURE_EXIT_S = 5.0  # --failure-exit-s
 HOST_PORT = 18080  # the service's port inside a simulated host (each has its own port space)
+DOOR_NOFILE = 1024  # the front-door rows' service: its file limit (RLIMIT_NOFILE)
+FLOOD_SCRIPT = """
+import asyncio, json, sys, time
+import aiohttp
+url, calls, tokens, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+counts = {}
+async def one(session, stop):
+    body = {"prompt": list(range(1, tokens + 1)), "max_tokens": 1}
+    while time.monotonic() < stop:
+        try:
+            async with session.post(url + "/v1/completions", json=body) as r:
+                await r.read()
+                counts[str(r.status)] = counts.get(str(r.status), 0) + 1
+                if r.status == 429:
+                    await asyncio.sleep(0.05)
+        except aiohttp.ClientError:
+            counts["error"] = counts.get("error", 0) + 1
+async def main():
+    stop = time.monotonic() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, local_addr=("127.0.0.2", 0))) as s:
+        print("flooding", flush=True)
+        await asyncio.gather(*(one(s, stop) for _ in range(calls)))
+    print(json.dumps(counts), flush=True)
+asyncio.run(main())
+"""
 LOG_ERRORS = ("Traceback", "Error handling request", "Unhandled exception", "Exception in callback")
 
 T0 = time.monotonic()
@@ -297,6 +326,31 @@ def alive(pid: int) -> bool:
         return False
 
 
+def record(tally: "Tally", r, tokens: list, latency_s: float) -> bool:
+    """Add one answer (an httpx response to a one-prompt call that must get ``tokens[0]``) to ``tally``; whether
+    it was a right 200."""
+    if r.status_code != 200:
+        tally.add(str(r.status_code), error_message(r.text), latency_s)
+        return False
+    tally.add("200", None, latency_s)
+    if r.json()["choices"][0]["token_ids"] != tokens[:1]:
+        tally.wrong += 1
+        return False
+    return True
+
+
+def metric_samples(svc: "Service", name: str) -> dict:
+    """``{(name, sorted labels): value}`` of the samples called ``name`` on the service's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(svc.http.get("/metrics").text):
+        for smp in fam.samples:
+            if smp.name == name:
+                out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
 def descendants(pid: int) -> list:
     """``pid`` and every process below it (from /proc)."""
     children: dict = {}
@@ -331,11 +385,11 @@ def segment_prefixes(pids: list) -> set:
 class Service:
     """The shared one-host service (``ServiceProcess``) with what the rows ask of it."""
 
-    def __init__(self, request_timeout_s: float) -> None:
+    def __init__(self, request_timeout_s: float, extra: "list | None" = None) -> None:
         self.request_timeout_s = request_timeout_s
         args = ["--model", "tiny", "--port", "0", "--max-queued-tokens", str(BOUND), "--request-timeout-s",
                 str(request_timeout_s), "--worker-stall-s", str(WORKER_STALL_S), "--failure-exit-s",
-                str(FAILURE_EXIT_S)]
+                str(FAILURE_EXIT_S)] + list(extra or [])
         t = time.monotonic()
         self.proc = ServiceProcess(args, start_timeout_s=300, cwd=ROOT)
         self.url = self.proc.url
@@ -484,6 +538,7 @@ class Suite:
         self.ref = Reference()
         self.small = self.ref.pool(64, (4, 24), seed=1)
         self._service: "Service | None" = None
+        self._door: "Service | None" = None  # the front-door rows' own service (a lowered file limit)
         self._hosts: "Hosts | None" = None
 
     # shared resources --------------------------------------------------------
@@ -505,6 +560,8 @@ class Suite:
     def close(self) -> None:
         if self._service is not None:
             self._service.stop()
+        if self._door is not None:
+            self._door.stop()
         if self._hosts is not None:
             self._hosts.close()
 
@@ -990,6 +1047,156 @@ class Suite:
         row.details = {"small": dict(st.statuses), "hog": dict(hog_tally.statuses),
                        "examples": both.examples}
 
+    # 13-15. the front door: slowloris at the file limit, stalled uploads, a flooding client ----------------
+    def door(self) -> Service:
+        """A service of its own for the front-door rows: started with a file limit (RLIMIT_NOFILE) of
+        ``DOOR_NOFILE``, ``--header-timeout-s 2 --idle-timeout-s 3``, admission bound 1024 tokens."""
+        if self._door is None or not self._door.running():
+            import resource
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(DOOR_NOFILE, hard), hard))  # inherited
+            try:
+                self._door = Service(30.0, ["--max-queued-tokens", "1024", "--header-timeout-s", "2",
+                                            "--idle-timeout-s", "3", "--chunk-len", "256", "--token-budget", "512"])
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        return self._door
+
+    def slowloris(self, row: Row) -> None:
+        import socket
+        svc = self.door()
+        mark = len(svc.log())
+        host, port = svc.url.split("//")[1].split(":")
+        n, seconds = DOOR_NOFILE + 110, 15.0 if self.mode == "quick" else 30.0
+        socks = []
+        for _ in range(n):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            socks.append(s)
+        log(f"  {n} slowloris connections (file limit {DOOR_NOFILE}) sending a header byte per second "
+            f"for {seconds:.0f} s; /health and calls meanwhile ...")
+        health, calls = Counter(), Tally()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for s in socks:
+                try:
+                    s.send(b"a")
+                except OSError:
+                    pass
+            status, _ = svc.health()
+            health[status] += 1
+            ids, tokens = self.small[calls.admitted % len(self.small)]
+            t = time.monotonic()
+            try:
+                record(calls, svc.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1}), tokens,
+                       time.monotonic() - t)
+            except httpx.HTTPError as e:
+                calls.add("timeout", str(e), time.monotonic() - t)
+            time.sleep(1.0)
+        open_ = 0
+        for s in socks:
+            try:
+                s.setblocking(False)
+                s.recv(1)  # b"" or an answer: closed by the service
+            except BlockingIOError:
+                open_ += 1
+            except OSError:
+                pass
+            s.close()
+        log_text = svc.log()[mark:]
+        closed = {k[1][0][1]: v for k, v in metric_samples(svc, "asap_connections_closed_total").items()}
+        shown = ", ".join(f"{k}: {v}" for k, v in sorted(health.items()))
+        row.observed = (f"{n} slowloris connections: /health {shown}; "
+                        f"calls {calls.answered()}; still open at the end {open_}; closed by the service "
+                        f"{dict(closed)}; stderr {len(log_text)} bytes, 'out of system resource' "
+                        f"{log_text.count('out of system resource')}x; traceback: "
+                        f"{'yes' if log_errors(log_text) else 'no'}")
+        row.answered, row.wrong = calls.answered(), calls.wrong
+        row.passed = (set(health) == {200} and set(calls.statuses) == {"200"} and open_ == 0
+                      and len(log_text) < 4000 and not log_errors(log_text))
+        row.details = {"health": dict(health), "calls": dict(calls.statuses), "closed": closed}
+
+    def stalled_uploads(self, row: Row) -> None:
+        import socket
+        svc = self.door()
+        host, port = svc.url.split("//")[1].split(":")
+        bound = default_max_body_bytes(1024)
+        out: list = [None] * 8
+
+        def upload(i: int) -> None:
+            s = socket.create_connection((host, int(port)), timeout=60)
+            try:
+                s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {bound}\r\n\r\n".encode() + b'{"prompt": [' + b" " * (bound - 13))
+            except OSError:
+                pass
+            try:
+                head = s.recv(4096)
+                out[i] = int(head.split()[1]) if head.startswith(b"HTTP/1.1 ") else "no answer"
+            except OSError as e:
+                out[i] = f"no answer: {e}"
+            finally:
+                s.close()
+
+        threads = [threading.Thread(target=upload, args=(i,), daemon=True) for i in range(8)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        log(f"  8 uploads of {bound - 1} of {bound} bytes stalled; small calls meanwhile ...")
+        calls = Tally()
+        for ids, tokens in self.small[:20]:
+            t = time.monotonic()
+            record(calls, svc.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1}), tokens,
+                   time.monotonic() - t)
+        for t in threads:
+            t.join(timeout=60)
+        ended = time.monotonic() - t0
+        row.observed = (f"small calls while 8 uploads stall: {calls.answered()} (slowest {calls.max_latency_s:.2f} s); "
+                        f"the uploads: {', '.join(f'{v} {k}' for k, v in sorted(Counter(map(str, out)).items()))} "
+                        f"(all ended within {ended:.0f} s)")
+        row.answered, row.wrong = calls.answered(), calls.wrong
+        row.passed = set(calls.statuses) == {"200"} and set(out) <= {408, 429} and 408 in out
+        row.details = {"calls": dict(calls.statuses), "uploads": out}
+
+    def flood_client(self, row: Row) -> None:
+        import statistics
+        svc = self.door()
+        b_pool = self.ref.pool(16, (256, 256), seed=21)
+        b_client = httpx.Client(base_url=svc.url, timeout=60, transport=httpx.HTTPTransport(local_address="127.0.0.1"))
+
+        def serial() -> tuple:
+            tally, secs = Tally(), []
+            for ids, tokens in b_pool:
+                t = time.monotonic()
+                r = b_client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1})
+                dt = time.monotonic() - t
+                if record(tally, r, tokens, dt):
+                    secs.append(dt)
+            return tally, secs
+
+        alone_tally, alone = serial()
+        seconds = 20.0 if self.mode == "quick" else 40.0
+        log(f"  client A (127.0.0.2) keeps 64 calls of 64 tokens in flight for {seconds:.0f} s; B (127.0.0.1) "
+            "sends 256-token calls one after another ...")
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD_SCRIPT, svc.url, "64", "64", str(seconds)],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            flood.stdout.readline()
+            time.sleep(2.0)
+            b_tally, flooded = serial()
+        finally:
+            out, _ = flood.communicate(timeout=seconds + 60)
+        a = json.loads(out.strip().splitlines()[-1])
+        p50a, p50f = statistics.median(alone or [0]), statistics.median(flooded or [0])
+        row.observed = (f"B alone: {alone_tally.answered()}, p50 {p50a * 1e3:.0f} ms; B while A floods: "
+                        f"{b_tally.answered()}, p50 {p50f * 1e3:.0f} ms ({p50f / p50a if p50a else 0:.1f}x alone); "
+                        f"A: {', '.join(f'{v} {k}' for k, v in sorted(a.items()))}")
+        both = alone_tally.merge(b_tally)
+        row.answered, row.wrong = both.answered(), both.wrong
+        row.passed = set(both.statuses) == {"200"} and a.get("200", 0) > 0
+        row.details = {"b_alone_s": alone, "b_flooded_s": flooded, "a": a, "p50_ratio": p50f / p50a if p50a else None}
+
     # 12. a group across hosts without a secret ------------------------------------------------
     def no_secret(self, row: Row) -> None:
         hs = self.hosts()
@@ -1066,12 +1273,23 @@ FAULTS = {
                        "arrive", None, lambda s, r: s.hostile_bodies(r)),
     "hog-client": ("a hog client at the admission bound",
                    "small calls keep being served (200, right) beside the hog", None, lambda s, r: s.hog_client(r)),
+    "slowloris": ("slowloris past the file limit (1,134 header-trickling connections at RLIMIT_NOFILE 1,024)",
+                  "/health and calls answered 200 (right) all along; every slow connection closed (header timeout, "
+                  "or the oldest at --max-connections); stderr < 4 kB, no traceback", None,
+                  lambda s, r: s.slowloris(r)),
+    "stalled-uploads": ("8 uploads of 1 byte short of the body bound, stalled",
+                        "small calls 200 (right) meanwhile; each upload refused (429, per-client cap) or cut "
+                        "(408, under --min-body-rate)", None, lambda s, r: s.stalled_uploads(r)),
+    "flood-client": ("a flooding client (64 calls in flight) beside a serial one",
+                     "the serial client gets no 429: every call 200 with the right token (its p50 against alone "
+                     "reported)", None, lambda s, r: s.flood_client(r)),
     "no-secret": ("a group across hosts without ASAP_GROUP_SECRET",
                   "refuses to start, saying how to set it; nothing served", why_no_hosts,
                   lambda s, r: s.no_secret(r)),
 }
 RUN_ORDER = ["rogue-store", "small-shm", "no-secret", "rogue-peer", "loss-5", "loss-20", "link-down", "stop-remote-worker",
-             "hostile-bodies", "hog-client", "cpu-hogs", "stop-front-end", "stop-worker", "kill-worker"]
+             "hostile-bodies", "hog-client", "slowloris", "stalled-uploads", "flood-client", "cpu-hogs",
+             "stop-front-end", "stop-worker", "kill-worker"]
 assert sorted(RUN_ORDER) == sorted(FAULTS)
 
 COLUMNS = ("fault", "expected", "observed", "answered", "wrong", "pass")

@@ -63,7 +63,7 @@ def _health(svc, pred, timeout_s: float = 30.0) -> httpx.Response:
     """Poll /health until ``pred(response)`` (a hang guard, not a speed check)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        r = svc.client.get("/health")
+        r = svc.api.get("/health")  # with the key: the whole body (without it: only ok or not)
         if pred(r) or time.monotonic() > deadline:
             return r
         time.sleep(0.05)
@@ -299,7 +299,7 @@ def test_a_hog_at_the_bound_does_not_starve_small_clients(svc, reference):
 # ----------------------------------------------------------------------------- stalls
 def test_a_frozen_worker_turns_health_503_and_back_without_ending_the_service(svc, reference):
     assert _health(svc, lambda r: r.status_code == 200).status_code == 200
-    workers = svc.client.get("/health").json()["workers"]
+    workers = svc.api.get("/health").json()["workers"]
     frozen = next(w for w in workers if "expert" in w["role"])
     os.kill(frozen["pid"], signal.SIGSTOP)
     try:
@@ -328,7 +328,7 @@ def test_an_answer_after_its_deadline_is_504_even_when_the_front_end_stalled(svc
     """The attention ranks are stopped while a request is admitted; the front end is stopped; the ranks resume
     and put the result into the stopped front end's inbox; past the deadline the front end resumes and finds
     the result waiting. The answer is 504 (before: 200, the result was completed before the deadline sweep)."""
-    health = svc.client.get("/health").json()
+    health = svc.api.get("/health").json()
     front = health["front_end_pid"]
     attention = [w["pid"] for w in health["workers"] if "attention" in w["role"]]
     timeouts = svc.metric("asap_requests_total", outcome="timeout")
@@ -370,7 +370,7 @@ def test_a_front_end_stopped_with_its_inbox_full_does_not_end_the_service(svc, r
     send, for longer than the group's wait bound. Before, that send timed out and the service exited 3; now
     the ranks wait as long as the front end lives. Every answer is the right token or a 504, and the service
     serves on."""
-    health = svc.client.get("/health").json()
+    health = svc.api.get("/health").json()
     front = health["front_end_pid"]
     attention = [w["pid"] for w in health["workers"] if "attention" in w["role"]]
     prompts = [_prompt(8, 300 + i) for i in range(120)]
