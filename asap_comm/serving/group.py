@@ -37,9 +37,10 @@ class GroupSpec:
     """Everything a PE of a serving group needs (picklable: ``launch`` hands it to every PE).
 
     ``mode``: ``"async"`` (ASAP) or ``"sync"`` (the baseline); ``model_factory(role, experts)``: builds each
-    worker's model; ``front``: the front end's role (see the module docstring); ``store`` (``"sync"`` only): the
-    port of a TCPStore on 127.0.0.1 for the workers' gloo group, or a ``torch.distributed.Store`` every worker
-    reaches (a group across hosts: ``examples/prefill_multihost.py``).
+    worker's model; ``front``: the front end's role (see the module docstring); ``store`` (``"sync"`` only): where
+    the workers' gloo group meets: None (the default) for the group's own store (``launch``'s is a FileStore
+    only this user can reach, and gloo's keys carry a prefix only the group can name), the port of a TCPStore
+    on 127.0.0.1, or a ``torch.distributed.Store`` every worker reaches (``examples/prefill_multihost.py``).
     """
 
     mode: str
@@ -52,8 +53,6 @@ class GroupSpec:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"GroupSpec: mode={self.mode!r} must be 'async' or 'sync'")
-        if self.mode == "sync" and self.store is None:
-            raise ValueError("GroupSpec: mode='sync' needs store= (a TCPStore port or a torch.distributed.Store)")
 
     @property
     def world_size(self) -> int:
@@ -137,7 +136,8 @@ def group_main(comm, spec: GroupSpec) -> tuple:
     W = comm.world_size - 1
     ch = open_channels(comm, cfg, info, "sync")
     if ch.role == "worker":
-        return ("worker", worker_main(comm, cfg, info, factory, spec.store, ch))
+        return ("worker", worker_main(comm, cfg, info, factory, comm._store if spec.store is None else spec.store,
+                                      ch))
     return ("front", spec.front(comm, cfg, info, ch, W, "sync", _worker_role))
 
 

@@ -60,7 +60,6 @@ import tempfile
 from typing import Any, Callable, Sequence
 
 from ..moe import expert_placement
-from ..rendezvous import loopback_store
 from .exchange import ShmCollectives, shm_collectives  # noqa: F401  (their old home)
 from .frontend import Replay
 from .group import GroupSpec, run_group
@@ -98,11 +97,9 @@ def run_sync(model_factory: Callable[[str, list], Any], info: ModelInfo, request
     check_config(model_factory, cfg)
     fd, report = tempfile.mkstemp(prefix="asap-sync-", suffix=".pkl")
     os.close(fd)
-    # The workers' gloo group rendezvous through a store this process hosts on a free port.
-    store = loopback_store(cfg.timeout_s)
+    # The workers' gloo group rendezvous through the group's own store (launch's: only this user reaches it).
     try:
-        return run_group(GroupSpec("sync", cfg, info, model_factory, Replay(list(requests), report), store.port),
+        return run_group(GroupSpec("sync", cfg, info, model_factory, Replay(list(requests), report)),
                          requests, report)
     finally:
-        del store
         os.unlink(report)
