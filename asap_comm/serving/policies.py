@@ -208,13 +208,14 @@ class MicroBatcher:
         self._next_index: dict[int, int] = {}  # request -> index of its next chunk to run
         self._cancelled: set[int] = set()  # requests cancelled while a chunk of theirs was in flight
         self._stride: dict[int, int] = {}  # long-prompt lane request -> its stride on this rank (solo chunks)
+        self._queued: dict[int, int] = {}  # request -> its chunks in the queue (no scan of the queue per add)
 
     def add(self, chunk: Chunk, stride: int = 1) -> None:
         """Queue a chunk (a request's chunks must be added in index order). ``stride > 1``: a long-prompt lane's
         chunk; this rank runs every ``stride``-th chunk of the request from the first one added, and each
         such chunk runs alone in its micro-batch."""
         rid = chunk.request_id
-        queued = sum(1 for c in self._queue if c.request_id == rid)
+        queued = self._queued.get(rid, 0)
         if stride > 1 and rid not in self._next_index and not queued and rid not in self._busy:
             self._next_index[rid] = chunk.index
             self._stride[rid] = stride
@@ -223,6 +224,15 @@ class MicroBatcher:
         if chunk.index != expected + step * (queued + (1 if rid in self._busy else 0)):
             raise ValueError(f"MicroBatcher.add: chunk {chunk.index} of request {chunk.request_id} is out of order")
         self._queue.append(chunk)
+        self._queued[rid] = queued + 1
+
+    def _taken(self, c: Chunk) -> None:
+        """``c`` leaves the queue for a micro-batch."""
+        self._queue.remove(c)
+        self._busy[c.request_id] = c
+        n = self._queued.pop(c.request_id, 1) - 1
+        if n > 0:
+            self._queued[c.request_id] = n
 
     @property
     def pending_tokens(self) -> int:
@@ -236,7 +246,7 @@ class MicroBatcher:
         (optional): False keeps a chunk (and its request's later ones) queued for now (the long-prompt lane's
         chunk whose predecessor has not started)."""
         batch, tokens, taken_requests = [], 0, set()
-        for c in list(self._queue):
+        for c in self._queue:
             if c.request_id in self._busy or c.request_id in taken_requests:
                 continue  # waits for its predecessor
             if ready is not None and not ready(c):
@@ -252,8 +262,7 @@ class MicroBatcher:
             if tokens >= self.token_budget or solo:
                 break
         for c in batch:
-            self._queue.remove(c)
-            self._busy[c.request_id] = c
+            self._taken(c)
         return batch
 
     def next_batches(self, count: int, ready=None) -> list[list[Chunk]]:
@@ -274,6 +283,8 @@ class MicroBatcher:
                 continue
             picked.append(c)
             total += c.length
+            if total >= count * self.token_budget:
+                break  # full: no later chunk fits
         bins: list = [[] for _ in range(count)]
         load, solo = [0] * count, [False] * count
         for c in sorted(picked, key=lambda c: -c.length):
@@ -287,11 +298,11 @@ class MicroBatcher:
             load[b] += c.length
             solo[b] = alone
         out = sorted((b for b in bins if b), key=lambda b: -sum(c.length for c in b))
+        order = {id(c): i for i, c in enumerate(picked)}  # picked in queue order
         for batch in out:
-            batch.sort(key=lambda c: self._queue.index(c))  # FIFO inside a micro-batch
+            batch.sort(key=lambda c: order[id(c)])  # FIFO inside a micro-batch
             for c in batch:
-                self._queue.remove(c)
-                self._busy[c.request_id] = c
+                self._taken(c)
         return out
 
     def cancel(self, request_id: int) -> list[Chunk]:
@@ -300,6 +311,7 @@ class MicroBatcher:
         dropped = [c for c in self._queue if c.request_id == request_id]
         if dropped:
             self._queue = deque(c for c in self._queue if c.request_id != request_id)
+            self._queued.pop(request_id, None)
         if request_id in self._busy:
             self._cancelled.add(request_id)
         else:
@@ -381,6 +393,16 @@ class ExpertBatcher:
         layer = min(self._layers, key=lambda layer: self._layers[layer].since)
         return layer if now - self._layers[layer].since >= self.deadline_s else None
 
+    def poll(self, now: float) -> tuple:
+        """``(ready(now), wait_s(now))`` in one look (the simulator asks both at every arrival)."""
+        if not self.enabled or len(self._layers) != 1:
+            layer = self.ready(now)
+            return layer, (0.0 if layer is not None else self.wait_s(now))
+        for layer, p in self._layers.items():  # the common case: one layer held
+            if p.rows >= self.token_budget or now - p.since >= self.deadline_s:
+                return layer, 0.0
+            return None, max(0.0, p.since + self.deadline_s - now)
+
     def take(self, layer: int) -> list:
         """Remove and return everything held for ``layer`` (in arrival order); with ``enabled=False`` only its
         oldest item."""
@@ -403,6 +425,11 @@ class ExpertBatcher:
             return 0.0
         oldest = min(p.since for p in self._layers.values())
         return max(0.0, oldest + self.deadline_s - now)
+
+    @property
+    def held(self) -> bool:
+        """Whether anything is held."""
+        return bool(self._layers) or bool(self._fifo)
 
     @property
     def held_rows(self) -> int:

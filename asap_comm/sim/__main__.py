@@ -305,13 +305,18 @@ def cmd_run(argv) -> int:
     mid = rates[len(rates) // 2]
     timelines = {}
     for mode in modes:
+        at_mid = None  # the run at the middle load, with its timeline: each load is simulated once
         if not args.sweep:
             for rate in rates:
-                s, _ = run_point(mode, trace, rate, cost, shapes, cfg, slo, sync_ranks=W, par=par)
+                s, res = run_point(mode, trace, rate, cost, shapes, cfg, slo, sync_ranks=W, par=par,
+                                   spans=at_mid is None and rate == mid)
+                if at_mid is None and rate == mid:
+                    at_mid = s, res
                 summary["runs"].append({"mode": mode, **s})
                 print(f"  {mode:5s} {rate:10.3f} req/s  TTFT p50 {_f(s['ttft_p50_s'])}  p90 {_f(s['ttft_p90_s'])}  "
                       f"SLO att. {s['slo_attainment']:.2f}", file=sys.stderr, flush=True)
-        s, res = run_point(mode, trace, mid, cost, shapes, cfg, slo, sync_ranks=W, spans=True, par=par)
+        # a sweep's runs keep no timeline: its middle load once more, for the plot
+        s, res = at_mid or run_point(mode, trace, mid, cost, shapes, cfg, slo, sync_ranks=W, spans=True, par=par)
         summary[mode] = {**_mode_keys(s), "rate_req_s": mid, "ranks": res.ranks,
                          "idle_s_total": sum(r["idle_s"] * r["stands_for"] for r in res.ranks),
                          "sim_wall_s": res.wall_s, "sim_events": res.events}

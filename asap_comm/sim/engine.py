@@ -46,7 +46,10 @@ class Engine:
         """Schedule ``fn(*args)`` ``delay`` (>= 0) seconds from now."""
         if not delay >= 0 or delay == math.inf:
             raise ValueError(f"Engine.after: delay {delay!r} must be finite and >= 0")
-        return self.at(self.now + delay, fn, *args)
+        entry = [self.now + delay, self._seq, fn, args]  # at(), without its check (now + delay >= now)
+        self._seq += 1
+        heapq.heappush(self._heap, entry)
+        return entry
 
     @staticmethod
     def cancel(handle: list) -> None:

@@ -48,7 +48,7 @@ order up to twice the budget, assigned largest first to the lighter micro-batch)
 from __future__ import annotations
 
 import contextlib
-from collections import deque
+from collections import OrderedDict, deque
 
 from ..serving.lane import LaneCounts, LanePool, chunk_may_start, lane_slots, lane_tokens
 from ..serving.policies import split_prompt
@@ -122,9 +122,10 @@ class _LaneMB:
 
 class _LaneRequest:
     __slots__ = ("rid", "chunks", "ranks", "g", "design", "ready", "waiters", "started", "next", "done", "arrived",
-                 "gate")
+                 "gate", "fanout")
 
     def __init__(self, rid: int, chunks: list, ranks: list, design_: str, steps: int) -> None:
+        self.fanout: dict = {}  # pipe: chunk -> how many other groups its KV goes to
         self.rid, self.chunks, self.ranks, self.g, self.design = rid, chunks, ranks, len(ranks), design_
         n = len(chunks)
         self.ready = [[False] * n for _ in range(steps)]  # pipe: layer k's KV of chunk j has arrived
@@ -166,7 +167,9 @@ class Lane:
         # micro-batchers like any chunk (alone in a micro-batch, gated by Lane.ready_fn)
         self.fifo = self.design == "pipe" and LANE_SPLIT[0] == 1 and _ADMISSION[0] == "runtime"
         self.pool = LanePool(lane_slots(sim.cfg), lane_tokens(sim.cfg))  # slots and KV pool rows, as FrontLane
-        self.waiting: deque = deque()  # (request, chunks) waiting for room in the pool, first come first served
+        # request id -> (request, chunks) waiting for room in the pool, first come first served (ordered: O(1) to
+        # take the first, or to drop one that gives up)
+        self.waiting: OrderedDict = OrderedDict()
         self.live: dict = {}  # request -> _LaneRequest, lanes in flight (runtime admission)
         self._predicted: dict = {}  # (prompt length, chunks) -> predicted_s
 
@@ -232,9 +235,9 @@ class Lane:
         if self.fifo:  # the runtime's front end: a slot and pool rows (or wait for them), the g least-loaded
             if r.prompt_len > self.pool.rows:  # groups, lanes may share them
                 return False
-            self.waiting.append((r, chunks))
+            self.waiting[r.request_id] = (r, chunks)
             self._open_waiting()
-            if any(w[0] is r for w in self.waiting):  # no room now: it waits (the usual way after lane_wait_s)
+            if r.request_id in self.waiting:  # no room now: it waits (the usual way after lane_wait_s)
                 self.counts.waited += 1
                 if sim.cfg.lane_wait_s is not None:
                     sim.engine.after(sim.cfg.lane_wait_s, self._give_up, r)
@@ -258,18 +261,15 @@ class Lane:
     def _give_up(self, r) -> None:
         """``lane_wait_s`` after it arrived, a prompt still waiting for room in the lane runs the usual way, on one
         group (``FrontEnd`` in the runtime)."""
-        for i, w in enumerate(self.waiting):
-            if w[0] is r:
-                del self.waiting[i]
-                self.counts.gave_up += 1
-                self.sim.arrive_usual(r)
-                return
+        if self.waiting.pop(r.request_id, None) is not None:
+            self.counts.gave_up += 1
+            self.sim.arrive_usual(r)
 
     def _open_waiting(self) -> None:
         """Open the waiting prompts' lanes, first come first served, while the pool has room (``FrontLane``)."""
         sim = self.sim
-        while self.waiting and self.pool.fits(self.waiting[0][0].prompt_len):
-            r, chunks = self.waiting.popleft()
+        while self.waiting and self.pool.fits(self.waiting[next(iter(self.waiting))][0].prompt_len):
+            r, chunks = self.waiting.popitem(last=False)[1]
             self.pool.open(r.request_id, r.prompt_len)
             ranks = sim.placer.place_lane(r.request_id, chunks, self.groups_for(len(chunks)))
             sim.records[r.request_id].start_s = sim.engine.now
@@ -432,13 +432,15 @@ class Lane:
             work += w * cost.dense_mlp_s(Td)
         put = 0.0
         if req.design == "pipe":
-            later = {req.chunk_rank(i) for i in range(j + 1, len(req.chunks))} - {mb.rank}
-            put = w * kv_put_s(cost, sim.shapes, req.chunks[j].length, len(later))
+            fan = req.fanout.get(j)
+            if fan is None:  # the groups holding a later chunk, other than this one's
+                fan = req.fanout[j] = len({req.chunk_rank(i) for i in range(j + 1, len(req.chunks))} - {mb.rank})
+            put = w * kv_put_s(cost, sim.shapes, req.chunks[j].length, fan)
             if sim.cpu:
                 work, put = work + put, 0.0
         sim.att[mb.rank].submit(work * sim.k_att + (sim.job_overhead if moe else 0.0),
                                 lambda: self._layer_done(mb, k, moe, rows, put),
-                                f"lane layer {k} chunk {j}")
+                                f"lane layer {k} chunk {j}" if sim.spans is not None else "")
 
     def _layer_done(self, mb, k: int, moe: bool, rows: int, put: float) -> None:
         sim = self.sim

@@ -42,6 +42,12 @@ class _AsyncSim(_Common):
         self.ex_batcher = ExpertBatcher(cfg.expert_token_budget, cfg.expert_deadline_s,
                                         enabled=cfg.expert_batching)
         self.ex_wake = None  # (time, handle) of the pending deadline wake-up
+        # a dedicated expert device (not a shared CPU): its batches are scheduled directly (_poke), it is busy
+        # until ex_free, and ex_end is the pending look at its batcher when the running batch ends
+        self.direct = not self.cpu
+        self.ex_free, self.ex_end = 0.0, None
+        self._ex_memo: dict = {}  # tokens -> the expert compute of a batch of that many tokens (operators only)
+        self._link_memo: dict = {}  # (transfer, rows, tokens, weight) -> (latency, fan-out time, serial time)
         self.ex_in_free = self.ex_out_free = 0.0  # when the expert rank's link is free to receive / to send
         self.segs = self._segments()
         # the lock-step ablation (barrier_free=False): every dispatch is a barrier among the A attention ranks
@@ -133,7 +139,7 @@ class _AsyncSim(_Common):
                                else sum(cost.dispatch_s(self.load.rows(Td, r)) for r in range(self.E)))
             then = self._dispatched if not self.lockstep else self._arrive_barrier
             self.att[mb.rank].submit(work * self.k_att + self.job_overhead, lambda: then(mb, rows),
-                                     f"attn seg {mb.seg}")
+                                     f"attn seg {mb.seg}" if self.spans is not None else "")
         else:
             last = [c for c in mb.chunks if c.last]
             work += cost.head_s(len(last)) if last else 0.0
@@ -193,12 +199,13 @@ class _AsyncSim(_Common):
         self._poke()
 
     def _poke(self) -> None:
-        if self.ex.busy:
-            return  # looked at again when the running batch ends
         now = self.engine.now
-        layer = self.ex_batcher.ready(now)
+        if self.ex.busy or (self.direct and now < self.ex_free):
+            if self.direct and self.ex_end is None:  # look again when the running batch ends
+                self.ex_end = self.engine.at(self.ex_free, self._ex_end)
+            return  # looked at again when the running batch ends
+        layer, wait = self.ex_batcher.poll(now)
         if layer is None:
-            wait = self.ex_batcher.wait_s(now)
             if wait is not None:
                 # never "now" again: the deadline test must see time move (also where 1e-9 s is below the
                 # clock's resolution, late in a long simulated run)
@@ -211,16 +218,43 @@ class _AsyncSim(_Common):
         items = self.ex_batcher.take(layer)
         tokens = sum(mb.tokens for mb, _ in items)
         w = self.segs[layer][1]
-        work = w * self.cost.experts_s(self._expert_pairs(tokens))
+        ex_s = self._ex_memo.get(tokens)
+        if ex_s is None:  # the expert compute of a batch depends on its tokens only
+            ex_s = self._ex_memo[tokens] = self.cost.experts_s(self._expert_pairs(tokens))
+        work = w * ex_s
         if self.cpu:  # the expert rank's CPU copies each micro-batch's output rows back
             work += w * sum(self.cost.combine_s(rows) for _, rows in items)
         elif self.serial_tx:  # the batch's dispatch + combine held after computing it (the emulator's hold_transfer)
             r = sum(rows if self.tp == 1 else self._rows(mb.tokens) for mb, rows in items)
             work += w * (self.cost.dispatch_s(r) + self.cost.combine_s(r)) / self.k_exp
         # a served router's skew, averaged over the batch's prompts
-        skew = batch_skew(self.ex_skew, ((c.request_id, c.length) for mb, _ in items for c in mb.chunks))
-        self.ex.submit(work * self.k_exp * skew + self.ex_job_overhead, lambda: self._experts_done(items),
-                       f"experts seg {layer} ({len(items)} mb)")
+        skew = (1.0 if self.ex_skew == 1.0 else
+                batch_skew(self.ex_skew, ((c.request_id, c.length) for mb, _ in items for c in mb.chunks)))
+        work = work * self.k_exp * skew + self.ex_job_overhead
+        label = f"experts seg {layer} ({len(items)} mb)" if self.spans is not None else ""
+        if not self.direct:
+            self.ex.submit(work, lambda: self._experts_done(items), label)
+            return
+        # a dedicated expert device: the batch's end is known now, so each micro-batch's combine return is
+        # scheduled now (the expert link sends them in batch order, as at the end), and the rank looks at its
+        # batcher again at the end only if rows wait for it (held now, or arrived meanwhile: _poke above)
+        end = now + work
+        ex = self.ex
+        ex.busy_s += end - now
+        ex.jobs += 1
+        if ex._spans is not None:
+            ex._spans.append((ex.name, label, now, end - now))
+        self.ex_free = end
+        at = self.engine.at
+        if self.ex_batcher.held:  # rows of other layers wait: look again at the end
+            self.ex_end = at(end, self._ex_end)
+        for mb, rows in items:
+            delay = (0.0 if self.serial_tx else self._combine_delay(mb, rows, end)) + self.layer_overhead
+            at(end + delay, self._part_back, mb)
+
+    def _ex_end(self) -> None:
+        self.ex_end = None
+        self._poke()
 
     def _wake(self) -> None:
         self.ex_wake = None
@@ -232,22 +266,30 @@ class _AsyncSim(_Common):
             self.engine.after(delay, self._part_back, mb)
         self._poke()
 
-    def _combine_delay(self, mb: _MicroBatch, rows: int) -> float:
+    def _combine_delay(self, mb: _MicroBatch, rows: int, now: "float | None" = None) -> float:
         """When a micro-batch's combined rows are back, on a cluster profile: the expert rank's link sends the
         micro-batches of a batch one after another (``ex_out_free``); the receiving device's link takes ``rows``
-        from each of the E expert ranks."""
-        delay, self.ex_out_free = self._through_expert_link(self.cost.combine_s, mb, rows, self.ex_out_free)
+        from each of the E expert ranks. ``now``: when the batch ends (default: the clock)."""
+        delay, self.ex_out_free = self._through_expert_link(self.cost.combine_s, mb, rows, self.ex_out_free, now)
         return delay
 
-    def _through_expert_link(self, transfer_s, mb: _MicroBatch, rows: int, link_free: float) -> "tuple[float, float]":
+    def _through_expert_link(self, transfer_s, mb: _MicroBatch, rows: int, link_free: float,
+                             now: "float | None" = None) -> "tuple[float, float]":
         """(delay, when the expert rank's link is free again) of one transfer between an attention device and the
         expert ranks, either way: the device's side moves ``rows`` to or from each of the E expert ranks at once;
         the expert rank's link takes the micro-batches one after another from ``link_free``."""
-        now, w = self.engine.now, self.segs[mb.seg][1]
-        lat, _ = self._link(transfer_s, rows, w)
-        fan_rows = self.E * rows if self.load is None else round(rows * self.load.rows_per_token / self.frac)
-        _, fan = self._link(transfer_s, fan_rows, w)  # skewed: the rows for every expert rank together
-        _, serial = self._link(transfer_s, self._rows(mb.tokens) if self.tp > 1 else rows, w)
+        if now is None:
+            now = self.engine.now
+        w = self.segs[mb.seg][1]
+        key = (transfer_s, rows, mb.tokens, w)
+        got = self._link_memo.get(key)
+        if got is None:
+            lat, _ = self._link(transfer_s, rows, w)
+            fan_rows = self.E * rows if self.load is None else round(rows * self.load.rows_per_token / self.frac)
+            _, fan = self._link(transfer_s, fan_rows, w)  # skewed: the rows for every expert rank together
+            _, serial = self._link(transfer_s, self._rows(mb.tokens) if self.tp > 1 else rows, w)
+            got = self._link_memo[key] = (lat, fan, serial)
+        lat, fan, serial = got
         link_free = max(now, link_free) + serial
         return max(fan, link_free - now) + lat, link_free
 

@@ -6,7 +6,6 @@ import itertools
 
 from ..serving.policies import MicroBatcher, Placer, split_prompt
 from ..serving.traces import Request
-from .engine import ps_makespan
 from .simulate_common import SYNC_IDLE_POLL_S, Parallelism, _Common, _validate, batch_skew, rows_per_rank_fraction
 
 
@@ -43,6 +42,7 @@ class _SyncSim(_Common):
         self.stepping = False
         self.check_at = None  # a pending step check (heartbeat)
         self.segs = self._segments()
+        self.seg_runs = self._seg_runs()
         self.steps = 0
         self.k, self.layer_overhead = self.cost.runtime["sync_compute"], self.cost.runtime["sync_layer_overhead_s"]
         self.skew = self.cost.runtime["expert_skew"]  # the step waits for the device whose experts work longest
@@ -161,14 +161,15 @@ class _SyncSim(_Common):
         n_att = sum(1 for t in tokens if t)
         spin = 1.0 if cores is None else max(1.0, (n_att + poll * (W - n_att)) / cores)
         spin_ex = 1.0 if cores is None else max(1.0, W / cores)  # every rank computes its experts
-        for i, (dense, moe) in enumerate(self.segs):
-            for r in range(W):
-                T = tokens[r]
-                if not T:
-                    continue
-                Td = per_dev[r]
+        overlap, overhead = self.par.sync_overlap, self.layer_overhead
+        live = [r for r in range(W) if tokens[r]]
+        for i, dense, moe, prev_w, n in self.seg_runs:
+            # n identical segments in a row (the same layers, after the same kind of MoE layer): one is computed,
+            # and counted n times (a MoE model's middle layers: one run instead of a loop over them)
+            for r in live:
+                T, Td = tokens[r], per_dev[r]
                 # the previous MoE layer's shared experts run after its combine
-                w = (cost.embed_s(T) if i == 0 else self.segs[i - 1][1] * cost.shared_experts_s(Td))
+                w = (cost.embed_s(T) if i == 0 else prev_w * cost.shared_experts_s(Td))
                 w += dense * (attn[r] + cost.dense_mlp_s(Td))
                 if moe:
                     w += moe * (attn[r] + cost.router_s(Td))
@@ -177,14 +178,20 @@ class _SyncSim(_Common):
                 pending[r] += k * w
             if not moe:
                 break
-            seg = spin * max(pending) if cores is not None else ps_makespan(pending, None)
+            seg = spin * max(pending) if cores is not None else max(0.0, max(pending))
             ex = spin_ex * expert_work * moe
-            if self.par.sync_overlap:  # the all_to_alls hidden behind compute as far as it lasts
-                t += max(seg + ex, moe * a2a) + self.layer_overhead
+            if overlap:  # the all_to_alls hidden behind compute as far as it lasts
+                step_s = max(seg + ex, moe * a2a) + overhead
             else:
-                t += seg + moe * a2a + ex + self.layer_overhead
-            for r in range(W):
-                self.busy[r] += pending[r] + expert_work * moe
+                step_s = seg + moe * a2a + ex + overhead
+            if n == 1:
+                t += step_s
+                for r in range(W):
+                    self.busy[r] += pending[r] + expert_work * moe
+            else:
+                t += n * step_s
+                for r in range(W):
+                    self.busy[r] += n * (pending[r] + expert_work * moe)
             pending = [0.0] * W
         tail = spin * max(pending)
         for r in range(W):
@@ -195,6 +202,19 @@ class _SyncSim(_Common):
                 label = "step" if batches[r] or (shares and shares[r]) else "dummy step (experts only)"
                 self.spans.append((self._name(r), label, self.engine.now, self.busy[r] - busy_before[r]))
         self.engine.after(t, self._step_done, batches, shares)
+
+    def _seg_runs(self) -> list:
+        """The segments (``_segments``) as runs of identical ones: ``[(index of the first, dense, moe, weight of
+        the MoE layer before, count)]``; the first segment (it embeds) and the last (it ends with the head) alone."""
+        runs: list = []
+        for i, (dense, moe) in enumerate(self.segs):
+            prev_w = self.segs[i - 1][1] if i else 0.0
+            if runs and i > 1 and moe and runs[-1][1:4] == (dense, moe, prev_w):
+                first, d, m, p, n = runs[-1]
+                runs[-1] = (first, d, m, p, n + 1)
+            else:
+                runs.append((i, dense, moe, prev_w, 1))
+        return runs
 
     def _name(self, r: int) -> str:
         return f"rank {r}" if self.tp == 1 else f"group {r} (TP {self.tp})"

@@ -1,0 +1,45 @@
+"""The simulator's own speed as pytest-benchmark rows (``pytest bench/ --benchmark-only``): both modes at 384 dies
+(ASAP 32 x TP8 + 128 expert dies, the baseline 48 x TP8 with CP above 4k; 16k chunks; the Mooncake trace at 8 req/s,
+a load both sustain). Each round simulates the same run; ``extra_info`` holds its events, events/s and requests/s
+(median over the rounds). ``bench/bench_sim.py`` times the full 100k-request runs. A test fails only if the run
+did not complete every request."""
+import statistics
+import time
+
+import pytest
+
+pytest.importorskip("pytest_benchmark")
+
+from bench_sim import deployments, repeated_trace  # noqa: E402  (bench/ is on sys.path: bench/conftest.py)
+
+from asap_comm.sim.costs import CostModel  # noqa: E402
+from asap_comm.sim.shapes import ModelShapes  # noqa: E402
+from asap_comm.sim.simulate import simulate  # noqa: E402
+from asap_comm.sim.study import at_rate  # noqa: E402
+
+pytestmark = pytest.mark.timeout(1800)
+
+DIES, CHUNK, RATE = 384, 16384, 8.0
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_bench_sim_384_dies(benchmark, request, mode):
+    n = 500 if request.config.getoption("--bench-quick") else 2000
+    cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.preset("deepseek-v3")
+    trace = at_rate(repeated_trace(n)[0], RATE)
+    cfg, par, W = deployments(DIES, CHUNK)[mode]
+    runs = []
+
+    def one():
+        t0 = time.perf_counter()
+        res = simulate(mode, trace, cost, shapes, cfg, sync_ranks=W, par=par)
+        runs.append((time.perf_counter() - t0, res.events, sum(r.ok for r in res.records)))
+
+    benchmark.group = f"simulator, {DIES} dies, {n} requests"
+    benchmark.pedantic(one, rounds=3, iterations=1)
+    wall = statistics.median(w for w, _, _ in runs)
+    events = runs[0][1]
+    benchmark.extra_info.update({"mode": mode, "dies": DIES, "chunk": CHUNK, "requests": n, "events": events,
+                                 "events_per_s": events / wall, "requests_per_s": n / wall,
+                                 "wall_s_spread": [min(w for w, _, _ in runs), max(w for w, _, _ in runs)]})
+    assert all(ok == n for _, _, ok in runs), f"{mode}: not every request completed: {[ok for *_, ok in runs]}"
