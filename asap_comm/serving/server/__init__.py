@@ -29,16 +29,19 @@ Endpoints:
   ``data: [DONE]`` (an error is an ordinary JSON error answer).
   Extension: ``"return_hidden_states": true`` adds ``hidden_states`` (the
   final-normed hidden state of the last prompt token) to each choice.
-* ``GET /health``: 200 and each worker's PE, role, pid, state and
+* ``GET /health``: with ``--api-key`` and a request without it, only
+  ``{"status": "ok"}`` (200) or ``{"status": "unhealthy"}`` (503); else 200 and each worker's PE, role, pid, state and
   ``heartbeat_age_s`` while every worker lives and runs; 503 naming the
   dead worker, the stalled one (no heartbeat for ``--worker-stall-s``), or
   "shutting down" otherwise.
 * ``GET /metrics``: Prometheus text (``prometheus_client``).
 * ``GET /v1/models``.
 
-With ``--api-key`` (or ``ASAP_API_KEY``), every path but ``/health`` and
-``/metrics`` needs ``Authorization: Bearer <key>`` (401 otherwise; compared
-in constant time).
+With ``--api-key`` (or ``ASAP_API_KEY``, stripped of surrounding whitespace,
+with a log line), every path but ``/health`` and ``/metrics`` needs
+``Authorization: Bearer <key>`` (401 otherwise; compared in constant time).
+Response ids are ``cmpl-<X-Request-Id>`` when the call sends one, else
+``cmpl-<random prefix per start>-<n>``; the answer echoes ``X-Request-Id``.
 
 Behaviour (statuses of ``/v1/completions``):
 
@@ -53,17 +56,26 @@ Behaviour (statuses of ``/v1/completions``):
   for the default bound); a larger
   ``Content-Length`` gets 413 before a byte is read, a chunked body 413 as
   soon as it passes the bound; a body not received within the request
-  timeout gets 408. Bodies held at once, across requests, are bounded by
-  8x the bound (429 past it). Bodies over 64 KiB are parsed in a parse
+  timeout, or slower than ``--min-body-rate`` bytes/s over a 5 s window,
+  gets 408. Bodies held at once, across requests, are bounded by 8x the
+  bound (429 past it), 1x of it kept for small bodies (<= 64 KiB), 2x at
+  most for one client's large bodies. Bodies over 64 KiB are parsed in a parse
   process beside the front end (``schemas``: JSON parsing holds the GIL,
   and would stall this loop); text prompts are tokenized on a thread.
-* **Fairness** (``waiting_room``): a call whose prompt tokens exceed
-  ``--max-queued-tokens`` gets 413 at once. Any other call is admitted when
-  nobody waits and it fits beside the admitted tokens; otherwise it waits,
-  first come first served, in a waiting room of ``--max-waiting-tokens``
-  tokens (default: twice the admission bound) and 1024 calls, and gets 429 with
-  ``Retry-After`` (seconds, from the recent token throughput) only when the
-  room is full. Memory: admitted + waiting prompt tokens, plus the body
+* **Connections** (``frontdoor``): headers within ``--header-timeout-s``
+  (10 s) of a request's first byte, idle connections closed after
+  ``--idle-timeout-s`` (60 s), at most ``--max-connections`` open (the file
+  limit less 128): the oldest idle one is closed to make room, 503 only
+  when all are in a request; accept errors logged once per 10 s.
+* **Fairness per client** (``fairness``; a client is the peer address): a
+  call whose prompt tokens exceed ``--max-queued-tokens`` gets 413 at once.
+  Calls wait per client, first come first served, clients taking turns; an
+  active client holds at most its share (1/n) of the bound. The waiting room
+  holds ``--max-waiting-tokens`` tokens (default: twice the admission bound)
+  and 1024 calls; a call that finds it full gets 429 with ``Retry-After``
+  (seconds, from the recent token throughput), unless its client holds less
+  than its share of the room: then the newest calls of the client holding
+  the most get the 429. Memory: admitted + waiting prompt tokens, plus the body
   bound above; the HTTP layer holds nothing else per request.
 * **Deadlines.** Every request has a deadline (``--request-timeout-s`` from
   its arrival); past it the answer is 504, never 200: a result that
@@ -87,7 +99,8 @@ Behaviour (statuses of ``/v1/completions``):
 * **Ctrl-C / SIGTERM:** stop admitting (503; waiting calls too), let
   in-flight requests finish for up to ``--drain-timeout-s``, fail the rest
   with 503, stop the workers, exit 0. Shared-memory segments are removed
-  whatever happens. A second signal stops at once.
+  whatever happens; what a crash of the whole tree left (files of this user
+  in ``/dev/shm`` no live process holds) is removed at the next start. A second signal stops at once.
 
 Modules: ``options`` (:class:`ServiceOptions`), ``schemas`` (the request
 body's schema and validation; the parse process), ``request`` (content
@@ -96,8 +109,9 @@ types, the body bound, the API key, a checked call as tensors), ``engine``
 health), ``metrics`` (Prometheus), ``app`` (the routes, and
 :class:`HttpFront`, the front-end role that runs both), ``workers`` (the
 processes: one host, or one PE under torchrun) and ``cli`` (the flags,
-``main``). The fair admission (``..waiting_room``) and worker heartbeats
-(``..heartbeat``) are their own modules of ``asap_comm.serving``.
+``main``), ``frontdoor`` (connections; crash leftovers) and ``fairness``
+(admission per client). Worker heartbeats (``..heartbeat``) are a module of
+``asap_comm.serving``.
 """
 from .app import HttpFront
 from .cli import build_parser, main, service_options
