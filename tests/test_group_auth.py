@@ -9,7 +9,6 @@ Every spawned PE joins within a bounded time (each join has a timeout) so a hang
 import glob
 import os
 import socket
-import tempfile
 from datetime import timedelta
 
 import pytest
@@ -109,18 +108,21 @@ def _what_is_my_store(comm):
     return type(comm._store).__name__
 
 
-def test_stores_of_one_host_groups_are_private_or_loopback_only():
+def test_stores_of_one_host_groups_are_private_or_loopback_only(monkeypatch):
     # launch() gives its children a FileStore in a directory only this user can enter, removed at the end
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "asap-store-*")))
-    assert asap_comm.launch(_what_is_my_store, 2, timeout=JOIN_S) == ["FileStore", "FileStore"]
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "asap-store-*"))) <= before
-    path, directory = private_file_store()
-    try:
+    made = []
+
+    def recording():
+        path, directory = private_file_store()
         st = os.stat(directory)
-        assert st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o700, oct(st.st_mode)
-        assert os.path.dirname(path) == directory
-    finally:
-        os.rmdir(directory)
+        made.append((path, directory, st.st_uid, st.st_mode & 0o777))
+        return path, directory
+
+    monkeypatch.setattr(asap_comm.rendezvous, "private_file_store", recording)
+    assert asap_comm.launch(_what_is_my_store, 2, timeout=JOIN_S) == ["FileStore", "FileStore"]
+    [(path, directory, uid, mode)] = made
+    assert uid == os.getuid() and mode == 0o700 and os.path.dirname(path) == directory, made
+    assert not os.path.exists(directory)
     # the store rank 0 hosts in init(master_addr="127.0.0.1")
     with asap_comm.init(0, 1, master_addr="127.0.0.1", master_port=0, timeout=5.0) as comm:
         assert _listening_addresses(comm._store.port) == {_LOOPBACK4}
