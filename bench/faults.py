@@ -1287,7 +1287,8 @@ FAULTS = {
                   "refuses to start, saying how to set it; nothing served", why_no_hosts,
                   lambda s, r: s.no_secret(r)),
 }
-RUN_ORDER = ["rogue-store", "small-shm", "no-secret", "rogue-peer", "loss-5", "loss-20", "link-down", "stop-remote-worker",
+RUN_ORDER = ["rogue-store", "small-shm", "no-secret", "rogue-peer", "loss-5", "loss-20", "link-down",
+             "stop-remote-worker",
              "hostile-bodies", "hog-client", "slowloris", "stalled-uploads", "flood-client", "cpu-hogs",
              "stop-front-end", "stop-worker", "kill-worker"]
 assert sorted(RUN_ORDER) == sorted(FAULTS)
