@@ -394,14 +394,25 @@ class ExpertBatcher:
         return layer if now - self._layers[layer].since >= self.deadline_s else None
 
     def poll(self, now: float) -> tuple:
-        """``(ready(now), wait_s(now))`` in one look (the simulator asks both at every arrival)."""
-        if not self.enabled or len(self._layers) != 1:
+        """``(ready(now), wait_s(now))`` in one pass over the held layers (the simulator asks both at every
+        arrival)."""
+        if not self.enabled:
             layer = self.ready(now)
             return layer, (0.0 if layer is not None else self.wait_s(now))
-        for layer, p in self._layers.items():  # the common case: one layer held
-            if p.rows >= self.token_budget or now - p.since >= self.deadline_s:
-                return layer, 0.0
-            return None, max(0.0, p.since + self.deadline_s - now)
+        if not self._layers:
+            return None, None
+        budget = self.token_budget
+        full, full_rows, oldest, since = None, -1, None, None
+        for layer, p in self._layers.items():  # ties: the first, as max() and min() in ready()
+            if p.rows >= budget and p.rows > full_rows:
+                full, full_rows = layer, p.rows
+            if since is None or p.since < since:
+                oldest, since = layer, p.since
+        if full is not None:
+            return full, 0.0
+        if now - since >= self.deadline_s:
+            return oldest, 0.0
+        return None, max(0.0, since + self.deadline_s - now)
 
     def take(self, layer: int) -> list:
         """Remove and return everything held for ``layer`` (in arrival order); with ``enabled=False`` only its

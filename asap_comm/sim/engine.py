@@ -190,7 +190,12 @@ class Rank:
         self.busy = True
         self._started = self.engine.now
         self._current = (callback, label)
-        self.host.run(work, self._done, self.weight)
+        if self.host.cores is None:  # a dedicated device (Host.run's first case, inlined: the hot path)
+            if not work >= 0:
+                raise ValueError(f"Host.run: work={work!r} must be >= 0")
+            self.engine.after(work, self._done)
+        else:
+            self.host.run(work, self._done, self.weight)
 
     def _done(self) -> None:
         callback, label = self._current

@@ -125,7 +125,7 @@ class _LaneRequest:
                  "gate", "fanout")
 
     def __init__(self, rid: int, chunks: list, ranks: list, design_: str, steps: int) -> None:
-        self.fanout: dict = {}  # pipe: chunk -> how many other groups its KV goes to
+        self.fanout: dict = {}  # pipe: chunk -> one layer's KV put to the later chunks' other groups (s)
         self.rid, self.chunks, self.ranks, self.g, self.design = rid, chunks, ranks, len(ranks), design_
         n = len(chunks)
         self.ready = [[False] * n for _ in range(steps)]  # pipe: layer k's KV of chunk j has arrived
@@ -432,10 +432,11 @@ class Lane:
             work += w * cost.dense_mlp_s(Td)
         put = 0.0
         if req.design == "pipe":
-            fan = req.fanout.get(j)
-            if fan is None:  # the groups holding a later chunk, other than this one's
-                fan = req.fanout[j] = len({req.chunk_rank(i) for i in range(j + 1, len(req.chunks))} - {mb.rank})
-            put = w * kv_put_s(cost, sim.shapes, req.chunks[j].length, fan)
+            one = req.fanout.get(j)
+            if one is None:  # one layer's put to the groups holding a later chunk, other than this one's
+                fan = len({req.chunk_rank(i) for i in range(j + 1, len(req.chunks))} - {mb.rank})
+                one = req.fanout[j] = kv_put_s(cost, sim.shapes, req.chunks[j].length, fan)
+            put = w * one
             if sim.cpu:
                 work, put = work + put, 0.0
         sim.att[mb.rank].submit(work * sim.k_att + (sim.job_overhead if moe else 0.0),

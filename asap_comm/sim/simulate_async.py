@@ -246,6 +246,9 @@ class _AsyncSim(_Common):
             ex._spans.append((ex.name, label, now, end - now))
         self.ex_free = end
         at = self.engine.at
+        if self.ex_wake is not None:  # a deadline passing while the batch runs is seen at its end (below)
+            Engine.cancel(self.ex_wake[1])
+            self.ex_wake = None
         if self.ex_batcher.held:  # rows of other layers wait: look again at the end
             self.ex_end = at(end, self._ex_end)
         for mb, rows in items:
