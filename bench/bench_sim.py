@@ -10,7 +10,9 @@ against the baseline's ``dies / 8`` TP8 DP groups with context parallelism above
 the headline's runtime settings (``asap_comm.sim.headline.headline_config``) at each chunk size (token budget 16k).
 The trace: the Mooncake conversation trace that ships with the package, repeated end to end until it has
 ``--num-requests`` requests (the file has about 12k), arrivals rescaled to ``--rate-per-die`` x dies requests/s
-(default 8 req/s at 384 dies, a load both modes sustain: the served fraction is printed). Reports per mode and point
+(default 8 req/s at 384 dies, the issue's load; the served fraction is printed, since a mode that does not sustain
+the load queues without bound: measured 2026-12-05, ASAP's 32 x TP8 + 128 with 16k chunks served 0.48 of it and the
+baseline with 2k chunks 0.82). Reports per mode and point
 the wall time, events, events/s, requests/s and the served fraction; writes ``sim_speed.json`` under ``--out``.
 The issue's target: 30 s per mode at 384 dies, one core (``taskset -c 1``).
 """
