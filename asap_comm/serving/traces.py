@@ -9,10 +9,8 @@ Synthetic load::
     reqs = synthetic_trace(rate=4.0, num_requests=200, arrival="gamma", cv=3.0,
                            lengths=LogNormalLengths(median=256, sigma=1.0, min_len=16, max_len=2048), seed=0)
 
-Public traces ship with the package (``asap_comm/data/traces/``, sources and
-licenses in its README; ``ASAP_TRACES_DIR`` points elsewhere); ``load_trace``
-takes their names ``"mooncake"`` and ``"azure"`` or any file, and scales them to
-what a CPU host can serve::
+Public traces ship in ``asap_comm/data/traces/`` (``$ASAP_TRACES_DIR`` overrides); ``load_trace``
+takes ``"mooncake"``, ``"azure"`` or any file, scaled to what a CPU host can serve::
 
     reqs = load_trace("mooncake", target_rate=2.0, length_scale=1 / 16,
                       max_prompt_len=2048, limit=300)
@@ -68,13 +66,7 @@ __all__ = [
     "synthetic_trace",
     "load_mooncake",
     "load_azure",
-    "load_trace",
-    "PUBLIC_TRACES",
-    "TRACES_ENV",
-    "traces_dir",
-    "trace_path",
-    "resolve_trace",
-    "scale_trace",
+    "load_trace", "PUBLIC_TRACES", "TRACES_ENV", "traces_dir", "trace_path", "resolve_trace", "scale_trace",
     "TraceSummary",
     "summarize_trace",
 ]
@@ -495,38 +487,31 @@ def load_azure(path: str | os.PathLike, *, speedup: float = 1.0, target_rate: fl
                    length_scale=length_scale, max_prompt_len=max_prompt_len, start_s=start_s, skip=skip, limit=limit)
 
 
-PUBLIC_TRACES = {"mooncake": "mooncake_conversation.jsonl", "azure": "azure_llm_2023_conv.csv"}
-TRACES_ENV = "ASAP_TRACES_DIR"
-
+PUBLIC_TRACES, TRACES_ENV = {"mooncake": "mooncake_conversation.jsonl", "azure": "azure_llm_2023_conv.csv"}, "ASAP_TRACES_DIR"
 
 def traces_dir() -> Path:
-    """Where the public traces are: ``$ASAP_TRACES_DIR`` if set, else the copy that ships with the package
-    (``asap_comm/data/traces/``)."""
+    """``$ASAP_TRACES_DIR`` if set, else the package's copy (``asap_comm/data/traces/``)."""
     env = os.environ.get(TRACES_ENV)
     return Path(env) if env else Path(__file__).resolve().parent.parent / "data" / "traces"
 
 
 def trace_path(name: str) -> Path:
-    """The file of a public trace: ``name`` ``"mooncake"`` or ``"azure"`` (or a file name in :func:`traces_dir`).
-    Raises :class:`TraceError` (one line, naming the directory and ``$ASAP_TRACES_DIR``) if it is not there."""
+    """A public trace's file (``"mooncake"``, ``"azure"``, or a file name in :func:`traces_dir`); TraceError if absent."""
     fname = PUBLIC_TRACES.get(name, name)
     path = traces_dir() / fname
     if not path.is_file():
         where = f"${TRACES_ENV}={os.environ[TRACES_ENV]}" if os.environ.get(TRACES_ENV) else "the package's data"
-        raise TraceError(path, None, f"public trace {name!r} not found in {where} "
-                                     f"(unset {TRACES_ENV}, or pass a trace file)")
+        raise TraceError(path, None, f"public trace {name!r} not found in {where} (unset {TRACES_ENV}, or pass a file)")
     return path
 
 
 def resolve_trace(spec: str | os.PathLike) -> Path:
-    """A ``--trace`` value as a file: a public trace's name (:data:`PUBLIC_TRACES`) or a path that exists.
-    Raises :class:`TraceError` naming the value otherwise."""
+    """A ``--trace`` value as a file: a public trace's name or an existing path; TraceError naming it otherwise."""
     if isinstance(spec, str) and spec in PUBLIC_TRACES:
         return trace_path(spec)
     path = Path(spec)
     if not path.is_file():
-        raise TraceError(path, None, "no such trace file (give a Mooncake .jsonl or Azure .csv file, or one of "
-                                     f"{sorted(PUBLIC_TRACES)})")
+        raise TraceError(path, None, f"no such trace file (a .jsonl/.csv file, or one of {sorted(PUBLIC_TRACES)})")
     return path
 
 
