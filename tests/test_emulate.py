@@ -432,8 +432,10 @@ def test_validate_in_the_emulated_regime(tmp_path):
         for m in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s"):
             assert r["real"][m] > 0 and r["sim"][m] > 0
             assert r["relative_error"][m] == pytest.approx((r["sim"][m] - r["real"][m]) / r["real"][m])
-    assert set(c["slo_compliant_throughput"]) == {"async", "sync"} and set(c["ratio"]) == {"real", "sim",
-                                                                                           "relative_error"}
+    assert set(c["slo_compliant_throughput"]) == {"async", "sync"}
+    assert set(c["ratio"]) == {"real", "sim", "relative_error", "withheld"}
+    for side in ("real", "sim"):  # a side's ratio is withheld (null, with its reason) exactly when it is missing
+        assert (c["ratio"][side] is None) == (side in c["ratio"]["withheld"])
     assert c["slo_s"] > 0 and res["compared"] >= 16 and c["cp_threshold"] == 96
     # the host overhead was fitted first, on an unloaded probe of 4 other requests, both modes
     ho = c["host_overhead"]

@@ -313,11 +313,11 @@ def _read(pieces, headers=None, max_bytes=100, timeout_s=5.0, budget=None):
     from asap_comm.serving.http_input import BodyBudget, read_body
     request = types.SimpleNamespace(headers=headers or {}, content=_Content(pieces))
     budget = budget if budget is not None else BodyBudget(1000)
-    held = [0]
+    lease = budget.lease("client-a")
     try:
-        return asyncio.run(read_body(request, max_bytes, timeout_s, budget, held)), held[0]
+        return asyncio.run(read_body(request, max_bytes, timeout_s, lease)), lease.held
     finally:
-        budget.give(held[0])
+        lease.release()
 
 
 def test_read_body_is_bounded_in_bytes_time_and_shared_budget():
