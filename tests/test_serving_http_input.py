@@ -369,7 +369,7 @@ def test_the_deadline_of_python_3_10_times_out_and_otherwise_stays_out_of_the_wa
 
 def test_the_service_takes_the_lane_flags_and_refuses_a_bad_wait(capsys):
     """--lane-tokens / --lane-wait-s reach the runtime's config; a negative wait is refused at start-up with one
-    line naming the field (exit 2), before any process starts."""
+    line naming the flag (exit 2), before any process starts."""
     from asap_comm.serving.server import build_parser
     from asap_comm.serving.server.cli import main
 
@@ -378,4 +378,4 @@ def test_the_service_takes_the_lane_flags_and_refuses_a_bad_wait(capsys):
     assert build_parser().parse_args([]).lane_wait_s is None
     assert main(["--lane-wait-s", "-1", "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert "lane_wait_s=-1.0" in err and err.count("\n") == 1, err
+    assert "--lane-wait-s -1.0" in err and err.count("\n") == 1, err

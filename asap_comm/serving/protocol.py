@@ -4,7 +4,7 @@ Everything that the asynchronous runtime (``runtime.py``), the synchronous
 baseline (``sync.py``), their shared front end (``frontend.py``) and the
 simulator (``asap_comm.sim``) must agree on lives here:
 
-* the shared types: :class:`ModelInfo`, :class:`RuntimeConfig`,
+* the shared types: :class:`ModelInfo`, :class:`RuntimeConfig` (the shared part and each mode's),
   :class:`PromptRequest`, :class:`RunResult` (``runtime`` re-exports them);
 * the front end's chunk message, one request chunk to the rank that runs it:
   ``HDR`` int64 header words (request id, chunk index, number of chunks,
@@ -25,7 +25,7 @@ simulator (``asap_comm.sim``) must agree on lives here:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import math
 import os
@@ -36,7 +36,7 @@ import torch
 from .lane import LANE_WORDS
 from .policies import Chunk, check_linear_weight
 
-__all__ = ["ModelInfo", "RuntimeConfig", "PromptRequest", "RunResult", "HDR", "STOP", "CANCEL", "encode_chunk",
+__all__ = ["ModelInfo", "RuntimeConfig", "SHARED_FIELDS", "ASYNC_FIELDS", "SYNC_FIELDS", "PromptRequest", "RunResult", "HDR", "STOP", "CANCEL", "encode_chunk",
            "decode_chunk", "encode_cancel", "decode_cancel", "encode_result", "decode_result", "Channels", "WorkerStats",
            "BATCH_BUCKETS", "request_mailbox"]
 
@@ -94,33 +94,54 @@ class ModelInfo:
     kv_row_width: int = 0  # values per token of one layer's KV cache (MLA: kv_lora_rank + qk_rope); 0: no lane
 
 
+# The fields of RuntimeConfig that only one mode reads (the rest, SHARED_FIELDS, both modes read).
+ASYNC_FIELDS = ("barrier_free", "ping_pong", "token_balanced", "expert_batching", "expert_token_budget",
+                "expert_deadline_s", "long_prompt_lane", "lane_threshold", "lane_groups", "lane_tokens", "lane_wait_s")
+SYNC_FIELDS = ("sync_collectives", "cp_threshold")
+
+
+def _is_int(v, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _is_seconds(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """Ranks, budgets and the four optimizations (each switchable for ablation)."""
+    """The runtime's configuration: a part both modes read, then the parts only one mode reads.
 
-    num_attention_ranks: int = 2
+    One declaration for every front door: the command lines take these fields
+    through ``asap_comm.serving.runtime_args.add_runtime_args`` (one flag per
+    field, ``--field-name``, defaults from here), so a default is written once.
+    :data:`ASYNC_FIELDS` are ASAP's only (``run_async``; the baseline ignores
+    them), :data:`SYNC_FIELDS` the baseline's only (``run_sync``; ``run_async``
+    refuses a ``cp_threshold``); :meth:`for_mode` resets the other mode's part to
+    its defaults. Times are seconds (``*_s``), sizes tokens or rows.
+    """
+
+    # ---- shared: both modes read these
+    num_attention_ranks: int = 2  # ASAP: attention processes; run_sync: A + E DP+EP workers in all
     num_expert_ranks: int = 2
-    token_budget: int = 512  # tokens per attention micro-batch
-    max_prompt_len: int = 8192
-    chunk_len: "int | None" = 512  # split longer prompts into chunks (with load_aware)
-    barrier_free: bool = True  # (1) False: every MoE layer step is a barrier across the attention ranks
-    ping_pong: bool = True  # (2) two micro-batches in flight per attention rank
-    load_aware: bool = True  # (3) least-outstanding-work placement + long-prompt splitting
-    expert_batching: bool = True  # (4) gather rows per layer across attention ranks
-    expert_token_budget: int = 1024
-    expert_deadline_s: float = 0.002
-    timeout_s: float = 600.0  # bound on the whole run
-    progress: bool = False  # a live progress line on stderr from the front end
-    # run_sync only: the baseline's all-to-alls and all-reduces over "gloo" (torch.distributed) or "shm"
-    # (asap_comm shared memory, what NCCL/HCCL are to devices: microseconds instead of gloo's milliseconds)
-    sync_collectives: str = "gloo"
-    # run_sync only, on emulated devices (asap_comm.sim.emulate): prompts longer than this many tokens run with
-    # context parallelism over ceil(prompt / cp_threshold) DP groups (None: never; see sync.py)
-    cp_threshold: "int | None" = None
+    token_budget: int = 256  # tokens per attention micro-batch (the baseline: per step of a worker)
+    max_prompt_len: int = 8192  # the longest prompt served
+    chunk_len: "int | None" = 256  # split longer prompts into chunks (with load_aware); None: never
+    load_aware: bool = True  # optimization (3): least-outstanding-work placement + long-prompt splitting
     # the placer's per-token work in query-key pairs (policies.attention_cost); None: policies.LINEAR_WEIGHT (512).
     # The simulator and the emulator set it from their cost model (CostModel.placer_linear_weight)
     placer_linear_weight: "float | None" = None
-    # the long-prompt lane (issue 21; serving/lane.py and sim/lane.py; acts only with load_aware and
+    timeout_s: float = 600.0  # bound on the whole run
+    progress: bool = False  # a live progress line on stderr from the front end
+
+    # ---- async only (ASAP): optimizations (1), (2), (4), each switchable for ablation
+    barrier_free: bool = True  # (1) False: every MoE layer step is a barrier across the attention ranks
+    ping_pong: bool = True  # (2) two micro-batches in flight per attention rank
+    token_balanced: bool = True  # the two ping-pong micro-batches formed together get near-equal tokens
+    expert_batching: bool = True  # (4) gather rows per layer across attention ranks, up to:
+    expert_token_budget: int = 1024  # rows of one layer, or
+    expert_deadline_s: float = 0.002  # seconds after the first row waited
+    # the long-prompt lane (serving/lane.py and sim/lane.py; acts only with load_aware and
     # num_attention_ranks >= 2): a long prompt's chunks run as a wavefront on up to lane_groups attention groups
     # (0: all), each layer's KV latents of a chunk put with a signal to the later chunks' groups; used for a prompt
     # of at least 2 chunks longer than lane_threshold tokens (None: any such prompt in the runtime; in the
@@ -133,44 +154,78 @@ class RuntimeConfig:
     # memory model charges an attention die; a prompt that wants the lane while the pool has no room waits for
     # one (first come, first served) instead of running on one rank
     lane_tokens: "int | None" = None
-    # seconds a prompt waits for room in the lane at most: one that has waited this long runs the usual way, on
-    # one attention rank (the least loaded then), so a pool too small for the long prompts' arrival rate does not
-    # queue them without bound; None: it waits until a lane closes
+    # the lane's wait bound, in seconds: a prompt that has waited this long for room in the lane runs the usual
+    # way, on one attention rank (the least loaded then), so a pool too small for the long prompts' arrival rate
+    # does not queue them without bound; None: it waits until a lane closes
     lane_wait_s: "float | None" = None
-    # the two ping-pong micro-batches formed together get near-equal tokens (whole chunks, largest first)
-    token_balanced: bool = True
+
+    # ---- sync only (the baseline)
+    # the baseline's all-to-alls and all-reduces over "gloo" (torch.distributed) or "shm" (asap_comm shared
+    # memory, what NCCL/HCCL are to devices: microseconds instead of gloo's milliseconds)
+    sync_collectives: str = "gloo"
+    # on emulated devices (asap_comm.sim.emulate): prompts longer than this many tokens run with context
+    # parallelism over ceil(prompt / cp_threshold) DP groups (None: never; see sync.py)
+    cp_threshold: "int | None" = None
 
     def __post_init__(self) -> None:
-        for name in ("num_attention_ranks", "num_expert_ranks", "token_budget", "max_prompt_len",
-                     "expert_token_budget"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"RuntimeConfig: {name}={v!r} must be an int >= 1")
-        if self.chunk_len is not None and (not isinstance(self.chunk_len, int) or self.chunk_len < 1):
+        self._check_shared()
+        self._check_async()
+        self._check_sync()
+
+    def _check_shared(self) -> None:
+        for name in ("num_attention_ranks", "num_expert_ranks", "token_budget", "max_prompt_len"):
+            if not _is_int(getattr(self, name), 1):
+                raise ValueError(f"RuntimeConfig: {name}={getattr(self, name)!r} must be an int >= 1")
+        if self.chunk_len is not None and not _is_int(self.chunk_len, 1):
             raise ValueError(f"RuntimeConfig: chunk_len={self.chunk_len!r} must be None or an int >= 1")
-        c = self.cp_threshold
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
-            raise ValueError(f"RuntimeConfig: cp_threshold={c!r} must be None or an int >= 1")
-        if self.placer_linear_weight is not None:
-            check_linear_weight("RuntimeConfig: placer_linear_weight", self.placer_linear_weight)
-        t = self.lane_threshold
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
-            raise ValueError(f"RuntimeConfig: lane_threshold={t!r} must be None or an int >= 0")
-        g = self.lane_groups
-        if isinstance(g, bool) or not isinstance(g, int) or g < 0 or g == 1:
-            raise ValueError(f"RuntimeConfig: lane_groups={g!r} must be 0 (all attention ranks) or an int >= 2")
-        lt = self.lane_tokens
-        if lt is not None and (isinstance(lt, bool) or not isinstance(lt, int) or lt < 1):
-            raise ValueError(f"RuntimeConfig: lane_tokens={lt!r} must be None (max_prompt_len) or an int >= 1")
-        w = self.lane_wait_s
-        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)
-                              or w < 0):
-            raise ValueError(f"RuntimeConfig: lane_wait_s={w!r} must be None (wait for room) or seconds >= 0")
-        for name in ("long_prompt_lane", "token_balanced"):
+        for name in ("load_aware", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig: {name}={getattr(self, name)!r} must be a bool")
+        if not (_is_seconds(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"RuntimeConfig: timeout_s={self.timeout_s!r} must be seconds > 0")
+        if self.placer_linear_weight is not None:
+            check_linear_weight("RuntimeConfig: placer_linear_weight", self.placer_linear_weight)
+
+    def _check_async(self) -> None:
+        for name in ("barrier_free", "ping_pong", "expert_batching", "long_prompt_lane", "token_balanced"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RuntimeConfig: {name}={getattr(self, name)!r} must be a bool")
+        if not _is_int(self.expert_token_budget, 1):
+            raise ValueError(f"RuntimeConfig: expert_token_budget={self.expert_token_budget!r} must be an int >= 1")
+        if not _is_seconds(self.expert_deadline_s):
+            raise ValueError(f"RuntimeConfig: expert_deadline_s={self.expert_deadline_s!r} must be seconds >= 0")
+        t = self.lane_threshold
+        if t is not None and not _is_int(t, 0):
+            raise ValueError(f"RuntimeConfig: lane_threshold={t!r} must be None or an int >= 0")
+        g = self.lane_groups
+        if not _is_int(g, 0) or g == 1:
+            raise ValueError(f"RuntimeConfig: lane_groups={g!r} must be 0 (all attention ranks) or an int >= 2")
+        lt = self.lane_tokens
+        if lt is not None and not _is_int(lt, 1):
+            raise ValueError(f"RuntimeConfig: lane_tokens={lt!r} must be None (max_prompt_len) or an int >= 1")
+        w = self.lane_wait_s
+        if w is not None and not _is_seconds(w):
+            raise ValueError(f"RuntimeConfig: lane_wait_s={w!r} must be None (wait for room) or seconds >= 0")
+
+    def _check_sync(self) -> None:
         if self.sync_collectives not in ("gloo", "shm"):
             raise ValueError(f"RuntimeConfig: sync_collectives={self.sync_collectives!r} must be 'gloo' or 'shm'")
+        c = self.cp_threshold
+        if c is not None and not _is_int(c, 1):
+            raise ValueError(f"RuntimeConfig: cp_threshold={c!r} must be None or an int >= 1")
+
+    @staticmethod
+    def mode_fields(mode: str) -> tuple:
+        """The fields ``mode`` ("async" or "sync") reads: the shared part and its own."""
+        if mode not in ("async", "sync"):
+            raise ValueError(f"RuntimeConfig.mode_fields: mode={mode!r} must be 'async' or 'sync'")
+        other = SYNC_FIELDS if mode == "async" else ASYNC_FIELDS
+        return tuple(f.name for f in fields(RuntimeConfig) if f.name not in other)
+
+    def for_mode(self, mode: str) -> "RuntimeConfig":
+        """This configuration with the other mode's part at its defaults (what a summary of ``mode`` records)."""
+        keep = set(self.mode_fields(mode))
+        return replace(self, **{f.name: f.default for f in fields(self) if f.name not in keep})
 
     @property
     def effective_chunk_len(self) -> "int | None":
@@ -180,6 +235,9 @@ class RuntimeConfig:
     def max_chunk_tokens(self) -> int:
         c = self.effective_chunk_len
         return self.max_prompt_len if c is None else min(c, self.max_prompt_len)
+
+
+SHARED_FIELDS = tuple(f.name for f in fields(RuntimeConfig) if f.name not in ASYNC_FIELDS + SYNC_FIELDS)
 
 
 @dataclass(frozen=True)

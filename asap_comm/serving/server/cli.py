@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..protocol import RuntimeConfig
+from ..runtime_args import add_runtime_args, runtime_config_from_args
 from .frontdoor import check_connection_limit
 from .options import ServiceOptions
 from .workers import remove_stale, serve_on_this_host, serve_one_pe
@@ -23,22 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plugin", default="deepseek", help="the model plugin (entry-point group asap_comm.models)")
     ap.add_argument("--mode", choices=["async", "sync"], default="async",
                     help="async: ASAP; sync: the DP+EP baseline on the same processes")
-    ap.add_argument("--attention-ranks", type=int, default=2)
-    ap.add_argument("--expert-ranks", type=int, default=2)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
     ap.add_argument("--served-model-name", default=None, help="the model id of the API (default: --model's name)")
     ap.add_argument("--tokenizer", default=None, help="a local tokenizer directory; enables text prompts")
-    ap.add_argument("--max-prompt-len", type=int, default=8192)
-    ap.add_argument("--token-budget", type=int, default=512)
-    ap.add_argument("--chunk-len", type=int, default=512)
-    ap.add_argument("--sync-collectives", choices=["gloo", "shm"], default="shm")
-    ap.add_argument("--lane-tokens", type=int, default=None,
-                    help="ASAP's long-prompt lane: the prompt tokens the lanes in flight hold together (every "
-                         "attention rank's pool of received KV rows); unset: --max-prompt-len")
-    ap.add_argument("--lane-wait-s", type=float, default=None,
-                    help="a prompt that has waited this long for room in the lane runs on one attention rank "
-                         "instead; unset: it waits for a lane to close (examples/prefill.py uses 2 x its SLO)")
     ap.add_argument("--max-queued-tokens", type=int, default=65536,
                     help="admission bound: prompt tokens admitted and not finished; a call over it on its own gets "
                          "413, others wait their turn (first come, first served)")
@@ -72,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the communicator's default wait bound; the serving loops retry waits on a live peer "
                          "that is slow or stopped, so it does not limit how long a peer may stall")
     ap.add_argument("--seed", type=int, default=0, help="random weights of a preset model")
+    add_runtime_args(ap)  # the runtime's flags, shared with every command line (asap_comm.serving.runtime_args)
     return ap
 
 
@@ -110,10 +99,7 @@ def main(argv=None) -> int:
     try:
         factory = load_model_factory(args.model, plugin=args.plugin, seed=args.seed)
         info = model_info_of(factory)
-        cfg = RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
-                            token_budget=args.token_budget, max_prompt_len=args.max_prompt_len,
-                            chunk_len=args.chunk_len, sync_collectives=args.sync_collectives,
-                            lane_tokens=args.lane_tokens, lane_wait_s=args.lane_wait_s)
+        cfg = runtime_config_from_args(args)
         opts = service_options(args, os.environ)
         check_connection_limit(opts.max_connections)
     except (ValueError, LookupError, OSError) as e:
