@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
-from ..errors import CommError
+from ..errors import CommError, PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
 from ..patience import while_alive
 from .plan import _DESC_WORDS, _FIN, DispatchHandle, InflightLimitError, MoEPlan, _Buffers, _check_int
@@ -43,7 +44,7 @@ class AttentionEnd:
         self._targets: list = []
         for r in range(plan.num_expert_ranks):
             pe = A + r
-            if pe not in grouped:
+            if pe not in grouped:  # (no groups with spares: a replaced rank is always reached directly)
                 self._targets.append(r)
             elif grouped[pe][0] == pe:
                 self._targets.append(tuple(grouped[pe]))
@@ -61,7 +62,11 @@ class AttentionEnd:
         self._send_desc = {pe: self._buf.inbox.prepare_send(pe, self._desc) for pe in range(A, plan.world_size)}
         self._free = list(range(S - 1, -1, -1))  # free slots, pop() takes the lowest
         self._outstanding: dict[int, DispatchHandle] = {}
-        self._counted = [0] * S  # per slot: rows-returns expected so far (the counter is cumulative)
+        E = plan.num_expert_ranks
+        self._counted = [0] * (S * E)  # per word (slot, r): returns expected so far (the words are cumulative)
+        self._owner = [A + r for r in range(E)]  # the PE serving expert rank r (a spare once r's PE died)
+        self._keep = plan.num_spare_ranks > 0  # keep each handle's inputs until combine_recv, to send a part again
+        self.resent = 0  # parts sent again to a replacement (replace)
         self._finished = False
 
     @property
@@ -114,7 +119,10 @@ class AttentionEnd:
         experts, with the ids (-1 for experts elsewhere) and
         weights; then that rank gets a descriptor (release: it sees the rows).
         Toward another host with two or more expert ranks, once per host (the
-        module docstring's node-aware path).
+        module docstring's node-aware path). With spare expert PEs
+        (``plan.num_spare_ranks``) the handle keeps ``x``, ``topk_ids`` and
+        ``topk_weights`` (references: do not modify them before
+        ``combine_recv``) so that :meth:`replace` can send a part again.
         """
         T = self._check(x, topk_ids, topk_weights, layer)
         plan = self.plan
@@ -124,6 +132,8 @@ class AttentionEnd:
             ids32 = topk_ids.to(torch.int32)
             weights = topk_weights.to(torch.float32)
             rank_of = plan.rank_of_expert[topk_ids]  # [T, k] expert-rank index of each choice
+            if self._keep:
+                h.source = (x, ids32, weights, rank_of)
             off = 0
             for target in self._targets:
                 if isinstance(target, tuple):  # the expert PEs of another host: node-aware when large enough
@@ -136,8 +146,11 @@ class AttentionEnd:
                     ranks = [target]
                 for r in ranks:
                     off += self._dispatch_rank(r, h, x, ids32, weights, rank_of, off)
-        self._counted[slot] += len(h.parts)
-        h.target = self._counted[slot]
+        for i, (r, _) in enumerate(h.waits):
+            word = slot * plan.num_expert_ranks + r
+            self._counted[word] += 1
+            h.waits[i] = (r, self._counted[word])
+        h.target = len(h.parts)
         self._outstanding[slot] = h
         return h
 
@@ -148,17 +161,29 @@ class AttentionEnd:
         n = rows.numel()
         if n == 0:
             return 0  # not contacted
-        pe, slot = self.plan.num_attention_ranks + r, h.slot
-        views = self._direct[(pe, slot)]
-        tok, eid, w = views if views is not None else self._stage
-        # rows, routing ids (-1: expert elsewhere) and weights straight into the peer's region
-        self._fill(tok, eid, w, x, ids32, weights, on_r, rows, h.num_tokens)
-        if views is None:  # another host: put the staged rows (applied before the descriptor below)
-            self._put_staged(pe, slot, n)
-        self._send_descriptor(pe, slot, h.layer, n, off, -1, 0)  # release: rows before it
+        pe = self._owner[r]
+        self._send_part(pe, h, x, ids32, weights, on_r, rows, off)
         h.parts.append((pe, rows, off, n))
         h.pes.append(pe)
+        h.waits.append((r, 0))
         return n
+
+    def _send_part(self, pe: int, h: DispatchHandle, x, ids32, weights, on_r, rows, off: int) -> None:
+        """``h``'s ``rows`` (their choices on the rank: ``on_r`` [T, k]) into PE ``pe``'s region, then its
+        descriptor. With spares, toward a PE that died meanwhile it gives up quietly: the part is sent again to
+        the replacement (:meth:`replace`)."""
+        n, slot = rows.numel(), h.slot
+        views = self._direct[(pe, slot)]
+        tok, eid, w = views if views is not None else self._stage
+        try:
+            # rows, routing ids (-1: expert elsewhere) and weights straight into the peer's region
+            self._fill(tok, eid, w, x, ids32, weights, on_r, rows, h.num_tokens)
+            if views is None:  # another host: put the staged rows (applied before the descriptor below)
+                self._put_staged(pe, slot, n)
+            self._send_descriptor(pe, slot, h.layer, n, off, -1, 0)  # release: rows before it
+        except PeerFailure as e:
+            if not self._keep or e.pe != pe:
+                raise
 
     def _fill(self, tok, eid, w, x, ids32, weights, on, rows, T) -> None:
         """Rows ``rows`` of the micro-batch, their routing ids (-1 where ``on`` is False) and weights, into
@@ -220,22 +245,83 @@ class AttentionEnd:
             self._send_descriptor(pe, slot, h.layer, n, off, gateway, mask)
         h.parts.append((gateway, rows, off, n))  # one reduced row per token comes back
         h.pes.extend(contacted)
+        h.waits.append((gateway - A, 0))  # the reducer returns on the gateway's word
         return n
 
     def is_ready(self, handle: DispatchHandle) -> bool:
         """True once every expert rank ``handle`` contacted has returned its rows (never waits)."""
-        return not handle.parts or self.comm.signal_fetch(self._buf.done, handle.slot) >= handle.target
+        fetch, done, base = self.comm.signal_fetch, self._buf.done, handle.slot * self.plan.num_expert_ranks
+        for r, target in handle.waits:
+            if fetch(done, base + r) < target:
+                return False
+        return True
 
     def wait_ready(self, handle: DispatchHandle, timeout: float) -> bool:
         """Wait at most ``timeout`` s until :meth:`is_ready` (``handle`` stays outstanding: read it with
-        :meth:`combine_recv`). Returns whether it is ready; raises ``PeerFailure`` if a PE died."""
-        if not handle.parts:
-            return True
+        :meth:`combine_recv`). Returns whether it is ready; raises ``PeerFailure`` if a PE it waits on died,
+        unless the group has spare expert PEs: then it returns False at once (the PE's replacement, once
+        :meth:`replace` names it, answers instead)."""
         try:
-            self.comm.signal_wait_until(self._buf.done, handle.slot, ">=", handle.target, timeout=timeout)
+            self._wait_words(handle, timeout)
         except CommTimeoutError:
             return False
+        except PeerFailure:
+            if not self._keep:
+                raise
+            return False
         return True
+
+    def _wait_words(self, handle: DispatchHandle, timeout) -> None:
+        """Wait (each word bounded by what is left of ``timeout``) until every part of ``handle`` is back."""
+        comm, done, base = self.comm, self._buf.done, handle.slot * self.plan.num_expert_ranks
+        t = comm._timeout("wait_ready", timeout)
+        deadline = None
+        for r, target in handle.waits:
+            if comm.signal_fetch(done, base + r) >= target:
+                continue
+            if deadline is None:
+                deadline = time.monotonic() + t
+            else:
+                t = max(1e-6, deadline - time.monotonic())
+            if self._keep:  # only the PEs that can return it: another's death is the failover's business
+                comm.signal_wait_until(done, base + r, ">=", target, timeout=t, peers=self._waited_on(r))
+            else:
+                comm.signal_wait_until(done, base + r, ">=", target, timeout=t)
+
+    def _waited_on(self, r: int) -> list:
+        """The PEs that can return expert rank ``r``'s part: its owner, or the host's expert PEs (node-aware)."""
+        group = next((pes for pes in self._buf.host_groups.values() if self.plan.num_attention_ranks + r in pes),
+                     None)
+        return list(group) if group is not None and self._owner[r] in group else [self._owner[r]]
+
+    def replace(self, r: int, pe: int) -> int:
+        """Expert rank ``r``'s PE died and spare PE ``pe`` took over its experts (``ExpertEnd.take_over``): route
+        ``r`` to ``pe`` from now on, and send ``pe`` each outstanding micro-batch's part for ``r`` that did not
+        come back (its word names who returned it; a dead PE returns nothing more). Same slot, rows and combine
+        offset, so the handle completes as if nothing happened. Returns the parts sent again. Call it only once
+        the old owner is dead (the front end's failover says so)."""
+        plan = self.plan
+        if not self._keep:
+            raise CommError("replace: this plan has no spare expert PEs (num_spare_ranks=0)")
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < plan.num_expert_ranks:
+            raise ValueError(f"replace: expert rank r={r!r} is out of range [0, {plan.num_expert_ranks})")
+        if pe not in plan.spare_pes:
+            raise ValueError(f"replace: pe={pe!r} is not a spare expert PE ({list(plan.spare_pes)})")
+        self._owner[r] = pe
+        sent = 0
+        done, E = self._buf.done, plan.num_expert_ranks
+        for h in sorted(self._outstanding.values(), key=lambda h: h.slot):
+            for i, (wr, target) in enumerate(h.waits):
+                if wr != r or self.comm.signal_fetch(done, h.slot * E + r) >= target:
+                    continue
+                _pe, rows, off, n = h.parts[i]
+                x, ids32, weights, rank_of = h.source
+                self._send_part(pe, h, x, ids32, weights, rank_of == r, rows, off)
+                h.parts[i] = (pe, rows, off, n)
+                h.pes = sorted((set(h.pes) - {_pe}) | {pe})
+                sent += 1
+        self.resent += sent
+        return sent
 
     def combine_recv(self, handle: DispatchHandle, timeout=None) -> torch.Tensor:
         """Wait for ``handle``'s micro-batch only; return its routed-expert output ``[T,H]``.
@@ -249,8 +335,7 @@ class AttentionEnd:
             raise ValueError(f"combine_recv: unknown handle {handle!r} (already combined, or from another "
                              "AttentionEnd)")
         plan, buf, s = self.plan, self._buf, handle.slot
-        if handle.parts:
-            self.comm.signal_wait_until(buf.done, s, ">=", handle.target, timeout)
+        self._wait_words(handle, timeout)
         acc_dtype = torch.float32 if plan.dtype in (torch.float16, torch.bfloat16) else plan.dtype
         area, T = buf.combine[s], handle.num_tokens
         # Parts that cover every token are added whole (rows are 0..T-1); the rest by index.
@@ -282,4 +367,10 @@ class AttentionEnd:
             return
         self._finished = True
         for pe in self._send_desc:
-            self._send_descriptor(pe, _FIN, 0, 0, 0, -1, 0)
+            if self._keep and self.comm.peer_state(pe) != "alive":  # a dead (replaced) or gone spare PE
+                continue
+            try:
+                self._send_descriptor(pe, _FIN, 0, 0, 0, -1, 0)
+            except PeerFailure:
+                if not self._keep:
+                    raise

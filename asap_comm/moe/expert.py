@@ -22,6 +22,8 @@ class ExpertEnd:
     Construct on every expert PE while every attention PE constructs its
     ``AttentionEnd`` (collective allocation, once). Single-threaded.
     Iterating yields batches until every attention rank has called ``finish``.
+    On a spare expert PE (``plan.spare_pes``) it serves no expert rank until
+    :meth:`take_over`; it still takes descriptors and the ``finish`` ones.
     """
 
     def __init__(self, comm, plan: MoEPlan) -> None:
@@ -31,6 +33,8 @@ class ExpertEnd:
         self.comm, self.plan = comm, plan
         self._buf = _Buffers(comm, plan)
         self.experts = plan.local_experts(comm.rank)
+        # the expert rank this PE serves (0..E-1; its returns count on word (slot, rank)); None: a spare not yet used
+        self.expert_rank = comm.rank - plan.num_attention_ranks if comm.rank not in plan.spare_pes else None
         self._finished: set[int] = set()
         # address of combine[0, 0] on each attention PE, where its transport addresses it directly (this host);
         # None for the others: their rows travel with put_signal
@@ -45,6 +49,22 @@ class ExpertEnd:
         self._group = next((pes for pes in self._buf.host_groups.values() if comm.rank in pes), None)
         self.node_aware_parts = 0  # node-aware parts received (each gathered from a gateway)
         self.node_aware_reductions = 0  # node-aware parts this rank reduced and returned
+
+    def take_over(self, rank: int) -> list:
+        """On a spare PE: serve expert rank ``rank`` (whose PE died) from now on; returns its experts' global ids
+        (load them, then compute). Batches taken before are computed after it, with the same ids."""
+        plan = self.plan
+        if self.comm.rank not in plan.spare_pes:
+            raise CommError(f"take_over: PE {self.comm.rank} is not a spare expert PE ({list(plan.spare_pes)})")
+        if self.expert_rank is not None:
+            raise CommError(f"take_over: PE {self.comm.rank} serves expert rank {self.expert_rank} already")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.num_expert_ranks:
+            raise ValueError(f"take_over: rank={rank!r} is out of range [0, {plan.num_expert_ranks})")
+        self.expert_rank = rank
+        self.experts = plan.local_experts(plan.num_attention_ranks + rank)
+        self._mine.zero_()
+        self._mine[self.experts] = True
+        return list(self.experts)
 
     @property
     def finished(self) -> bool:
@@ -220,19 +240,23 @@ class ExpertEnd:
         if out.device.type != "cpu":
             raise ValueError(f"{fn}: out is on {out.device}; the shm backend moves CPU tensors only")
         buf, comm = self._buf, self.comm
+        if self.expert_rank is None:
+            raise CommError(f"{fn}: PE {comm.rank} is a spare that serves no expert rank yet (take_over first)")
         row_bytes = plan.hidden * out.element_size()
+        E, r = plan.num_expert_ranks, self.expert_rank
         for a, slot, off, n, first in batch.parts:
             if (a, slot) in self._host_parts:
                 self._combine_host(a, slot, out[first:first + n])
                 continue
             if self._combine_at[a] is None:  # not addressable from here: rows and counter in one message
-                comm.put_signal(buf.combine[slot, off:off + n], out[first:first + n], a, buf.done, slot, 1, op="add")
+                comm.put_signal(buf.combine[slot, off:off + n], out[first:first + n], a, buf.done, slot * E + r, 1,
+                                op="add")
                 continue
             dst = self._combine_at[a] + (slot * plan.combine_rows + off) * row_bytes
             if len(batch.parts) != 1 or out.data_ptr() != dst or not out.is_contiguous():
                 comm.remote(buf.combine[slot, off:off + n], a).copy_(out[first:first + n])
             # else: computed in place by output_buffer(): nothing to copy
-            comm.signal_op(buf.done, slot, 1, "add", a)  # release: rows first
+            comm.signal_op(buf.done, slot * E + r, 1, "add", a)  # release: rows first
 
     def _combine_host(self, a: int, slot: int, out: torch.Tensor) -> None:
         """Node-aware combine of one part: leave ``out`` (this rank's rows) in ``red``, count it on the
@@ -263,5 +287,6 @@ class ExpertEnd:
             y.index_add_(0, rows, part if acc_dtype == plan.dtype else part.to(acc_dtype))
         comm.signal_op(buf.red_count, a * S + slot, 0, "set", gateway)  # the next use of the slot counts anew
         self.node_aware_reductions += 1
+        word = slot * plan.num_expert_ranks + gateway - plan.num_attention_ranks  # the host part's word
         comm.put_signal(buf.combine[slot, off:off + n], y if acc_dtype == plan.dtype else y.to(plan.dtype), a,
-                        buf.done, slot, 1, op="add")
+                        buf.done, word, 1, op="add")

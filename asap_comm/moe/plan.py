@@ -51,6 +51,10 @@ class MoEPlan:
     contiguous blocks, as evenly as possible (the first ``N % E`` ranks hold
     one more). ``max_tokens``: the most tokens one micro-batch may carry;
     ``max_inflight``: handles an attention rank may have outstanding.
+    ``num_spare_ranks``: expert PEs after the ``E`` expert ranks that hold no
+    experts until one takes over a dead expert rank's experts
+    (``ExpertEnd.take_over``, ``AttentionEnd.replace``; docs/failover.md).
+    Expert rank ``r`` (an index, 0..E-1) starts on PE ``A + r``.
     """
 
     num_attention_ranks: int
@@ -61,12 +65,14 @@ class MoEPlan:
     max_tokens: int = 1024
     top_k: int = 8
     max_inflight: int = 4
+    num_spare_ranks: int = 0
 
     def __post_init__(self) -> None:
         fn = "MoEPlan"
         for name in ("num_attention_ranks", "num_expert_ranks", "num_experts", "hidden", "max_tokens", "top_k",
                      "max_inflight"):
             _check_int(fn, name, getattr(self, name), 1)
+        _check_int(fn, "num_spare_ranks", self.num_spare_ranks, 0)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"{fn}: dtype must be a floating torch.dtype, got {self.dtype!r}")
         if self.num_experts < self.num_expert_ranks:
@@ -77,7 +83,13 @@ class MoEPlan:
 
     @property
     def world_size(self) -> int:
-        return self.num_attention_ranks + self.num_expert_ranks
+        """Attention, expert and spare expert PEs."""
+        return self.num_attention_ranks + self.num_expert_ranks + self.num_spare_ranks
+
+    @property
+    def spare_pes(self) -> range:
+        """The spare expert PEs (after the expert ranks' first PEs)."""
+        return range(self.num_attention_ranks + self.num_expert_ranks, self.world_size)
 
     @cached_property
     def rank_of_expert(self) -> torch.Tensor:
@@ -91,10 +103,10 @@ class MoEPlan:
         return self.num_attention_ranks + int(self.rank_of_expert[expert])
 
     def local_experts(self, pe: int) -> list[int]:
-        """Global ids of the routed experts PE ``pe`` holds (empty for an attention PE)."""
+        """Global ids of the routed experts PE ``pe`` holds at start (empty for an attention PE and a spare)."""
         if isinstance(pe, bool) or not isinstance(pe, int) or not 0 <= pe < self.world_size:
             raise ValueError(f"MoEPlan.local_experts: pe={pe!r} is out of range [0, {self.world_size})")
-        if pe < self.num_attention_ranks:
+        if pe < self.num_attention_ranks or pe >= self.num_attention_ranks + self.num_expert_ranks:
             return []
         return (self.rank_of_expert == pe - self.num_attention_ranks).nonzero().flatten().tolist()
 
@@ -110,8 +122,8 @@ class _Buffers:
     def __init__(self, comm, plan: MoEPlan) -> None:
         if comm.world_size < plan.world_size:
             raise ValueError(f"MoE: the communicator has {comm.world_size} PEs but the plan needs "
-                             f"{plan.num_attention_ranks} attention + {plan.num_expert_ranks} expert = "
-                             f"{plan.world_size}")
+                             f"{plan.num_attention_ranks} attention + {plan.num_expert_ranks} expert + "
+                             f"{plan.num_spare_ranks} spare = {plan.world_size}")
         A, S, T, H, k = plan.num_attention_ranks, plan.max_inflight, plan.max_tokens, plan.hidden, plan.top_k
         # dispatch area (read on expert PEs): region (a, s) holds up to T rows and their routing
         self.tokens = comm.empty((A, S, T, H), plan.dtype)  # [A, S, T, H]
@@ -119,7 +131,9 @@ class _Buffers:
         self.weights = comm.empty((A, S, T, k), torch.float32)  # [A, S, T, k]
         # combine area (read on attention PEs): slot s holds the rows every contacted rank returns
         self.combine = comm.empty((S, plan.combine_rows, H), plan.dtype)  # [S, R, H]
-        self.done = comm.signals(S)  # per slot: how many expert ranks have returned their rows (cumulative)
+        # per (slot, expert rank r): how many times r's rows came back (cumulative), word s * E + r: a return is
+        # told apart by who made it, so a dead expert rank's missing return is known (AttentionEnd.replace)
+        self.done = comm.signals(S * plan.num_expert_ranks)
         self.inbox = comm.mailbox(_DESC_WORDS * 8, A * (S + 1))  # descriptors, never full
         # node-aware groups (module docstring): the expert PEs of each host that holds two or more of them,
         # when an attention PE is on another host; the same on every PE (comm.hosts is)
@@ -135,12 +149,12 @@ def _host_groups(comm, plan: MoEPlan) -> "dict[str, list[int]]":
     attention PE is on another host: the hosts that dispatch and combine reach once per token.
     ``ASAP_MOE_NODE_AWARE=0`` (in every PE's environment) turns this off: every expert rank is reached
     directly, for comparisons."""
-    if os.environ.get("ASAP_MOE_NODE_AWARE", "1") == "0":  # every PE must see the same setting
+    if os.environ.get("ASAP_MOE_NODE_AWARE", "1") == "0" or plan.num_spare_ranks:  # every PE sees the same
         return {}
     hosts = getattr(comm, "hosts", None) or ["local"] * comm.world_size
     A = plan.num_attention_ranks
     groups: dict[str, list[int]] = {}
-    for pe in range(A, plan.world_size):
+    for pe in range(A, A + plan.num_expert_ranks):
         groups.setdefault(hosts[pe], []).append(pe)
     attention_hosts = {hosts[a] for a in range(A)}
     return {h: pes for h, pes in groups.items()
@@ -162,9 +176,11 @@ class DispatchHandle:
     slot: int
     layer: int
     num_tokens: int
-    target: int  # value of the slot's counter once every contacted rank has returned
+    target: int  # parts that come back (one per expert rank contacted, or per host reached node-aware)
     parts: list = field(default_factory=list)  # (expert PE or gateway, rows [n] int64, combine offset, n)
     pes: list = field(default_factory=list)  # every expert PE contacted, ascending
+    waits: list = field(default_factory=list)  # per part: (expert rank r, value of word (slot, r) once it is back)
+    source: "tuple | None" = None  # with spares: (x, ids32, weights, rank_of), to send a part again
 
     @property
     def expert_pes(self) -> list[int]:
