@@ -96,7 +96,8 @@ class ModelInfo:
 
 # The fields of RuntimeConfig that only one mode reads (the rest, SHARED_FIELDS, both modes read).
 ASYNC_FIELDS = ("barrier_free", "ping_pong", "token_balanced", "expert_batching", "expert_token_budget",
-                "expert_deadline_s", "long_prompt_lane", "lane_threshold", "lane_groups", "lane_tokens", "lane_wait_s")
+                "expert_deadline_s", "long_prompt_lane", "lane_threshold", "lane_groups", "lane_tokens", "lane_wait_s",
+                "spare_expert_ranks")
 SYNC_FIELDS = ("sync_collectives", "cp_threshold")
 
 
@@ -158,6 +159,9 @@ class RuntimeConfig:
     # way, on one attention rank (the least loaded then), so a pool too small for the long prompts' arrival rate
     # does not queue them without bound; None: it waits until a lane closes
     lane_wait_s: "float | None" = None
+    # expert failover (docs/failover.md): spare expert PEs, holding no experts until one takes over the experts of
+    # an expert rank whose PE died; with none left, a death fails the group as before
+    spare_expert_ranks: int = 0
 
     # ---- sync only (the baseline)
     # the baseline's all-to-alls and all-reduces over "gloo" (torch.distributed) or "shm" (asap_comm shared
@@ -206,6 +210,8 @@ class RuntimeConfig:
         w = self.lane_wait_s
         if w is not None and not _is_seconds(w):
             raise ValueError(f"RuntimeConfig: lane_wait_s={w!r} must be None (wait for room) or seconds >= 0")
+        if not _is_int(self.spare_expert_ranks, 0):
+            raise ValueError(f"RuntimeConfig: spare_expert_ranks={self.spare_expert_ranks!r} must be an int >= 0")
 
     def _check_sync(self) -> None:
         if self.sync_collectives not in ("gloo", "shm"):
