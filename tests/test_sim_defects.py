@@ -262,8 +262,8 @@ def test_headline_searches_asap_as_broadly_as_the_baseline(capsys):
         main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     for flag, default in (("--cp-threshold", "none,4096,8192,16384,32768"), ("--chunk-len", "4096,8192,16384"),
-                          ("--sync-chunk-len", "4096,8192,16384"), ("--expert-deadline", "0.0005,0.002"),
-                          ("--expert-token-budget", "16384,32768"), ("--lane-wait", "none")):
+                          ("--sync-chunk-len", "4096,8192,16384"), ("--expert-deadline-s", "0.0005,0.002"),
+                          ("--expert-token-budget", "16384,32768"), ("--lane-wait-slo", "none")):
         assert re.search(rf"{flag} \S+ (?:(?!\(default:).)*\(default: {re.escape(default)}\)", help_text), (flag,
                                                                                                          default)
     syncs = sync_grid(64, [1, 2, 4, 8], [None, 4096, 8192, 16384, 32768], [4096, 8192, 16384], 128, [True], [16384])
@@ -290,7 +290,7 @@ def test_headline_searches_asap_as_broadly_as_the_baseline(capsys):
     pools = async_grid(64, [16], [8], [4096], 128, [4096], [0.0005], [16384], [None, 262144])
     assert [d.cfg.lane_tokens for d in pools] == [None, 262144] and "lane pool 262144" in pools[1].label
     assert "lane pool" not in pools[0].label
-    # --lane-wait: the lane's wait bound, in SLOs, bound to each search's SLO and re-scaled with it
+    # --lane-wait-slo: the lane's wait bound, in SLOs, bound to each search's SLO and re-scaled with it
     from asap_comm.sim.grids import rebind_lane_wait, with_lane_wait
 
     waits = with_lane_wait(pools, 4.0, [None, 0.5, 2.0])
@@ -305,11 +305,11 @@ def test_headline_searches_asap_as_broadly_as_the_baseline(capsys):
 
 
 def test_headline_rejects_bad_search_values(tmp_path, capsys):
-    for bad, msg in ((["--expert-deadline", "-1"], "--expert-deadline"), (["--expert-token-budget", "0"],
+    for bad, msg in ((["--expert-deadline-s", "-1"], "--expert-deadline-s"), (["--expert-token-budget", "0"],
                                                                           "--expert-token-budget"),
                      (["--token-budget", "x"], "--token-budget"),
                      (["--num-requests-sensitivity", "-1"], "--num-requests-sensitivity"),
-                     (["--lane-tokens", "0"], "--lane-tokens"), (["--lane-wait", "-1"], "--lane-wait"),
-                     (["--lane-wait", "x"], "--lane-wait"), (["--lane-wait", ","], "--lane-wait")):
+                     (["--lane-tokens", "0"], "--lane-tokens"), (["--lane-wait-slo", "-1"], "--lane-wait-slo"),
+                     (["--lane-wait-slo", "x"], "--lane-wait-slo"), (["--lane-wait-slo", ","], "--lane-wait-slo")):
         rc, _, err = _cli(["headline", "--out", str(tmp_path), *bad], capsys)
         assert rc == 2 and msg in err, (bad, err)

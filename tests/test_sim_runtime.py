@@ -182,11 +182,11 @@ def test_cli_run_withholds_a_ratio_built_on_a_load_a_mode_does_not_sustain(tmp_p
 
 @pytest.mark.slow
 def test_cli_headline_quick(tmp_path):
-    p = _run(["headline", "--out", str(tmp_path), "--quick", "--profiles", "h800-node", "--lane-wait", "none,1"])
+    p = _run(["headline", "--out", str(tmp_path), "--quick", "--profiles", "h800-node", "--lane-wait-slo", "none,1"])
     assert p.returncode == 0, p.stderr
     s = json.loads((tmp_path / "summary.json").read_text())
     prof = s["profiles"]["h800-node"]
-    # --lane-wait none,1: every ASAP configuration searched with and without a bound of one SLO
+    # --lane-wait-slo none,1: every ASAP configuration searched with and without a bound of one SLO
     assert prof["search_breadth"]["async_dimensions"]["lane_wait_slo"] == [None, 1.0]
     waits = [r for r in prof["search"]["async"] if "lane wait" in r["label"]]
     assert waits and len(waits) * 2 == len(prof["search"]["async"])

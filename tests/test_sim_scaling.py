@@ -6,6 +6,7 @@ import math
 import pytest
 
 from asap_comm.serving.metrics import sustains_slo
+from asap_comm.serving.slo import SLO_MULTIPLIER
 from asap_comm.serving.traces import Request
 from asap_comm.sim import search_space as ss
 from asap_comm.sim.__main__ import main as sim_main
@@ -131,7 +132,7 @@ def test_one_slo_per_trace_at_every_size(v3):
     from asap_comm.sim.simulate import simulate
     one = simulate("sync", [Request(0, 0.0, lens[int(0.9 * len(lens))])], cost, shapes, ref.cfg,
                    sync_ranks=ref.sync_ranks, par=ref.par).records[0].ttft_s
-    assert slo == pytest.approx(ss.SLO_FACTOR * one) and "p90 prompt" in rule
+    assert slo == pytest.approx(SLO_MULTIPLIER * one) and "p90 prompt" in rule
 
 
 def test_seeds_are_disjoint_windows_of_the_trace():

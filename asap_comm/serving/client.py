@@ -41,11 +41,11 @@ import torch
 
 from .metrics import (RequestRecord, percentile, served_fraction, slo_compliant_throughput, summarize_run,
                       withheld_reason)
+from .slo import SLO_MULTIPLIER, auto_slo
 from .traces import LogNormalLengths, TraceError, load_trace, scale_trace, synthetic_trace
 
 __all__ = ["make_prompts", "replay", "summarize", "ServiceProcess", "main"]
 
-SLO_MULTIPLIER = 3.0  # --slo auto: this many times the unloaded TTFT of a p90-length prompt
 SLO_PROBES = 5
 
 
@@ -284,10 +284,9 @@ async def _server_info(url: str, api_key: "str | None" = None) -> dict:
             return (await resp.json())["data"][0]
 
 
-async def _auto_slo(url: str, trace: list, vocab: int, model: str, api_key: "str | None" = None) -> tuple:
-    """3x the median unloaded TTFT of a p90-length prompt (sent one at a time)."""
-    lens = sorted(r.prompt_len for r in trace)
-    p90 = lens[min(len(lens) - 1, int(0.9 * len(lens)))]
+async def _unloaded_ttft(url: str, p90: int, vocab: int, model: str, api_key: "str | None" = None) -> float:
+    """The median TTFT of ``p90``-token prompts sent one at a time (the first warms the connection and is not
+    counted): what ``--slo auto`` multiplies (``serving.slo.auto_slo``)."""
     g = torch.Generator().manual_seed(12345)
     ttfts = []
     import aiohttp
@@ -299,8 +298,7 @@ async def _auto_slo(url: str, trace: list, vocab: int, model: str, api_key: "str
             if status != 200:
                 raise ConnectionError(f"--slo auto: a probe request failed: HTTP {status}: {data}")
             ttfts.append(dur)
-    unloaded = statistics.median(ttfts[1:])  # the first warms the connection
-    return SLO_MULTIPLIER * unloaded, unloaded, p90
+    return statistics.median(ttfts[1:])  # the first warms the connection
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -317,8 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-prompt-len", type=int, default=512, help="clip prompts to this many tokens")
     ap.add_argument("--length-scale", type=float, default=1.0, help="trace file: multiply prompt lengths")
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace and the prompts' token ids")
-    ap.add_argument("--slo", default="auto", help="TTFT SLO in seconds, or auto: 3x the unloaded TTFT of a "
-                                                  "p90-length prompt, measured first")
+    ap.add_argument("--slo", default="auto", help=f"TTFT SLO in seconds, or auto: {SLO_MULTIPLIER:g}x the unloaded "
+                                                  "TTFT of a p90-length prompt, measured first")
     ap.add_argument("--sweep", default="", help="comma-separated request rates: replay the trace at each and "
                                                 "report the SLO-compliant throughput")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="client-side bound on one request")
@@ -369,9 +367,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if slo_given is None:
-        slo, unloaded, p90 = asyncio.run(_auto_slo(args.url, trace, vocab, model, api_key))
-        print(f"client: SLO {slo:.3f} s = {SLO_MULTIPLIER:g} x the unloaded TTFT {unloaded:.3f} s of a {p90}-token "
-              "(p90) prompt", file=sys.stderr)
+        rule = auto_slo([r.prompt_len for r in trace],
+                        lambda n: asyncio.run(_unloaded_ttft(args.url, n, vocab, model, api_key)))
+        slo, unloaded = rule.ttft_s, rule.unloaded_ttft_s
+        print(f"client: SLO {slo:.3f} s = {rule.multiplier:g} x the unloaded TTFT {unloaded:.3f} s of a "
+              f"{rule.p90_prompt_tokens}-token (p90) prompt", file=sys.stderr)
     else:
         slo, unloaded = slo_given, None
     print(f"client: {len(trace)} requests, {sum(r.prompt_len for r in trace)} prompt tokens, to {args.url} "

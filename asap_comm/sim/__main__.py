@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..serving.protocol import RuntimeConfig
+from ..serving.runtime_args import add_runtime_args, given_flags, runtime_config_from_args
 from ..serving.traces import LogNormalLengths, TraceError, load_trace, resolve_trace, synthetic_trace
 from . import plots
 from .costs import CostModel
@@ -40,121 +40,51 @@ from .simulate import Parallelism
 from .study import capacity_rate, compare, parse_slo, percentile_target, run_point, spread_buckets, unloaded_slo
 
 
-# ``run``'s defaults of the flags a user did not give: the local profile keeps the toy sizes of this host's small
-# model; a cluster profile (dedicated devices: no "cores" in its JSON) gets the headline's runtime settings
-# (headline.headline_config: 16k-token chunks and micro-batches, prompts up to 128k, expert batches of up to
-# 32768 rows or 1 ms) on 32 attention + 32 expert devices, deepseek-v3 and Mooncake-like synthetic lengths
+# ``run``'s presets for the flags a user did not give (``--help`` shows the runtime's own defaults, RuntimeConfig's,
+# the same on every command line; asap_comm.serving.runtime_args). The local profile keeps the toy sizes of this
+# host's small model, prompts up to 512 tokens; a cluster profile (dedicated devices: no "cores" in its JSON) gets
+# the headline's runtime settings (headline.headline_config: 16k-token chunks and micro-batches, prompts up to
+# 128k, expert batches of up to 32768 rows or 1 ms) on 32 attention + 32 expert devices, deepseek-v3 and
+# Mooncake-like synthetic lengths
 RUN_DEFAULTS = {
-    "local": {"model": "small", "attention_ranks": 2, "expert_ranks": 2, "token_budget": 256, "chunk_len": 256,
-              "max_prompt_len": 512, "expert_token_budget": 1024, "expert_deadline": 0.002, "median_len": 48},
+    "local": {"model": "small", "max_prompt_len": 512, "median_len": 48},
     "cluster": {"model": "deepseek-v3", "attention_ranks": 32, "expert_ranks": 32, "token_budget": 16384,
-                "chunk_len": 16384, "max_prompt_len": 131072, "expert_token_budget": 32768, "expert_deadline": 0.001,
-                "median_len": 6909},
+                "chunk_len": 16384, "max_prompt_len": 131072, "expert_token_budget": 32768,
+                "expert_deadline_s": 0.001, "median_len": 6909},
 }
 
 
-def apply_run_defaults(args) -> tuple:
-    """Fill every ``run`` flag the user did not give (None) from :data:`RUN_DEFAULTS`: ``"cluster"`` for a profile
-    of dedicated devices, ``"local"`` for one of shared CPU cores. Returns (kind, {flag: value filled in})."""
+def apply_run_defaults(args, given: set) -> tuple:
+    """Fill every ``run`` flag the user did not give (not in ``given``, :func:`given_flags`) from
+    :data:`RUN_DEFAULTS`: ``"cluster"`` for a profile of dedicated devices, ``"local"`` for one of shared CPU
+    cores. Returns (kind, {flag: value filled in})."""
     from .costs import Profile
 
     kind = "local" if Profile.load(args.profile).cores is not None else "cluster"
     filled = {}
     for k, v in RUN_DEFAULTS[kind].items():
-        if getattr(args, k) is None:
+        if k not in given:
             setattr(args, k, v)
             filled["--" + k.replace("_", "-")] = v
     return kind, filled
 
 
-def _runtime_args(p: argparse.ArgumentParser, *, a, e, budget, chunk, max_len, ex_budget, deadline) -> None:
-    """The runtime flags; a default of None is filled in after parsing (:func:`apply_run_defaults`)."""
-    dflt = (lambda v, what: f" (default {v})" if v is not None else f" (default: {what})")
-    per_profile = "per profile, see RUN_DEFAULTS: local {}, cluster {}"
-
-    def by_profile(key):
-        return per_profile.format(RUN_DEFAULTS["local"][key], RUN_DEFAULTS["cluster"][key])
-
-    p.add_argument("--attention-ranks", type=int, default=a,
-                   help="ASAP attention ranks: DP groups of --attention-tp devices each" + dflt(a, by_profile(
-                       "attention_ranks")))
-    p.add_argument("--expert-ranks", type=int, default=e,
-                   help="ASAP expert ranks, one device each" + dflt(e, by_profile("expert_ranks")))
-    p.add_argument("--sync-ranks", type=int, default=None,
+def _deployment_args(p: argparse.ArgumentParser) -> None:
+    """The runtime flags (``add_runtime_args``, shared with every command line) and the simulator's parallelism."""
+    add_runtime_args(p, collectives=False)
+    g = p.add_argument_group("parallelism (modelled devices)")
+    g.add_argument("--sync-ranks", type=int, default=None,
                    help="baseline DP groups of --sync-tp devices each, EP over all of them "
                         "(default: the same devices as ASAP, (A * attention_tp + E) / sync_tp)")
-    p.add_argument("--attention-tp", type=int, default=1, metavar="T",
+    g.add_argument("--attention-tp", type=int, default=1, metavar="T",
                    help="devices per ASAP attention rank, tensor-parallel (cluster profiles; default 1)")
-    p.add_argument("--sync-tp", type=int, default=1, metavar="T",
+    g.add_argument("--sync-tp", type=int, default=1, metavar="T",
                    help="devices per baseline DP group, tensor-parallel (cluster profiles; default 1)")
-    p.add_argument("--cp-threshold", type=int, default=None, metavar="TOKENS",
+    g.add_argument("--cp-threshold", type=int, default=None, metavar="TOKENS",
                    help="baseline: prompts longer than this run with context parallelism on "
                         "ceil(prompt / TOKENS) DP groups (default: never)")
-    p.add_argument("--sync-overlap", action="store_true",
+    g.add_argument("--sync-overlap", action="store_true",
                    help="baseline: hide the all_to_alls behind compute (two micro-batches per step; cluster profiles)")
-    p.add_argument("--token-budget", type=int, default=budget,
-                   help="tokens per attention micro-batch" + dflt(budget, by_profile("token_budget")))
-    p.add_argument("--chunk-len", type=int, default=chunk,
-                   help="split longer prompts into chunks of this size" + dflt(chunk, by_profile("chunk_len")))
-    p.add_argument("--max-prompt-len", type=int, default=max_len,
-                   help="longest prompt served" + dflt(max_len, by_profile("max_prompt_len")))
-    p.add_argument("--expert-token-budget", type=int, default=ex_budget,
-                   help="rows an expert rank gathers per layer" + dflt(ex_budget, by_profile("expert_token_budget")))
-    p.add_argument("--expert-deadline", type=float, default=deadline,
-                   help="seconds an expert rank waits for more rows" + dflt(deadline, by_profile("expert_deadline")))
-    for opt in ("barrier-free", "ping-pong", "load-aware", "expert-batching"):
-        p.add_argument(f"--no-{opt}", action="store_true", help=f"turn optimization '{opt}' off (ablation)")
-    lane_args(p)
-
-
-def lane_args(p: argparse.ArgumentParser) -> None:
-    """ASAP's long-prompt lane and token-balanced micro-batch pairs (``asap_comm/sim/lane.py``)."""
-    p.add_argument("--no-long-prompt-lane", action="store_true",
-                   help="turn ASAP's long-prompt lane off (ablation; lane.py)")
-    p.add_argument("--lane-threshold", type=int, default=None, metavar="TOKENS",
-                   help="lane for prompts longer than this (default: predicted TTFT on one group vs the SLO)")
-    p.add_argument("--lane-groups", type=int, default=0, metavar="G",
-                   help="attention groups a lane prompt spreads over (default 0: all)")
-    p.add_argument("--lane-tokens", default=None, metavar="TOKENS|auto",
-                   help="the prompt tokens the lanes in flight hold together (every attention die's pool of "
-                        "received KV rows, charged by the memory check; a prompt waits for room; default: "
-                        "--max-prompt-len; auto: the most longest prompts, up to 4, that the attention dies hold)")
-    p.add_argument("--lane-wait", type=float, default=None, metavar="SECONDS",
-                   help="a prompt that has waited this long for room in the lane runs on one group instead "
-                        "(default: it waits for a lane to close)")
-    p.add_argument("--no-token-balanced", action="store_true",
-                   help="fill the first ping-pong micro-batch up to the budget instead of balancing the pair")
-
-
-def lane_config(p: argparse.ArgumentParser, args, cfg: RuntimeConfig) -> RuntimeConfig:
-    """``cfg`` with the lane flags of :func:`lane_args`; a bad value is a usage error naming the flag."""
-    import dataclasses
-
-    tokens = args.lane_tokens
-    if tokens is not None and tokens != "auto":  # auto: check_memory sizes the pool
-        try:
-            tokens = int(tokens)
-        except ValueError:
-            p.error(f"--lane-tokens={tokens!r}: give a number of tokens >= 1, or auto")
-    try:
-        return dataclasses.replace(cfg, long_prompt_lane=not args.no_long_prompt_lane,
-                                   lane_threshold=args.lane_threshold, lane_groups=args.lane_groups,
-                                   lane_tokens=None if tokens == "auto" else tokens, lane_wait_s=args.lane_wait,
-                                   token_balanced=not args.no_token_balanced)
-    except ValueError as e:
-        p.error(str(e).replace("RuntimeConfig: lane_threshold", "--lane-threshold")
-                .replace("RuntimeConfig: lane_groups", "--lane-groups")
-                .replace("RuntimeConfig: lane_tokens", "--lane-tokens")
-                .replace("RuntimeConfig: lane_wait_s", "--lane-wait"))
-
-
-def _runtime_config(args) -> RuntimeConfig:
-    return RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
-                         token_budget=args.token_budget, chunk_len=args.chunk_len,
-                         max_prompt_len=args.max_prompt_len, expert_token_budget=args.expert_token_budget,
-                         expert_deadline_s=args.expert_deadline, barrier_free=not args.no_barrier_free,
-                         ping_pong=not args.no_ping_pong, load_aware=not args.no_load_aware,
-                         expert_batching=not args.no_expert_batching)
 
 
 def parallel_args(p: argparse.ArgumentParser, args) -> tuple:
@@ -255,10 +185,10 @@ def cmd_run(argv) -> int:
     memory_args(p)
     routing_arg(p)
     _trace_args(p, median=None, max_len=None)
-    _runtime_args(p, a=None, e=None, budget=None, chunk=None, max_len=None, ex_budget=None, deadline=None)
+    _deployment_args(p)
     args = p.parse_args(argv)
     try:
-        kind, filled = apply_run_defaults(args)
+        kind, filled = apply_run_defaults(args, given_flags(p, argv))
     except (ValueError, FileNotFoundError) as e:
         p.error(f"--profile {args.profile!r}: {e}")
     if filled:
@@ -268,7 +198,10 @@ def cmd_run(argv) -> int:
     target = slo_target(p, args)
     slo_s = slo_arg(p, args.slo)
     cost, shapes = CostModel.load(args.profile, args.model), ModelShapes.load(args.model)
-    cfg = lane_config(p, args, _runtime_config(args))  # the lane's flags first: its KV pool is charged too
+    try:  # --lane-tokens auto: check_memory sizes the pool (its KV is charged too)
+        cfg = runtime_config_from_args(args, **({"lane_tokens": None} if args.lane_tokens == "auto" else {}))
+    except ValueError as e:
+        p.error(str(e))
     cost, memory, cfg = check_memory(p, args, cost, shapes, cfg, par, W)
     routing = parse_routing_arg(p, args.routing)
     cost = routed_cost(cost, routing)  # every simulated run below charges this routing (routing.py)

@@ -23,9 +23,9 @@ The documented comparison (docs/design.md, "asap_comm.sim"; issue 6, best-vs-bes
   long-prompt lane's wavefront step, so 4k chunks shorten long prompts on many groups: at 384 dies, 44 x TP8
   + 32, a 126k prompt's unloaded TTFT is 3.5 s with 4k chunks and 5.9 s with 8k) with a micro-batch budget
   equal to it or ``--token-budget`` (16k), the expert ranks' batching deadline
-  (``--expert-deadline``: 0.5, 2 ms) and row budget (``--expert-token-budget``:
+  (``--expert-deadline-s``: 0.5, 2 ms) and row budget (``--expert-token-budget``:
   16384, 32768), the long-prompt lane's KV pool (``--lane-tokens``: default one longest prompt) and its wait
-  bound (``--lane-wait``, in multiples of each search's SLO: default none, wait for room; a prompt that waited
+  bound (``--lane-wait-slo``, in multiples of each search's SLO: default none, wait for room; a prompt that waited
   that long runs on one group). Why at least 16 expert devices:
   the routed experts are 653 B parameters (58 layers x 256 x 3 x 7168 x 2048),
   653 GB in INT8/FP8, so with 64 GB of HBM per 910C die (80 GB per H800) at
@@ -76,13 +76,14 @@ import time
 from pathlib import Path
 
 from ..serving.metrics import throughput_ratio
+from ..serving.slo import SLO_MULTIPLIER, auto_slo
 from ..serving.traces import Request
 from . import plots
 from .costs import CostModel
 from .routing import parse_routing_arg, routed_cost, routing_arg
 from .shapes import ModelShapes
 from .simulate import simulate
-from .study import (Deployment, capacity_rate, mean_len, p90_prompt, parse_slo, percentile_target, run_point,
+from .study import (Deployment, capacity_rate, mean_len, parse_slo, percentile_target, run_point,
                     search_best, sweep_deployment)
 from .memory import WEIGHT_DTYPES, deployment_problems, headline_memory
 
@@ -98,11 +99,18 @@ def unloaded_ttft(d: Deployment, prompt: int, cost, shapes) -> float:
     return t
 
 
-def slo_rule(trace, candidates, cost, shapes, factor: float = 3.0) -> tuple:
-    """(SLO seconds, the candidate that set it): ``factor`` x the fastest unloaded TTFT of the p90 prompt."""
-    times = [(unloaded_ttft(d, p90_prompt(trace, d.cfg), cost, shapes), i) for i, d in enumerate(candidates)]
-    t, i = min(times)
-    return factor * t, candidates[i]
+def slo_rule(trace, candidates, cost, shapes, factor: float = SLO_MULTIPLIER) -> tuple:
+    """(SLO seconds, the candidate that set it): ``factor`` x the fastest unloaded TTFT of the p90 prompt
+    (``serving.slo.auto_slo``, measured on the fastest of ``candidates``)."""
+    times = {}
+
+    def fastest(p90: int) -> float:
+        times.update({i: unloaded_ttft(d, p90, cost, shapes) for i, d in enumerate(candidates)})
+        return min(times.values())
+
+    rule = auto_slo([r.prompt_len for r in trace], fastest, multiplier=factor,
+                    max_prompt_len=min(d.cfg.max_prompt_len for d in candidates))
+    return rule.ttft_s, candidates[min(times, key=lambda i: (times[i], i))]
 
 
 def _sct(sweep) -> "float | None":
@@ -241,8 +249,8 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
     res["per_die"] = []
     per_die_slos = [("headline SLO", slo_s)]
     if not quick:
-        per_die_slos.append(("its own SLO rule (3x the per-die baseline's unloaded p90 TTFT)",
-                             3 * unloaded_ttft(ref_s, p90_prompt(trace, ref_s.cfg), cost, shapes)))
+        per_die_slos.append((f"its own SLO rule ({SLO_MULTIPLIER:g}x the per-die baseline's unloaded p90 TTFT)",
+                             slo_rule(trace, [ref_s], cost, shapes)[0]))
     per_die_problems = [x for d in (ref_a, ref_s) for x in deployment_problems(d, cost.profile, shapes)]
     if per_die_problems and not ignore_memory:  # the per-die reference does not fit: left out, said why
         res["per_die_infeasible"], per_die_slos = per_die_problems, []
@@ -415,16 +423,17 @@ def main(argv=None) -> int:
     p.add_argument("--token-budget", default="16384", metavar="TOKENS[,TOKENS...]",
                    help="ASAP: micro-batch token budgets searched, with each chunk size (a budget smaller than the "
                         "chunk is skipped; the chunk size itself is always tried)")
-    p.add_argument("--expert-deadline", default="0.0005,0.002", metavar="SECONDS[,SECONDS...]",
-                   help="ASAP: expert ranks' batching deadlines searched")
+    p.add_argument("--expert-deadline-s", default="0.0005,0.002", metavar="SECONDS[,SECONDS...]",
+                   help="ASAP: expert ranks' batching deadlines searched, seconds")
     p.add_argument("--expert-token-budget", default="16384,32768", metavar="ROWS[,ROWS...]",
                    help="ASAP: expert ranks' batch row budgets searched")
     p.add_argument("--lane-tokens", default="none", metavar="TOKENS[,TOKENS...]",
                    help="ASAP: the long-prompt lane's KV pools searched (prompt tokens the lanes in flight hold "
                         "together, charged to every attention die; none: the longest prompt, 131072)")
-    p.add_argument("--lane-wait", default="none", metavar="SLOS[,SLOS...]",
+    p.add_argument("--lane-wait-slo", default="none", metavar="SLOS[,SLOS...]",
                    help="ASAP: the lane's wait bounds searched, in multiples of the SLO (a long prompt that waited "
-                        "that long for room in the lane runs on one attention group; none: it waits for room)")
+                        "that long for room in the lane runs on one attention group; none: it waits for room; each is "
+                        "RuntimeConfig.lane_wait_s = SLOS x the search's SLO in seconds)")
     p.add_argument("--sync-chunk-len", default="4096,8192,16384", metavar="TOKENS[,TOKENS...]",
                    help="baseline: chunk sizes searched")
     p.add_argument("--sync-token-budget", default="16384", metavar="TOKENS[,TOKENS...]",
@@ -470,10 +479,10 @@ def main(argv=None) -> int:
             "sync_tp": _ints(p, "--sync-tp", args.sync_tp),
             "cp": _ints(p, "--cp-threshold", args.cp_threshold, none_ok=True),
             "chunk": _ints(p, "--chunk-len", args.chunk_len), "budget": _ints(p, "--token-budget", args.token_budget),
-            "expert_deadline": _floats(p, "--expert-deadline", args.expert_deadline),
+            "expert_deadline": _floats(p, "--expert-deadline-s", args.expert_deadline_s),
             "expert_budget": _ints(p, "--expert-token-budget", args.expert_token_budget),
             "lane_tokens": _ints(p, "--lane-tokens", args.lane_tokens, none_ok=True),
-            "lane_wait_slo": list(dict.fromkeys(_floats(p, "--lane-wait", args.lane_wait, none_ok=True))),
+            "lane_wait_slo": list(dict.fromkeys(_floats(p, "--lane-wait-slo", args.lane_wait_slo, none_ok=True))),
             "sync_chunk": _ints(p, "--sync-chunk-len", args.sync_chunk_len),
             "sync_budget": _ints(p, "--sync-token-budget", args.sync_token_budget),
             "overlap": _onoff(p, args.sync_overlap)}

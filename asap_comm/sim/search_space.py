@@ -1,7 +1,7 @@
 """The best-against-best search at one cluster size, shared by ``sim scaling`` and ``sim plan``.
 
-**The SLO rule** (:func:`slo_rule`, the one place it is set): ``SLO_FACTOR`` (3, the runtime example's factor) x
-the unloaded TTFT of the trace's 90th-percentile prompt (over the whole trace file) on one reference deployment,
+**The SLO rule** (:func:`slo_rule`, ``asap_comm.serving.slo.auto_slo`` measured on one deployment): ``SLO_MULTIPLIER``
+(3) x the unloaded TTFT of the trace's 90th-percentile prompt (over the whole trace file) on one reference deployment,
 the same at every cluster size: the synchronous baseline of ``REFERENCE_DIES`` (32) dies in DP groups of TP8
 (4 groups), no context parallelism, 16k chunks, all_to_alls overlapped. So the SLO depends on the profile, the
 model and the trace, never on the size searched or on a grid. One SLO serves both percentiles: a deployment meets
@@ -50,17 +50,17 @@ from dataclasses import dataclass, field
 
 from ..serving.metrics import (MIN_SERVED, served_at_load, slo_compliant_throughput, sustains_slo,
                                withheld_reason)
+from ..serving.slo import auto_slo
 from ..serving.traces import Request, load_trace, resolve_trace
 from .grids import headline_config
 from .memory import deployment_problems
 from .simulate import Parallelism, simulate
 from .study import SPAN_SLOS, Deployment, mean_len, run_point, spread_buckets
 
-__all__ = ["SLO_FACTOR", "REFERENCE_DIES", "TPS", "CPS", "CHUNK_BUDGETS", "EXPERT_BATCHING", "LANES",
+__all__ = ["REFERENCE_DIES", "TPS", "CPS", "CHUNK_BUDGETS", "EXPERT_BATCHING", "LANES",
            "MAX_PROMPT", "slo_rule", "reference_deployment", "TraceWindows", "expert_splits", "structures",
            "refinements", "translate", "Evaluator", "load_search", "search_mode", "search_size", "load_windows"]
 
-SLO_FACTOR = 3.0
 REFERENCE_DIES = 32
 MAX_PROMPT = 131072  # the runtime's longest prompt (Mooncake's longest is 126k)
 TPS = (1, 2, 4, 8)
@@ -82,18 +82,22 @@ def reference_deployment(shapes) -> Deployment:
 
 
 def slo_rule(trace, cost, shapes) -> tuple:
-    """THE SLO of the scaling curve and of the planner: ``(seconds, description)``, ``SLO_FACTOR`` x the unloaded
-    TTFT of ``trace``'s 90th-percentile prompt (the whole trace, clipped at ``MAX_PROMPT``) on
-    :func:`reference_deployment`. Fixed per profile, model and trace; the same at every size and percentile."""
-    lens = sorted(min(r.prompt_len, MAX_PROMPT) for r in trace)
-    p90 = lens[min(len(lens) - 1, int(0.9 * len(lens)))]
+    """THE SLO of the scaling curve and of the planner: ``(seconds, description)``, ``serving.slo.auto_slo`` (
+    ``SLO_MULTIPLIER`` x the unloaded TTFT of ``trace``'s 90th-percentile prompt, the whole trace, clipped at
+    ``MAX_PROMPT``) measured on :func:`reference_deployment`. Fixed per profile, model and trace; the same at every
+    size and percentile."""
     ref = reference_deployment(shapes)
-    res = simulate("sync", [Request(0, 0.0, p90)], cost, shapes, ref.cfg, sync_ranks=ref.sync_ranks, par=ref.par)
-    t = res.records[0].ttft_s
-    if t is None:
-        raise ValueError(f"slo_rule: the p90 prompt ({p90} tokens) failed on {ref.label}: {res.records[0].error}")
-    return SLO_FACTOR * t, (f"{SLO_FACTOR:g}x the unloaded TTFT of the trace's p90 prompt ({p90} tokens: {t:.3g} s) "
-                            f"on the reference {ref.label} ({ref.devices} dies), at every size and percentile")
+
+    def alone(p90: int) -> float:
+        res = simulate("sync", [Request(0, 0.0, p90)], cost, shapes, ref.cfg, sync_ranks=ref.sync_ranks, par=ref.par)
+        if res.records[0].ttft_s is None:
+            raise ValueError(f"slo_rule: the p90 prompt ({p90} tokens) failed on {ref.label}: {res.records[0].error}")
+        return res.records[0].ttft_s
+
+    r = auto_slo([q.prompt_len for q in trace], alone, max_prompt_len=MAX_PROMPT)
+    return r.ttft_s, (f"{r.multiplier:g}x the unloaded TTFT of the trace's p90 prompt ({r.p90_prompt_tokens} tokens: "
+                      f"{r.unloaded_ttft_s:.3g} s) on the reference {ref.label} ({ref.devices} dies), at every size "
+                      "and percentile")
 
 
 # ----------------------------------------------------------------------------- traces and their windows

@@ -1,7 +1,7 @@
 """Load sweeps over the simulator: the TTFT SLO, SLO-compliant throughput, and one comparison of both modes.
 
-* :func:`unloaded_slo`: the default TTFT SLO, the same rule as the runtime's
-  example (``examples/prefill.py``): ``factor`` (3) times the unloaded prefill
+* :func:`unloaded_slo`: the default TTFT SLO, the one rule of every tool
+  (``asap_comm.serving.slo.auto_slo``): ``factor`` (3) times the unloaded prefill
   time of the trace's 90th-percentile prompt, here simulated alone on an empty
   system of the mode being measured. Production SLOs are set as a multiple of
   unloaded latency, and tying it to the modelled hardware keeps the default
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from ..serving.metrics import (MIN_SERVED, served_at_load, served_fraction, slo_compliant_throughput, summarize_run,
                                sustains_slo, throughput_ratio, withheld_reason)
 from ..serving.protocol import RuntimeConfig
+from ..serving.slo import SLO_MULTIPLIER, auto_slo, p90_prompt_len
 from ..serving.traces import Request, scale_trace
 from .simulate import Parallelism, simulate
 
@@ -100,20 +101,22 @@ def at_rate(trace, rate: float) -> list:
 
 
 def p90_prompt(trace, cfg: RuntimeConfig) -> int:
-    """The trace's 90th-percentile prompt length (clipped at ``cfg.max_prompt_len``)."""
-    lens = sorted(min(r.prompt_len, cfg.max_prompt_len) for r in trace)
-    return lens[min(len(lens) - 1, int(0.9 * len(lens)))]
+    """The trace's 90th-percentile prompt length (clipped at ``cfg.max_prompt_len``; ``serving.slo``)."""
+    return p90_prompt_len((r.prompt_len for r in trace), cfg.max_prompt_len)
 
 
-def unloaded_slo(trace, cost, shapes, cfg: RuntimeConfig, *, factor: float = 3.0, mode: str = "sync",
+def unloaded_slo(trace, cost, shapes, cfg: RuntimeConfig, *, factor: float = SLO_MULTIPLIER, mode: str = "sync",
                  sync_ranks: int | None = None, par: Parallelism | None = None) -> float:
-    """``factor`` x the simulated unloaded TTFT of the trace's p90 prompt (see the module docstring)."""
-    p90 = p90_prompt(trace, cfg)
-    res = simulate(mode, [Request(0, 0.0, p90)], cost, shapes, cfg, sync_ranks=sync_ranks, par=par)
-    t = res.records[0].ttft_s
-    if t is None:
-        raise ValueError(f"unloaded_slo: the p90 prompt ({p90} tokens) failed: {res.records[0].error}")
-    return factor * t
+    """``factor`` x the simulated unloaded TTFT of the trace's p90 prompt (``serving.slo.auto_slo``)."""
+
+    def alone(p90: int) -> float:
+        res = simulate(mode, [Request(0, 0.0, p90)], cost, shapes, cfg, sync_ranks=sync_ranks, par=par)
+        if res.records[0].ttft_s is None:
+            raise ValueError(f"unloaded_slo: the p90 prompt ({p90} tokens) failed: {res.records[0].error}")
+        return res.records[0].ttft_s
+
+    return auto_slo([r.prompt_len for r in trace], alone, max_prompt_len=cfg.max_prompt_len,
+                    multiplier=factor).ttft_s
 
 
 def run_point(mode: str, trace, rate: float, cost, shapes, cfg, slo: float, *, sync_ranks=None,

@@ -51,13 +51,13 @@ import time
 from pathlib import Path
 
 from ..serving.metrics import MIN_SERVED, summarize_run, sustains_slo, throughput_ratio
+from ..serving.slo import auto_slo
 from ..serving.traces import Request, scale_trace
 from .validate_common import TARGET
 from .validate_common import validation_trace as validate_trace
 
 METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_tokens_per_s")
 _LABEL = {"ttft_p50_s": "p50", "ttft_p90_s": "p90", "ttft_p99_s": "p99", "throughput_tokens_per_s": "tok/s"}
-SLO_FACTOR = 3.0
 PROBE_REQUESTS = 12  # the host-overhead probe's unloaded requests (emulate_fit; fewer for a shorter window)
 OVERRUN_WARN = 0.05
 
@@ -184,9 +184,9 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
         p90 = lens[min(len(lens) - 1, int(0.9 * len(lens)))]
         mean_len = sum(lens) / len(lens)
         if slo is None:  # the baseline's unloaded TTFT on one DP group (no CP), as examples/prefill.py's auto SLO
-            one = simulate_emulated(factory("sync"), "sync", [Request(0, 0.0, p90)],
-                                    dataclasses.replace(mode_cfg["sync"], cp_threshold=None))
-            cfg_slo = SLO_FACTOR * one.records[0].ttft_s
+            cfg_slo = auto_slo(lens, lambda n: simulate_emulated(
+                factory("sync"), "sync", [Request(0, 0.0, n)],
+                dataclasses.replace(mode_cfg["sync"], cp_threshold=None)).records[0].ttft_s).ttft_s
         else:
             cfg_slo = float(slo)
         g = torch.Generator().manual_seed(seed)
