@@ -244,14 +244,13 @@ def table(s: dict, title: str = "Serving Benchmark Result") -> str:
     return "\n".join(lines)
 
 
-def plot_cdf(path: Path, runs: dict, slo_s: float) -> None:
-    """TTFT CDF per run label (``runs``: label -> client records)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
+def plot_cdf(path: Path, runs: dict, slo_s: float, title=()) -> None:
+    """TTFT CDF per run label (``runs``: label -> client records); ``title``: lines saying what was run (the
+    service, model, trace, load), fitted to the figure (``serving.plotting``)."""
+    from .plotting import fit_title, plain_ticks, pyplot, save
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.8, 4.4), layout="constrained")
     for label, records in runs.items():
         ttfts = sorted(r["ttft_s"] for r in records if r["status"] == 200)
         if ttfts:
@@ -261,14 +260,11 @@ def plot_cdf(path: Path, runs: dict, slo_s: float) -> None:
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
     ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both")
     ax.legend(loc="lower right", fontsize=8)
-    ax.set_title("TTFT CDF over HTTP (failed requests never reach 1.0)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plain_ticks(ax, "x")  # at least three plain labels, however narrow the TTFT range
+    fit_title(fig, ["TTFT CDF over HTTP (failed requests never reach 1.0)", *title])
+    save(fig, path)
 
 
 async def _server_info(url: str, api_key: "str | None" = None) -> dict:
@@ -407,7 +403,9 @@ def main(argv=None) -> int:
               f"(SLO {slo:.3g} s, attainment >= 0.9 and served >= 0.9 of offered)")
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     if not args.no_plot:
-        plot_cdf(out / "ttft_cdf.png", runs, slo)
+        plot_cdf(out / "ttft_cdf.png", runs, slo, title=[
+            f"measured: the service at {args.url} (its deployment as started), model {model}; trace {args.trace}, "
+            f"{len(trace)} requests per run; load: each run's request rate (req/s, the legend); SLO {slo:.3g} s"])
     print(f"client: wrote {out}/summary.json, requests.jsonl" + (", sweep.json" if rates else "")
           + ("" if args.no_plot else ", ttft_cdf.png"), file=sys.stderr)
     return 0

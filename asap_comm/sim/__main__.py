@@ -19,6 +19,8 @@
 * ``headline``: the documented CloudMatrix384 comparison (and the same on H800 nodes), with the
   sensitivity to length skew and load (``DIR/summary.json`` and plots).
 * ``skew``: both modes' SLO-compliant throughput across routing skews (``skew.py``, ``DIR/skew.json``).
+* ``replot DIR [DIR...]``: redraw a study's figures from its result JSON (``figures.py``; what the JSON lacks
+  is listed as skipped).
 * ``barrier``: the baseline's per-MoE-layer barrier stall against the expected-max-of-r-normals model, 8-96 DP
   groups x prompt spreads (``barrier.py``, ``DIR/barrier.json``, ``DIR/barrier.png``).
 """
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from ..serving.runtime_args import add_runtime_args, given_flags, runtime_config_from_args
 from ..serving.traces import LogNormalLengths, TraceError, load_trace, resolve_trace, synthetic_trace
-from . import plots
+from .figures import run_figures
 from .costs import CostModel
 from .routing import parse_routing_arg, routed_cost, routing_arg
 from .shapes import ModelShapes
@@ -260,8 +262,7 @@ def cmd_run(argv) -> int:
         _compliance(summary, modes, target)
     summary["sim_wall_s"] = time.perf_counter() - t0
     _write(out, "summary.json", summary)
-    made = plots.ttft_vs_load(out / "ttft.png", summary["runs"], slo, title=f"{cost.name}, {shapes.name}")
-    made += plots.utilisation_timeline(out / "utilisation.png", timelines, f"{cost.name}, {mid:g} req/s")
+    made, _ = run_figures(out, summary, timelines)  # sim.figures (replot redraws all but the timelines)
     _print_summary(summary, modes, slo)
     print(f"artifacts in {out}/: summary.json" + "".join(f", {m}" for m in made))
     return 0
@@ -428,6 +429,15 @@ def cmd_barrier(argv) -> int:
 
 
 COMMANDS["barrier"] = cmd_barrier  # the baseline's per-layer barrier against the expected-max model (barrier.py)
+
+
+def cmd_replot(argv) -> int:
+    from .figures import main
+
+    return main(argv)
+
+
+COMMANDS["replot"] = cmd_replot  # a study's figures again from its result JSON (figures.py): replot DIR [DIR...]
 
 
 def main(argv=None) -> int:

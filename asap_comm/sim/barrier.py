@@ -45,6 +45,7 @@ from pathlib import Path
 from ..serving.protocol import RuntimeConfig
 from ..serving.traces import LogNormalLengths, Request, load_trace, resolve_trace, synthetic_trace
 from .costs import CostModel, Profile
+from .figures import barrier_figure
 from .shapes import ModelShapes
 from .simulate import rows_per_rank_fraction, simulate
 
@@ -357,7 +358,7 @@ def main(argv=None) -> int:
                            "token_budget": 16384, "sync_tp": 1, "cp": None, "moe_layers": shapes.num_moe_layers},
               "rows": rows, "af_splits": splits, "wall_s": time.perf_counter() - t0}
     (out / "barrier.json").write_text(json.dumps(result, indent=2))
-    _plot(rows, out / "barrier.png")
+    barrier_figure(out / "barrier.png", result)  # sim.figures (replot redraws it from barrier.json)
     print(table(result))
     return 0
 
@@ -376,32 +377,6 @@ def table(result: dict) -> str:
                      f"{a['model_empirical_stall_s'] * 1e3:.2f} ({a['empirical_error']:+.0%}) | "
                      f"{a['within_step_skewness']:.2f} | {a['between_step_variance_share']:.2f} |")
     return "\n".join(lines)
-
-
-def _plot(rows: list, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for spread in dict.fromkeys(r["spread"] for r in rows):
-        sel = [r for r in rows if r["spread"] == spread]
-        g = [r["groups"] for r in sel]
-        line, = ax.plot(g, [r["all_steps"]["stall_s"] * 1e3 for r in sel], "o-", label=f"measured, spread {spread}")
-        ax.plot(g, [r["all_steps"]["model_stationary_stall_s"] * 1e3 for r in sel], "--", color=line.get_color(),
-                label=f"model (stationary sigma), {spread}")
-        ax.plot(g, [r["all_steps"]["model_per_step_stall_s"] * 1e3 for r in sel], ":", color=line.get_color())
-        ax.plot(g, [r["all_steps"]["model_empirical_stall_s"] * 1e3 for r in sel], "x", color=line.get_color())
-    ax.set_xlabel("DP groups (r)")
-    ax.set_ylabel("barrier stall per MoE layer (ms, mean group)")
-    ax.set_yscale("log")
-    ax.set_title("Baseline barrier: simulator vs mu + sigma * E[max of r normals]\n"
-                 "(dashed: stationary sigma, dotted: within-step sigma, x: empirical tail)")
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

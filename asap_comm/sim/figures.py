@@ -199,9 +199,10 @@ def barrier_figure(path: Path, result: dict) -> list:
     plots.fit_title(fig, [
         "simulated baseline (synchronous DP+EP): per-layer barrier stall vs mu + sigma x E[max of r normals] "
         "(dashed: stationary sigma, dotted: within-step sigma, x: empirical tail)",
-        f"{result.get('profile', '?')}, r DP groups x TP{tp} dies; model {result.get('model', '?')}; trace: "
-        f"synthetic log-normal prompts of each spread (CV) and the Mooncake trace, {s.get('per_group', '?')} "
-        f"requests per group; load: {s.get('utilisation', '?')} of capacity; chunks {s.get('chunk', '?')} tokens"])
+        f"{result.get('profile', '?')}, r DP groups x TP{tp} dies, EP over all; model {result.get('model', '?')}; "
+        f"trace: Poisson arrivals, log-normal prompts of mean 4,096 tokens with log-space sigma = spread (and the "
+        f"Mooncake trace), {s.get('per_group', '?')} requests per group; load {s.get('utilisation', '?')} of a rough "
+        f"capacity; chunks and step budget {plots.plain_number(s["chunk"]) if "chunk" in s else "?"} tokens, no CP"])
     return plots.save(fig, path)
 
 

@@ -78,7 +78,7 @@ from pathlib import Path
 from ..serving.metrics import throughput_ratio
 from ..serving.slo import SLO_MULTIPLIER, auto_slo
 from ..serving.traces import Request
-from . import plots
+from .figures import headline_figures
 from .costs import CostModel
 from .routing import parse_routing_arg, routed_cost, routing_arg
 from .shapes import ModelShapes
@@ -284,8 +284,8 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
         for d in (best_a, best_s):
             s, _ = run_point(d.mode, trace, f * base_rate, cost, shapes, d.cfg, slo_s, sync_ranks=d.sync_ranks,
                              par=d.par)
-            row[d.mode] = {"ttft_p90_s": s["ttft_p90_s"], "ttft_p50_s": s["ttft_p50_s"],
-                           "slo_attainment": s["slo_attainment"]}
+            row[d.mode] = {"ttft_p99_s": s["ttft_p99_s"], "ttft_p90_s": s["ttft_p90_s"],
+                           "ttft_p50_s": s["ttft_p50_s"], "slo_attainment": s["slo_attainment"]}
         a, b = row["async"]["ttft_p90_s"], row["sync"]["ttft_p90_s"]
         row["ttft_p90_ratio_sync_over_async"] = b / a if a and b else None
         res["load_sensitivity"].append(row)
@@ -330,21 +330,8 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
         row = {"sigma": sigma, **side(skew_trace(n_side, sigma, mean), f"sigma {sigma}")}
         res["skew_sensitivity"].append(row)
         print(f"[{tag}] length sigma {sigma}: ratio {_fmt(row['ratio'])}", file=sys.stderr, flush=True)
-    title = f"{tag}, {shapes.name}, {trace_desc}\n{best_a.label} vs {best_s.label}"
-    made = plots.ttft_vs_load(out / f"ttft_{tag}.png", res["runs"], slo_s, title=title)
-    if res["skew_sensitivity"]:
-        made += plots.ratio_plot(out / f"ratio_vs_skew_{tag}.png",
-                                 {"SLO-compliant throughput": [(r["sigma"], r["ratio"])
-                                                               for r in res["skew_sensitivity"]]},
-                                 "log-normal sigma of prompt lengths (equal mean)",
-                                 f"{tag}: best ASAP / best baseline", target=1.9)
-    made += plots.ratio_plot(out / f"ratio_vs_load_{tag}.png",
-                             {"TTFT p90 (baseline / ASAP)": [(r["load_fraction_of_baseline_slo_rate"],
-                                                              r["ttft_p90_ratio_sync_over_async"])
-                                                             for r in res["load_sensitivity"]]},
-                             "load (fraction of the baseline's SLO-compliant rate)", f"{tag}: TTFT p90 ratio vs load")
-    made += plots.utilisation_timeline(out / f"utilisation_{tag}.png", timelines,
-                                       f"{tag}: the best baseline's SLO-compliant load ({base_rate:.3g} req/s)")
+    # the figures (sim.figures; `python -m asap_comm.sim replot DIR` redraws all but the timelines from the JSON)
+    made, _ = headline_figures(out, res, {"model": shapes.name, "num_requests_sensitivity": n_side}, timelines)
     res["plots"] = made
     return res
 
