@@ -53,10 +53,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -72,6 +70,7 @@ from asap_comm.serving.http_input import default_max_body_bytes  # noqa: E402
 from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async  # noqa: E402
 from asap_comm.serving.sync import run_sync  # noqa: E402
 from asap_comm.serving.traces import FixedLengths, Request, scale_trace, synthetic_trace  # noqa: E402
+from asap_comm.testing.service import hostile_scenario, ids_body  # noqa: E402
 from asap_models import StageFactory  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -261,87 +260,13 @@ HOSTILE_MB = 50  # each hostile body
 PROBE_EVERY_S = 0.005
 
 
-def _address(url: str) -> tuple:
-    host, port = url.removeprefix("http://").split(":")
-    return host, int(port)
-
-
-def _probe_health(url: str, seconds: float) -> list:
-    """``GET /health`` on one keep-alive connection every ``PROBE_EVERY_S`` for ``seconds``: latencies (s)."""
-    import http.client
-    host, port = _address(url)
-    conn = http.client.HTTPConnection(host, port, timeout=60)
-    out = []
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        t = time.perf_counter()
-        conn.request("GET", "/health")
-        r = conn.getresponse()
-        r.read()
-        out.append(time.perf_counter() - t)
-        assert r.status == 200, r.status
-        time.sleep(PROBE_EVERY_S)
-    conn.close()
-    return out
-
-
-def _send_bodies(url: str, body: bytes, chunked: bool, stop: threading.Event, tally: dict) -> None:
-    """Send ``body`` as a /v1/completions request again and again until ``stop``; count the answers' statuses
-    (``"reset"``: the connection closed before an answer could be read) and the bytes sent."""
-    piece = 1 << 20
-    while not stop.is_set():
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        head += b"Transfer-Encoding: chunked\r\n\r\n" if chunked else b"Content-Length: %d\r\n\r\n" % len(body)
-        status = "reset"
-        try:
-            with socket.create_connection(_address(url), timeout=60) as s:
-                s.sendall(head)
-                for i in range(0, len(body), piece):
-                    part = body[i:i + piece]
-                    s.sendall(b"%x\r\n" % len(part) + part + b"\r\n" if chunked else part)
-                    tally["bytes"] = tally.get("bytes", 0) + len(part)
-                if chunked:
-                    s.sendall(b"0\r\n\r\n")
-                answer = s.recv(64)
-                if answer.startswith(b"HTTP/1.1 "):
-                    status = answer[9:12].decode()
-        except OSError:
-            pass
-        tally[status] = tally.get(status, 0) + 1
-
-
-def _ids_body(num_bytes: int) -> bytes:
-    """A ``{"prompt": [...]}`` body of about ``num_bytes`` bytes of token ids (``"123, "``)."""
-    ids = b"123, " * (num_bytes // 5)
-    return b'{"prompt": [' + ids + b'1]}'
-
-
-def _hostile_scenario(url: str, body: "bytes | None", chunked: bool, senders: int = 4) -> dict:
-    stop = threading.Event()
-    tallies = [{} for _ in range(senders)]
-    threads = [threading.Thread(target=_send_bodies, args=(url, body, chunked, stop, t), daemon=True)
-               for t in tallies] if body is not None else []
-    for t in threads:
-        t.start()
-    try:
-        lat = _probe_health(url, HOSTILE_S)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-    total: dict = {}
-    for t in tallies:
-        for k, v in t.items():
-            total[k] = total.get(k, 0) + v
-    lat.sort()
-    pick = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))])
-    return {"probes": len(lat), "p50_ms": pick(0.5) * 1e3, "p99_ms": pick(0.99) * 1e3, "max_ms": lat[-1] * 1e3,
-            "mb_sent": total.pop("bytes", 0) / 1e6, "answers": total}
+def _hostile_scenario(url: str, body: "bytes | None", chunked: bool) -> dict:
+    return hostile_scenario(url, body, chunked, seconds=HOSTILE_S, every_s=PROBE_EVERY_S)
 
 
 def hostile_bodies(quick: bool) -> dict:
     cfg = RuntimeConfig(2, 2, token_budget=512, chunk_len=512, max_prompt_len=8192)
-    big = _ids_body(HOSTILE_MB * 1000 * 1000)
+    big = ids_body(HOSTILE_MB * 1000 * 1000)
     bound = default_max_body_bytes(65536)
     # the costliest body the default bound reads: one-digit ids, a batch of 8192-token prompts (413 after parsing)
     row = "[" + ",".join(["1"] * 8192) + "]"

@@ -5,7 +5,7 @@ Usage (as root: it builds network namespaces)::
     python bench/bench_net.py [--quick] [--out bench/results]
 
 Two "hosts" are network namespaces joined by a veth pair through a bridge, each with a private
-``/dev/shm`` and its own hostname (``tests/netns.py``), so ``asap_comm.init()`` (backend "auto") puts the
+``/dev/shm`` and its own hostname (``asap_comm.testing.netns``), so ``asap_comm.init()`` (backend "auto") puts the
 network engine between them. Measured in the same run, round by round (``--rounds``, samples pooled):
 
 * ``ucx_put_lat`` / ``ucx_am_lat``: ``ucx_perftest -t ucp_put_lat`` / ``ucp_am_lat`` (8 B, one-way latency,
@@ -41,17 +41,15 @@ import sys
 import time
 from datetime import datetime, timedelta, timezone
 
+import asap_bench  # bench/ modules beside this script
+import bench_moe
+import torch
+from _common import BatchPlan, git_commit, log, markdown_table, summarize, text_table, time_batches
+
+from asap_comm.testing.netns import Hosts, run_across_hosts, unavailable
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # the simulated hosts (tests/netns.py)
-sys.path.insert(0, HERE)
-
-import torch  # noqa: E402
-
-import asap_bench  # noqa: E402
-import bench_moe  # noqa: E402
-from _common import BatchPlan, git_commit, log, markdown_table, summarize, text_table, time_batches  # noqa: E402
-from netns import Hosts, run_across_hosts, unavailable  # noqa: E402
 
 PP_PLAN = {"quick": BatchPlan(200, 10, 200), "full": BatchPlan(500, 30, 200)}
 MB_PLAN = {"quick": BatchPlan(100, 10, 100), "full": BatchPlan(200, 20, 200)}

@@ -6,10 +6,11 @@ Usage (as root: most rows build namespaces; ``sudo bash bench/setup.sh`` once in
 
 The service rows share one ``python -m asap_comm.serving.server --model tiny`` (async, 2 attention + 2 expert
 ranks, admission bound 4096 tokens, deadline = the stall + 30 s, ``--worker-stall-s 5``), started once; the
-row that kills a worker runs last and ends it. The rows across hosts build two simulated hosts
-(``tests/netns.py``: network namespaces joined by veth, private ``/dev/shm``, own hostname). The recipes
-themselves (an outsider's store keys, the rogue UCX peer, CPU hogs, a small ``/dev/shm``, ...) live in
-``tests/faults_lib.py``, shared with the tests.
+row that kills a worker runs last and ends it. The harness is the tests' own, ``asap_comm.testing``: the
+rows across hosts build two simulated hosts (``asap_comm.testing.netns``: network namespaces joined by veth,
+private ``/dev/shm``, own hostname); the recipes (an outsider's store keys, the rogue UCX peer, CPU hogs, a
+small ``/dev/shm``, ...) are ``asap_comm.testing.faults``; the service started and stopped, on one host or under
+torchrun across hosts, and the calls, floods and hostile bodies sent to it are ``asap_comm.testing.service``.
 
 Rows (``--only`` names):
 
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import glob
 import json
 import os
@@ -65,25 +67,25 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
+import aiohttp
+import httpx
+import torch
+from _common import git_commit  # bench/_common.py, beside this script
+
+import asap_comm
+from asap_comm.rendezvous import loopback_store, new_secret
+from asap_comm.serving.server.request import default_max_body_bytes
+from asap_comm.testing import service as harness
+from asap_comm.testing.faults import (cpu_hogs, in_small_shm, plant_forged_value, plant_old_layout, rogue_peer,
+                                      run_pair, stream_in_order, victim)
+from asap_comm.testing.netns import Hosts, run_across_hosts, torchrun, why_no_hosts
+from asap_comm.testing.service import (Flood, alive, calls, descendants, end_service, host_health, host_leftovers,
+                                       http_in_host, long_clients, segment_prefixes, serve_across_hosts,
+                                       wait_host_health)
+from asap_models import preset, random_init
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # the simulated hosts and the fault recipes
-sys.path.insert(0, HERE)
-
-import aiohttp  # noqa: E402
-import httpx  # noqa: E402
-import torch  # noqa: E402
-
-import asap_comm  # noqa: E402
-import bench_http  # noqa: E402  (/health probes under hostile bodies)
-from _common import git_commit  # noqa: E402
-from asap_comm.rendezvous import loopback_store, new_secret  # noqa: E402
-from asap_comm.serving.client import ServiceProcess  # noqa: E402
-from asap_comm.serving.server.request import default_max_body_bytes  # noqa: E402
-from asap_models import preset, random_init  # noqa: E402
-from faults_lib import (cpu_hogs, http_in_host, in_small_shm, plant_forged_value, plant_old_layout,  # noqa: E402
-                        rogue_peer, run_pair, stream_in_order, victim)
-from netns import Hosts, run_across_hosts, torchrun, unavailable  # noqa: E402
 
 CFG = preset("tiny")
 BOUND = 4096  # the shared service's admission bound (--max-queued-tokens): the hog client's call size
@@ -95,30 +97,7 @@ WORKER_STALL_S = 5.0  # --worker-stall-s of the shared service
 FAILURE_EXIT_S = 5.0  # --failure-exit-s
 HOST_PORT = 18080  # the service's port inside a simulated host (each has its own port space)
 DOOR_NOFILE = 1024  # the front-door rows' service: its file limit (RLIMIT_NOFILE)
-FLOOD_SCRIPT = """
-import asyncio, json, sys, time
-import aiohttp
-url, calls, tokens, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-counts = {}
-async def one(session, stop):
-    body = {"prompt": list(range(1, tokens + 1)), "max_tokens": 1}
-    while time.monotonic() < stop:
-        try:
-            async with session.post(url + "/v1/completions", json=body) as r:
-                await r.read()
-                counts[str(r.status)] = counts.get(str(r.status), 0) + 1
-                if r.status == 429:
-                    await asyncio.sleep(0.05)
-        except aiohttp.ClientError:
-            counts["error"] = counts.get("error", 0) + 1
-async def main():
-    stop = time.monotonic() + seconds
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, local_addr=("127.0.0.2", 0))) as s:
-        print("flooding", flush=True)
-        await asyncio.gather(*(one(s, stop) for _ in range(calls)))
-    print(json.dumps(counts), flush=True)
-asyncio.run(main())
-"""
+HOSTILE_MB = 50  # each body of the hostile-bodies row's four senders
 LOG_ERRORS = ("Traceback", "Error handling request", "Unhandled exception", "Exception in callback")
 
 T0 = time.monotonic()
@@ -318,14 +297,6 @@ def error_message(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------- processes
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def record(tally: "Tally", r, tokens: list, latency_s: float) -> bool:
     """Add one answer (an httpx response to a one-prompt call that must get ``tokens[0]``) to ``tally``; whether
     it was a right 200."""
@@ -339,82 +310,19 @@ def record(tally: "Tally", r, tokens: list, latency_s: float) -> bool:
     return True
 
 
-def metric_samples(svc: "Service", name: str) -> dict:
-    """``{(name, sorted labels): value}`` of the samples called ``name`` on the service's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
+class Service(harness.Service):
+    """A one-host service of the rows (``--model tiny``, admission bound ``BOUND``, ``--worker-stall-s``,
+    ``--failure-exit-s`` as above, ``request_timeout_s``; ``extra`` args) with what the rows ask of it: the
+    harness's ``Service`` (/health, /metrics, its client with a 30 s timeout)."""
 
-    out = {}
-    for fam in text_string_to_metric_families(svc.http.get("/metrics").text):
-        for smp in fam.samples:
-            if smp.name == name:
-                out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
-    return out
-
-
-def descendants(pid: int) -> list:
-    """``pid`` and every process below it (from /proc)."""
-    children: dict = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
-        except (OSError, IndexError, ValueError):
-            pass
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def segment_prefixes(pids: list) -> set:
-    """The ``asap-<hex>-`` prefixes of the /dev/shm segments these processes map (one per group)."""
-    out = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                maps = f.read()
-        except OSError:
-            continue
-        out.update(re.findall(r"/dev/shm/(asap-[0-9a-f]+-)", maps))
-    return out
-
-
-class Service:
-    """The shared one-host service (``ServiceProcess``) with what the rows ask of it."""
-
-    def __init__(self, request_timeout_s: float, extra: "list | None" = None) -> None:
+    def __init__(self, request_timeout_s: float, extra: "list | None" = None, nofile: "int | None" = None) -> None:
         self.request_timeout_s = request_timeout_s
-        args = ["--model", "tiny", "--port", "0", "--max-queued-tokens", str(BOUND), "--request-timeout-s",
+        args = ["--model", "tiny", "--max-queued-tokens", str(BOUND), "--request-timeout-s",
                 str(request_timeout_s), "--worker-stall-s", str(WORKER_STALL_S), "--failure-exit-s",
                 str(FAILURE_EXIT_S)] + list(extra or [])
         t = time.monotonic()
-        self.proc = ServiceProcess(args, start_timeout_s=300, cwd=ROOT)
-        self.url = self.proc.url
-        self.http = httpx.Client(base_url=self.url, timeout=30)
+        super().__init__(args, start_timeout_s=300, cwd=ROOT, http_timeout_s=30, nofile=nofile)
         log(f"service up at {self.url} after {time.monotonic() - t:.0f} s ({' '.join(args)})")
-
-    def running(self) -> bool:
-        return self.proc.proc.poll() is None
-
-    def health(self) -> tuple:
-        """``(status, body)`` of GET /health (status 0: no answer within 30 s)."""
-        try:
-            r = self.http.get("/health")
-            return r.status_code, r.json()
-        except (httpx.HTTPError, ValueError) as e:
-            return 0, {"error": f"{type(e).__name__}: {e}"}
-
-    def wait_health(self, pred, timeout_s: float) -> tuple:
-        """Poll /health until ``pred(status, body)``; the last answer (a bound, not a speed check)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            status, body = self.health()
-            if pred(status, body) or time.monotonic() > deadline or not self.running():
-                return status, body
-            time.sleep(0.2)
 
     def pick(self, role: str) -> dict:
         """A worker row of /health whose role contains ``role``."""
@@ -426,24 +334,13 @@ class Service:
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
         try:
-            r = self.http.post("/v1/completions", json={"prompt": ids}, timeout=self.request_timeout_s + 30)
+            r = self.client.post("/v1/completions", json={"prompt": ids}, timeout=self.request_timeout_s + 30)
         except httpx.HTTPError as e:
             return False, f"{type(e).__name__}: {e}"
         if r.status_code != 200:
             return False, f"{r.status_code}: {r.text[:200]}"
         got = r.json()["choices"][0]["token_ids"][0]
         return got == ref.token(ids), f"200, token {got} (reference {ref.token(ids)})"
-
-    def log(self) -> str:
-        return self.proc.log()
-
-    def stop(self) -> None:
-        if self.running():
-            try:
-                self.proc.stop(timeout_s=60)
-            except TimeoutError:
-                pass
-        self.http.close()
 
 
 class Stopped:
@@ -494,20 +391,6 @@ def tail(text: str, n: int = 3000) -> str:
 
 
 # ----------------------------------------------------------------------------- what this machine lacks
-def why_no_hosts() -> "str | None":
-    """Why the rows across hosts cannot run here (root, ip/unshare/nsenter, the network backend)."""
-    why = unavailable()
-    if why is not None:
-        return why
-    if not getattr(asap_comm._native._C, "NET_AVAILABLE", False):
-        return "asap_comm was built without the network backend (UCX headers missing at build time)"
-    try:
-        import libucx  # noqa: F401
-    except ImportError:
-        return "the network backend needs libucx-cu12: pip install -e '.[net]'"
-    return None
-
-
 def nft_path() -> "str | None":
     """``nft`` on the PATH, or in /usr/sbin (which a user's PATH may lack)."""
     return shutil.which("nft") or shutil.which("nft", path="/usr/sbin:/sbin")
@@ -546,7 +429,7 @@ class Suite:
         if self._service is None or not self._service.running():
             if self._service is not None:
                 log("the shared service has ended; starting a fresh one")
-                self._service.stop()
+                self._service.close()
             log("starting the shared service ...")
             self._service = Service(self.stall_s + 30)
         return self._service
@@ -559,9 +442,9 @@ class Suite:
 
     def close(self) -> None:
         if self._service is not None:
-            self._service.stop()
+            self._service.close()
         if self._door is not None:
-            self._door.stop()
+            self._door.close()
         if self._hosts is not None:
             self._hosts.close()
 
@@ -701,7 +584,7 @@ class Suite:
     def kill_worker(self, row: Row) -> None:
         svc = self.service()
         w = svc.pick("expert")
-        tree = descendants(svc.proc.proc.pid)
+        tree = descendants(svc.proc.pid)
         prefixes = segment_prefixes(tree)
         with self.load(50, pause_s=0.1) as load:
             self._warm(load, 50)
@@ -714,7 +597,7 @@ class Suite:
             time.sleep(0.5)
             tally = load.stop()  # within --failure-exit-s: every call in flight gets its answer before the exit
         try:
-            code = svc.proc.proc.wait(timeout=FAILURE_EXIT_S + 90)
+            code = svc.proc.wait(timeout=FAILURE_EXIT_S + 90)
         except subprocess.TimeoutExpired:
             code = None
         deadline = time.monotonic() + 30
@@ -770,18 +653,12 @@ class Suite:
         want = [self.ref.token(p) for p in prompts]
         bodies = [{"prompt": p} for p in prompts]
         with Hosts(2) as hs:  # hosts of its own: the cut link stays cut
-            procs = torchrun(hs, [2, 3], ["-m", "asap_comm.serving.server", "--model", "tiny", "--port",
-                                          str(HOST_PORT), "--attention-ranks", "2", "--expert-ranks", "2",
-                                          "--failure-exit-s", str(FAILURE_EXIT_S), "--comm-timeout-s", "10"],
-                             env={**os.environ, "ASAP_NET_PEER_TIMEOUT_S": "3"})
+            procs = serve_across_hosts(hs, HOST_PORT, ["--failure-exit-s", str(FAILURE_EXIT_S), "--comm-timeout-s",
+                                                       "10"])
             try:
                 log("  the service under torchrun: front end + 1 attention rank on host 0, 1 attention + 2 "
                     "expert ranks on host 1 ...")
-                health = self._wait_host_health(hs[0], procs, 300)
-                if health is None:
-                    row.observed = "the service did not start"
-                    row.details = {"logs": [tail(p.communicate(timeout=30)[0] or "") for p in procs]}
-                    row.passed = False
+                if self._wait_host_health(row, hs, procs) is None:
                     return
                 first = http_in_host(hs[0], "/v1/completions", HOST_PORT, bodies, repeat=len(bodies))
                 loads = [http_in_host(hs[0], "/v1/completions", HOST_PORT, bodies[k:] + bodies[:k], repeat=400,
@@ -806,7 +683,7 @@ class Suite:
                     log0 = procs[0].communicate(timeout=30)[0] or ""
                 except subprocess.TimeoutExpired:
                     code, log0 = None, "(node 0's torchrun still runs)"
-                left, shm = self._host_leftovers(hs[0])
+                left, shm = host_leftovers(hs[0])
             finally:
                 for h in hs.hosts:
                     h.kill_all()
@@ -845,23 +722,15 @@ class Suite:
     def stop_remote_worker(self, row: Row) -> None:
         """SIGSTOP of expert PE 2 on node 1 (node 0's attention PE dispatches to it across hosts) for 60 s (20 s
         quick) under load from four clients whose calls may wait 300 s; --comm-timeout-s 10 bounds each attempt."""
-        from patience_load import calls, long_clients
-
         stop_s = 20.0 if self.mode == "quick" else 60.0
         prompts = [p for p, _ in self.ref.pool(6, (5, 60), seed=7)]
         want = [self.ref.token(p) for p in prompts]
         with Hosts(2) as hs:
-            procs = torchrun(hs, [2, 3], ["-m", "asap_comm.serving.server", "--model", "tiny", "--port",
-                                          str(HOST_PORT), "--attention-ranks", "2", "--expert-ranks", "2",
-                                          "--failure-exit-s", str(FAILURE_EXIT_S), "--comm-timeout-s", "10",
-                                          "--worker-stall-s", "5", "--request-timeout-s", "300"],
-                             env={**os.environ, "ASAP_NET_PEER_TIMEOUT_S": "3"})
+            procs = serve_across_hosts(hs, HOST_PORT, ["--failure-exit-s", str(FAILURE_EXIT_S), "--comm-timeout-s",
+                                                       "10", "--worker-stall-s", "5", "--request-timeout-s", "300"])
             try:
-                health = self._wait_host_health(hs[0], procs, 300)
+                health = self._wait_host_health(row, hs, procs)
                 if health is None:
-                    row.observed = "the service did not start"
-                    row.details = {"logs": [tail(p.communicate(timeout=30)[0] or "") for p in procs]}
-                    row.passed = False
                     return
                 pid = health["workers"][2]["pid"]
                 load = long_clients(hs[0], HOST_PORT, prompts, stop_s + 30)
@@ -872,18 +741,15 @@ class Suite:
                 try:
                     while time.monotonic() - t_stop < stop_s:
                         time.sleep(5)
-                        got = http_in_host(hs[0], "/health", HOST_PORT)
-                        body = got[0][1] if got and isinstance(got[0][1], dict) else {}
-                        err = body.get("error", "")
-                        states["failure" if "failure" in err else "stalled" if "stalled" in err else
-                               str(got[0][0] if got else 0)] += 1
+                        status, body = host_health(hs[0], HOST_PORT)
+                        err = body.get("error", "") if isinstance(body, dict) else ""
+                        states["failure" if "failure" in err else "stalled" if "stalled" in err else str(status)] += 1
                 finally:
                     os.kill(pid, signal.SIGCONT)
                 t_cont = time.monotonic()
                 lines = calls(load, stop_s + 400)
-                after = http_in_host(hs[0], "/health", HOST_PORT)
-                procs[0].send_signal(signal.SIGTERM)
-                logs = [p.communicate(timeout=120)[0] or "" for p in procs]
+                after = host_health(hs[0], HOST_PORT)
+                logs = end_service(hs, procs)
             finally:
                 for h in hs.hosts:
                     h.kill_all()
@@ -899,38 +765,27 @@ class Suite:
         later = sum(1 for x in lines if x[4] > t_cont)
         clean = "stopped cleanly" in logs[0] and "worker failure" not in logs[0]
         row.observed = (f"stopped {stop_s:.0f} s; /health during: {dict(states)}; after: "
-                        f"{after[0][0] if after else 0}; {across} calls in flight across the stop, {later} ended after "
+                        f"{after[0]}; {across} calls in flight across the stop, {later} ended after "
                         f"it; slowest 200: {tally.max_latency_s:.1f} s; then SIGTERM: "
                         f"{'stopped cleanly' if clean else 'NOT clean'}, node 1's torchrun {procs[1].returncode}")
         row.answered, row.wrong = tally.answered(), tally.wrong
         row.passed = (tally.only("200") and tally.admitted > 0 and tally.wrong == 0 and across > 0 and later > 0
-                      and states["stalled"] > 0 and not states["failure"] and bool(after) and after[0][0] == 200
+                      and states["stalled"] > 0 and not states["failure"] and after[0] == 200
                       and clean and procs[1].returncode == 0)
         row.details = {"statuses": dict(tally.statuses), "examples": tally.examples, "log_node0": tail(logs[0]),
                        "log_node1": tail(logs[1])}
 
-    def _wait_host_health(self, host, procs, timeout_s: float) -> "dict | None":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-            got = http_in_host(host, "/health", HOST_PORT)
-            if got and got[0][0] == 200:
-                return got[0][1]
-            time.sleep(1.0)
-        return None
-
     @staticmethod
-    def _host_leftovers(host) -> tuple:
-        """Processes (other than the host's holder) and asap segments left on a simulated host."""
-        deadline = time.monotonic() + 30
-        while True:
-            pids = subprocess.run(["ip", "netns", "pids", host.ns], capture_output=True, text=True,
-                                  timeout=30).stdout.split()
-            left = [int(p) for p in pids if int(p) != host.holder.pid]
-            if not left or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        ls = host.popen(["sh", "-c", "ls -a /dev/shm"], stdout=subprocess.PIPE, text=True).communicate(timeout=30)[0]
-        return left, [f for f in ls.split() if f.startswith("asap-")]
+    def _wait_host_health(row: Row, hs, procs) -> "dict | None":
+        """/health's body once the service across ``hs`` answers 200; None (the row failed, with the launchers'
+        logs) when it does not start."""
+        try:
+            return wait_host_health(hs[0], HOST_PORT, procs, 300)
+        except RuntimeError as e:
+            row.observed = "the service did not start"
+            row.details = {"logs": tail(str(e), 6000)}
+            row.passed = False
+            return None
 
     # 8. packet loss -----------------------------------------------------------------
     def loss(self, row: Row, percent: int) -> None:
@@ -994,13 +849,13 @@ class Suite:
                  ("charset=bogus-xx", b'{"prompt": [1, 2]}', {"Content-Type": "application/json; charset=bogus-xx"})]
         statuses = []
         for name, body, headers in cases:
-            r = svc.http.post("/v1/completions", content=body, headers={"Content-Type": "application/json",
+            r = svc.client.post("/v1/completions", content=body, headers={"Content-Type": "application/json",
                                                                         **headers})
             statuses.append((name, r.status_code, r.text[:200]))
         log(f"  bodies: {', '.join(f'{n}: {s}' for n, s, _ in statuses)}; /health probes, unloaded ...")
-        unloaded = bench_http._hostile_scenario(svc.url, None, False)
-        log(f"  /health probes while four clients send {bench_http.HOSTILE_MB} MB bodies ...")
-        loaded = bench_http._hostile_scenario(svc.url, bench_http._ids_body(bench_http.HOSTILE_MB * 1000 * 1000),
+        unloaded = harness.hostile_scenario(svc.url, None, False)
+        log(f"  /health probes while four clients send {HOSTILE_MB} MB bodies ...")
+        loaded = harness.hostile_scenario(svc.url, harness.ids_body(HOSTILE_MB * 1000 * 1000),
                                               False)
         errors = log_errors(svc.log()[mark:])
         answers = loaded["answers"]
@@ -1052,14 +907,8 @@ class Suite:
         """A service of its own for the front-door rows: started with a file limit (RLIMIT_NOFILE) of
         ``DOOR_NOFILE``, ``--header-timeout-s 2 --idle-timeout-s 3``, admission bound 1024 tokens."""
         if self._door is None or not self._door.running():
-            import resource
-            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(DOOR_NOFILE, hard), hard))  # inherited
-            try:
-                self._door = Service(30.0, ["--max-queued-tokens", "1024", "--header-timeout-s", "2",
-                                            "--idle-timeout-s", "3", "--chunk-len", "256", "--token-budget", "512"])
-            finally:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            self._door = Service(30.0, ["--max-queued-tokens", "1024", "--header-timeout-s", "2", "--idle-timeout-s",
+                                        "3", "--chunk-len", "256", "--token-budget", "512"], nofile=DOOR_NOFILE)
         return self._door
 
     def slowloris(self, row: Row) -> None:
@@ -1088,7 +937,7 @@ class Suite:
             ids, tokens = self.small[calls.admitted % len(self.small)]
             t = time.monotonic()
             try:
-                record(calls, svc.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1}), tokens,
+                record(calls, svc.client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1}), tokens,
                        time.monotonic() - t)
             except httpx.HTTPError as e:
                 calls.add("timeout", str(e), time.monotonic() - t)
@@ -1104,7 +953,7 @@ class Suite:
                 pass
             s.close()
         log_text = svc.log()[mark:]
-        closed = {k[1][0][1]: v for k, v in metric_samples(svc, "asap_connections_closed_total").items()}
+        closed = {k[1][0][1]: v for k, v in svc.metrics("asap_connections_closed_total").items()}
         shown = ", ".join(f"{k}: {v}" for k, v in sorted(health.items()))
         row.observed = (f"{n} slowloris connections: /health {shown}; "
                         f"calls {calls.answered()}; still open at the end {open_}; closed by the service "
@@ -1147,7 +996,7 @@ class Suite:
         calls = Tally()
         for ids, tokens in self.small[:20]:
             t = time.monotonic()
-            record(calls, svc.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1}), tokens,
+            record(calls, svc.client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1}), tokens,
                    time.monotonic() - t)
         for t in threads:
             t.join(timeout=60)
@@ -1179,15 +1028,10 @@ class Suite:
         seconds = 20.0 if self.mode == "quick" else 40.0
         log(f"  client A (127.0.0.2) keeps 64 calls of 64 tokens in flight for {seconds:.0f} s; B (127.0.0.1) "
             "sends 256-token calls one after another ...")
-        flood = subprocess.Popen([sys.executable, "-c", FLOOD_SCRIPT, svc.url, "64", "64", str(seconds)],
-                                 stdout=subprocess.PIPE, text=True)
-        try:
-            flood.stdout.readline()
+        with Flood(svc.url, 64, 64, seconds) as flood:
             time.sleep(2.0)
             b_tally, flooded = serial()
-        finally:
-            out, _ = flood.communicate(timeout=seconds + 60)
-        a = json.loads(out.strip().splitlines()[-1])
+        a = flood.counts
         p50a, p50f = statistics.median(alone or [0]), statistics.median(flooded or [0])
         row.observed = (f"B alone: {alone_tally.answered()}, p50 {p50a * 1e3:.0f} ms; B while A floods: "
                         f"{b_tally.answered()}, p50 {p50f * 1e3:.0f} ms ({p50f / p50a if p50a else 0:.1f}x alone); "
@@ -1231,61 +1075,58 @@ def _exit_codes(log0: str) -> list:
 
 
 # ----------------------------------------------------------------------------- the registry
-# name: (table label, expected, what it needs, how it runs). Listed in the issue's order (the table's); RUN_ORDER
-# below runs the cheap rows first and the shared service's rows together, the kill last.
+# name: (table label, expected, what it needs, how it runs: fn(suite, row)). Listed in the issue's order (the
+# table's); RUN_ORDER below runs the cheap rows first and the shared service's rows together, the kill last.
 FAULTS = {
     "rogue-store": ("rogue store writer",
                     "the group forms, its puts land in its own memory; a forged ctrl/1: CommError naming the key, "
-                    "nothing mapped, nothing left", None, lambda s, r: s.rogue_store(r)),
+                    "nothing mapped, nothing left", None, Suite.rogue_store),
     "rogue-peer": ("rogue network peer (claims PE 1)",
                    "nothing applied, each message counted unauthenticated (>= 3), the group goes on",
-                   why_no_hosts, lambda s, r: s.rogue_peer(r)),
+                   why_no_hosts, Suite.rogue_peer),
     "stop-front-end": ("front end SIGSTOP under load",
                        "the service lives, serves again after; every answer the right token or 504, none hung",
-                       None, lambda s, r: s.stop_front_end(r)),
+                       None, Suite.stop_front_end),
     "stop-worker": ("expert worker SIGSTOP under load",
                     "/health 503 naming it while stopped, 200 after; the service lives; every answer the right "
-                    "token or 504, none hung", None, lambda s, r: s.stop_worker(r)),
+                    "token or 504, none hung", None, Suite.stop_worker),
     "kill-worker": ("expert worker SIGKILL under load",
                     "503 naming it (/health and calls), exit status 3, no process and no /dev/shm/asap-* segment "
-                    "left; every answer right or 503", None, lambda s, r: s.kill_worker(r)),
+                    "left; every answer right or 503", None, Suite.kill_worker),
     "cpu-hogs": ("CPU hogs at nice 0 on every core",
                  "no failure: every answer 200 with the right token, every worker alive", None,
-                 lambda s, r: s.cpu_hogs(r)),
+                 Suite.cpu_hogs),
     "link-down": ("link down across hosts (service under torchrun)",
                   "node 1's workers died in /health, 503 with the reason, front end exits 3, nothing left on "
-                  "node 0; every answer right or 503", why_no_hosts, lambda s, r: s.link_down(r)),
+                  "node 0; every answer right or 503", why_no_hosts, Suite.link_down),
     "stop-remote-worker": ("a remote worker stopped 60 s (expert PE on node 1, service under torchrun)",
                            "/health 503 stalled meanwhile (never died, no failure), 200 after; every call 200 with "
                            "the right token, calls in flight across the stop answered; a clean stop after",
-                           why_no_hosts, lambda s, r: s.stop_remote_worker(r)),
-    "loss-5": ("5% packet loss (nftables) across hosts",
-               "every message and row delivered once, in order (disorder 0), nobody declared dead", why_no_nft,
-               lambda s, r: s.loss(r, 5)),
-    "loss-20": ("20% packet loss (nftables) across hosts",
-                "every message and row delivered once, in order (disorder 0), nobody declared dead", why_no_nft,
-                lambda s, r: s.loss(r, 20)),
+                           why_no_hosts, Suite.stop_remote_worker),
+    **{f"loss-{pct}": (f"{pct}% packet loss (nftables) across hosts",
+                       "every message and row delivered once, in order (disorder 0), nobody declared dead",
+                       why_no_nft, functools.partial(Suite.loss, percent=pct)) for pct in (5, 20)},
     "small-shm": ("700 kB /dev/shm (private mount namespace)",
                   "the server exits 2 with a line naming /dev/shm, the bytes wanted and free; no SIGBUS, no "
-                  "traceback", why_no_private_shm, lambda s, r: s.small_shm(r)),
+                  "traceback", why_no_private_shm, Suite.small_shm),
     "hostile-bodies": ("hostile bodies",
                        "only 4xx, no 500, no traceback in the log; /health p99 <= 50 ms while four 50 MB bodies "
-                       "arrive", None, lambda s, r: s.hostile_bodies(r)),
+                       "arrive", None, Suite.hostile_bodies),
     "hog-client": ("a hog client at the admission bound",
-                   "small calls keep being served (200, right) beside the hog", None, lambda s, r: s.hog_client(r)),
+                   "small calls keep being served (200, right) beside the hog", None, Suite.hog_client),
     "slowloris": ("slowloris past the file limit (1,134 header-trickling connections at RLIMIT_NOFILE 1,024)",
                   "/health and calls answered 200 (right) all along; every slow connection closed (header timeout, "
                   "or the oldest at --max-connections); stderr < 4 kB, no traceback", None,
-                  lambda s, r: s.slowloris(r)),
+                  Suite.slowloris),
     "stalled-uploads": ("8 uploads of 1 byte short of the body bound, stalled",
                         "small calls 200 (right) meanwhile; each upload refused (429, per-client cap) or cut "
-                        "(408, under --min-body-rate)", None, lambda s, r: s.stalled_uploads(r)),
+                        "(408, under --min-body-rate)", None, Suite.stalled_uploads),
     "flood-client": ("a flooding client (64 calls in flight) beside a serial one",
                      "the serial client gets no 429: every call 200 with the right token (its p50 against alone "
-                     "reported)", None, lambda s, r: s.flood_client(r)),
+                     "reported)", None, Suite.flood_client),
     "no-secret": ("a group across hosts without ASAP_GROUP_SECRET",
                   "refuses to start, saying how to set it; nothing served", why_no_hosts,
-                  lambda s, r: s.no_secret(r)),
+                  Suite.no_secret),
 }
 RUN_ORDER = ["rogue-store", "small-shm", "no-secret", "rogue-peer", "loss-5", "loss-20", "link-down",
              "stop-remote-worker",

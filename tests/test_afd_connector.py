@@ -23,7 +23,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import asap_comm
 from asap_comm.afd import AFDTransferContext, AFDTransferMetadata, AsapAFDConnector, AsapExtraInfo
 
 H, N, K, LAYERS, A, F = 16, 8, 2, 3, 2, 2
@@ -239,18 +238,11 @@ def _across_hosts_pe(comm) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.netns
 @pytest.mark.parametrize("layout", [[2, 2], [3, 1]], ids=["2A|2F", "2A+1F|1F"])
 def test_two_role_engine_across_two_hosts(layout):
-    from netns import Hosts, run_across_hosts, unavailable
+    from asap_comm.testing.netns import Hosts, run_across_hosts
 
-    why = unavailable()
-    if why is not None:
-        if os.environ.get("ASAP_REQUIRE_NETNS"):
-            pytest.fail(f"multi-host tests cannot run ({why}) and $ASAP_REQUIRE_NETNS is set", pytrace=False)
-        pytest.skip(f"simulated hosts unavailable: {why}")
-    if not getattr(asap_comm._native._C, "NET_AVAILABLE", False):
-        pytest.fail("asap_comm was built without the network backend (UCX headers missing at build time)",
-                    pytrace=False)
     with Hosts(2) as hosts:
         out = run_across_hosts(hosts, layout, _across_hosts_pe, timeout=120)
         names = [h.hostname for h in hosts.hosts]

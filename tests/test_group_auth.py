@@ -13,10 +13,10 @@ from datetime import timedelta
 
 import pytest
 import torch
-from faults_lib import CTX, JOIN_S, plant_forged_value, plant_old_layout, run_pair
 
 import asap_comm
 from asap_comm.rendezvous import loopback_store, new_secret, private_file_store
+from asap_comm.testing.faults import CTX, JOIN_S, plant_forged_value, plant_old_layout, run_pair
 
 
 def _listening_addresses(port: int) -> "set[str]":

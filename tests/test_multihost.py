@@ -7,15 +7,14 @@ bad input for remote PEs, torch ops, barriers), a launch by torchrun, ``asap_com
 expert ranks on different hosts (exact against the reference), a host that disappears mid-wait (processes
 killed; link cut), and the CPU an idle PE burns.
 
-Building the hosts needs root. Without it the module is skipped with the reason, except where
-``$ASAP_REQUIRE_NETNS`` is set (CI sets it: CI runs as root, so a skip there would hide a failure).
+Building the hosts needs root: the tests are marked ``netns`` (tests/conftest.py skips them with the reason, except
+where ``$ASAP_REQUIRE_NETNS`` is set: CI runs as root, so a skip there would hide a failure).
 """
 import json
 import os
 import random
 import resource
 import signal
-import subprocess
 import time
 
 import pytest
@@ -23,24 +22,11 @@ import torch
 
 import asap_comm
 from asap_comm.moe import MoEPlan
-from faults_lib import cpu_hogs, http_in_host, rogue_peer, victim
-from netns import Hosts, run_across_hosts, torchrun, unavailable
+from asap_comm.testing.faults import cpu_hogs, rogue_peer, victim
+from asap_comm.testing.netns import Hosts, run_across_hosts, torchrun
+from asap_comm.testing.service import host_leftovers, http_in_host, serve_across_hosts, wait_host_health
 
-pytestmark = pytest.mark.slow  # simulated hosts in network namespaces, torchrun groups
-
-_why = unavailable()
-if _why is not None:
-    if os.environ.get("ASAP_REQUIRE_NETNS"):
-        pytest.fail(f"multi-host tests cannot run ({_why}) and $ASAP_REQUIRE_NETNS is set", pytrace=False)
-    pytest.skip(f"simulated hosts unavailable: {_why}", allow_module_level=True)
-if not getattr(asap_comm._native._C, "NET_AVAILABLE", False):
-    pytest.fail("asap_comm was built without the network backend (UCX headers missing at build time)",
-                pytrace=False)
-try:
-    import libucx  # noqa: F401
-except ImportError:
-    pytest.fail("the network backend needs libucx-cu12: pip install -e '.[net]' (the test extra includes it)",
-                pytrace=False)
+pytestmark = [pytest.mark.slow, pytest.mark.netns]  # simulated hosts in network namespaces, torchrun groups
 
 
 @pytest.fixture(scope="module")
@@ -532,19 +518,9 @@ def test_the_http_service_across_hosts_serves_then_reports_a_lost_host():
     want = [int(model.prefill(torch.tensor(p)).logits[-1].argmax()) for p in prompts]
     port = 18080
     with Hosts(2) as hs:
-        procs = torchrun(hs, [2, 3], ["-m", "asap_comm.serving.server", "--model", "tiny", "--port", str(port),
-                                      "--attention-ranks", "2", "--expert-ranks", "2", "--failure-exit-s", "2",
-                                      "--comm-timeout-s", "10"], env={**os.environ, "ASAP_NET_PEER_TIMEOUT_S": "3"})
+        procs = serve_across_hosts(hs, port, ["--failure-exit-s", "2", "--comm-timeout-s", "10"])
         try:
-            deadline = time.monotonic() + 300
-            while True:  # a hang guard for the start-up, not a speed check
-                got = http_in_host(hs[0], "/health", port)
-                if got and got[0][0] == 200:
-                    break
-                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-                    "\n".join((p.communicate(timeout=10)[0] or "")[-3000:] for p in procs if p.poll() is not None)
-                time.sleep(1.0)
-            health = got[0][1]
+            health = wait_host_health(hs[0], port, procs)
             assert [w["state"] for w in health["workers"]] == ["alive"] * 4, health
             answers = http_in_host(hs[0], "/v1/completions", port, [{"prompt": p} for p in prompts],
                                    repeat=len(prompts))
@@ -567,20 +543,12 @@ def test_the_http_service_across_hosts_serves_then_reports_a_lost_host():
             statuses = [tuple(json.loads(line)) for line in load.communicate(timeout=120)[0].splitlines()
                         if line.startswith("[")]
             log0 = procs[0].communicate(timeout=120)[0]
-            deadline = time.monotonic() + 30  # node 0 after its torchrun ended: no process, no segment left
-            while True:
-                pids = subprocess.run(["ip", "netns", "pids", hs[0].ns], capture_output=True, text=True).stdout.split()
-                left = [pid for pid in pids if int(pid) != hs[0].holder.pid]
-                if not left or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-            shm = hs[0].popen(["sh", "-c", "ls -a /dev/shm"], stdout=subprocess.PIPE, text=True).communicate(
-                timeout=30)[0].split()
+            left, shm = host_leftovers(hs[0])  # node 0 after its torchrun ended: no process, no segment left
         finally:
             for h in hs.hosts:
                 h.kill_all()
         assert left == [], left
-        assert [f for f in shm if f.startswith("asap-")] == [], shm
+        assert shm == [], shm
         assert dead is not None, (got, log0[-3000:])
         # node 0's attention rank lives on, or has already left: its experts are gone (never "died")
         assert dead["workers"][0]["state"] in ("alive", "closed") and "died" in dead["error"], dead

@@ -9,14 +9,11 @@
   gives up tells the front end why (the service fails with that reason, never "stopped cleanly"); after node 0
   and node 1's launcher are removed, node 1's workers exit 3 on their own within the liveness limit.
 
-The single-host checks run everywhere; the ones on simulated hosts need root (``tests/netns.py``) and are
-marked ``slow`` like the other multi-host tests.
+The single-host checks run everywhere; the ones on simulated hosts (``asap_comm.testing.netns``) need root and
+are marked ``netns`` and ``slow`` like the other multi-host tests.
 """
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -24,10 +21,10 @@ import torch
 
 import asap_comm
 from asap_comm.moe import AttentionEnd, ExpertEnd, MoEPlan
+from asap_comm.testing.netns import Hosts, free_port, run_across_hosts
+from asap_comm.testing.service import (calls, end_service, host_health, long_clients, serve_across_hosts,
+                                       wait_host_health)
 from distributed_utils import run
-from patience_load import calls, long_clients
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 # --------------------------------------------------------------------------- one host: a wait on any sender
@@ -171,16 +168,6 @@ def test_a_worker_that_gives_up_tells_the_front_end_why():
 
 
 # --------------------------------------------------------------------------- simulated hosts
-def _netns_or_skip():
-    from netns import unavailable
-
-    why = unavailable()
-    if why is not None:
-        if os.environ.get("ASAP_REQUIRE_NETNS"):
-            pytest.fail(f"multi-host tests cannot run ({why}) and $ASAP_REQUIRE_NETNS is set", pytrace=False)
-        pytest.skip(f"simulated hosts unavailable: {why}")
-
-
 def _stream_through_a_stop(comm, marker_dir, n):
     """PE 0 sends PE 1 (on the other host) ``n`` messages through a 4-slot inbox with a short timeout, offering
     each again after a TimeoutError (as the front end does) while PE 1 is stopped; PE 1 receives them all."""
@@ -215,13 +202,11 @@ def _stream_through_a_stop(comm, marker_dir, n):
 
 
 @pytest.mark.slow
+@pytest.mark.netns
 def test_a_send_offered_again_to_a_stopped_remote_pe_is_never_placed_twice(tmp_path):
     """PE 1 (another host) is stopped for 15 s while PE 0 streams to it with a 10 ms timeout and offers each
     message again after a TimeoutError: PE 1 gets every message exactly once, in order (before: the send waited
     10 s for the stopped peer's answer, then the message offered again was placed a second time)."""
-    _netns_or_skip()
-    from netns import Hosts, run_across_hosts
-
     out = str(tmp_path)
 
     def stop_pe1(hs, procs):
@@ -248,31 +233,9 @@ def test_a_send_offered_again_to_a_stopped_remote_pe_is_never_placed_twice(tmp_p
 
 
 # --------------------------------------------------------------------------- the HTTP service across hosts
-def _health(host, port):
-    from faults_lib import http_in_host
-
-    got = http_in_host(host, "/health", port)
-    return got[0] if got else (0, None)
-
-
 def _start_service(hs, port, extra=()):
-    from netns import torchrun
-
-    return torchrun(hs, [2, 3], ["-m", "asap_comm.serving.server", "--model", "tiny", "--port", str(port),
-                                 "--attention-ranks", "2", "--expert-ranks", "2", "--failure-exit-s", "2",
-                                 "--comm-timeout-s", "10", "--worker-stall-s", "5", *extra],
-                    env={**os.environ, "ASAP_NET_PEER_TIMEOUT_S": "3"})
-
-
-def _wait_healthy(hs, port, procs, limit_s=300):
-    deadline = time.monotonic() + limit_s
-    while True:  # a hang guard for the start-up, not a speed check
-        status, body = _health(hs[0], port)
-        if status == 200:
-            return body
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-            "\n".join((p.communicate(timeout=10)[0] or "")[-3000:] for p in procs if p.poll() is not None)
-        time.sleep(1.0)
+    return serve_across_hosts(hs, port, ["--failure-exit-s", "2", "--comm-timeout-s", "10", "--worker-stall-s", "5",
+                                         *extra])
 
 
 def _prompts_and_answers():
@@ -283,21 +246,8 @@ def _prompts_and_answers():
     return prompts, [int(model.prefill(torch.tensor(p)).logits[-1].argmax()) for p in prompts]
 
 
-def _end_service(hs, procs):
-    """SIGTERM to node 0's launcher (the front end drains and stops every worker); the logs of both nodes."""
-    procs[0].send_signal(signal.SIGTERM)
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=120)[0])
-        except subprocess.TimeoutExpired:
-            for h in hs.hosts:
-                h.kill_all()
-            logs.append(p.communicate(timeout=30)[0])
-    return logs
-
-
 @pytest.mark.slow
+@pytest.mark.netns
 @pytest.mark.parametrize("victim,stop_s", [(2, 60.0), (1, 30.0)], ids=["remote expert 60 s", "remote attention 30 s"])
 def test_the_service_across_hosts_outlives_a_stopped_remote_worker(victim, stop_s):
     """``python -m asap_comm.serving.server`` under torchrun: the front end and attention PE 0 on node 0, attention
@@ -308,15 +258,12 @@ def test_the_service_across_hosts_outlives_a_stopped_remote_worker(victim, stop_
     service then stops cleanly on SIGTERM. (Before: node 0's attention PE gave up on the expert after one
     attempt's bound, `send: waiting for a free slot in PE 2's inbox: timed out`, and the service died; a chunk
     offered again to the stopped attention PE was placed twice.)"""
-    _netns_or_skip()
-    from netns import Hosts, free_port
-
     prompts, want = _prompts_and_answers()
     port = free_port()
     with Hosts(2) as hs:
         procs = _start_service(hs, port, ["--request-timeout-s", "300"])
         try:
-            health = _wait_healthy(hs, port, procs)
+            health = wait_host_health(hs[0], port, procs)
             pid = health["workers"][victim]["pid"]
             load = long_clients(hs[0], port, prompts, stop_s + 30)
             time.sleep(6)
@@ -326,13 +273,13 @@ def test_the_service_across_hosts_outlives_a_stopped_remote_worker(victim, stop_
             try:
                 while time.time() - t_stop < stop_s:
                     time.sleep(5)
-                    during.append(_health(hs[0], port))
+                    during.append(host_health(hs[0], port))
             finally:
                 os.kill(pid, signal.SIGCONT)
             t_cont = time.time()
             lines = calls(load, stop_s + 400)
-            after = _health(hs[0], port)
-            logs = _end_service(hs, procs)
+            after = host_health(hs[0], port)
+            logs = end_service(hs, procs)
         finally:
             for h in hs.hosts:
                 h.kill_all()
@@ -354,20 +301,18 @@ def test_the_service_across_hosts_outlives_a_stopped_remote_worker(victim, stop_
 
 
 @pytest.mark.slow
+@pytest.mark.netns
 def test_node_1_workers_exit_on_their_own_once_node_0_and_their_launcher_are_gone():
     """After a failure (expert PE 3 on node 1 killed under load), node 0 is cut off (its link down: no goodbye,
     no end of file; the liveness lines fail their keepalive within ASAP_NET_PEER_TIMEOUT_S = 3 s) and node 1's
     torchrun is killed (SIGKILL: nobody stops its workers; they ignore SIGTERM by design). Each remaining worker
     on node 1 logs why and exits (status 3) on its own within the liveness limit (plus slack for this host)."""
-    _netns_or_skip()
-    from netns import Hosts, free_port
-
     prompts, _ = _prompts_and_answers()
     port = free_port()
     with Hosts(2) as hs:
         procs = _start_service(hs, port)
         try:
-            health = _wait_healthy(hs, port, procs)
+            health = wait_host_health(hs[0], port, procs)
             pids = {w["pe"]: w["pid"] for w in health["workers"]}
             load = long_clients(hs[0], port, prompts, 20)
             time.sleep(4)

@@ -8,7 +8,8 @@ import sys
 import textwrap
 
 import pytest
-from faults_lib import in_small_shm
+
+from asap_comm.testing.faults import in_small_shm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

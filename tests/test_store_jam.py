@@ -13,10 +13,10 @@ from datetime import timedelta
 
 import pytest
 import torch
-from faults_lib import CTX, JOIN_S
 
 import asap_comm
 from asap_comm.rendezvous import loopback_store, new_secret
+from asap_comm.testing.faults import CTX, JOIN_S, collect, spawn
 
 ROGUE_MAX_S = 60.0  # the rogue stops after this long ...
 ROGUE_MAX_ROUNDS = 20000  # ... or this many rounds over every key, whichever comes first
@@ -134,27 +134,7 @@ def _member(rank, world, port, secret, prefix, rounds, pause_s, started, q):
 
 
 def _start_group(port, world, secret, prefix, rounds, pause_s=0.0, started=None):
-    q = CTX.Queue()
-    procs = [CTX.Process(target=_member, args=(r, world, port, secret, prefix, rounds, pause_s, started, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    return q, procs
-
-
-def _finish_group(q, procs) -> dict:
-    try:
-        got = {}
-        for _ in procs:
-            msg = q.get(timeout=JOIN_S)
-            got[msg[1]] = msg
-        return got
-    finally:
-        for p in procs:
-            p.join(timeout=JOIN_S)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    return spawn(_member, [(r, world, port, secret, prefix, rounds, pause_s, started) for r in range(world)])
 
 
 def _assert_all_right(got: dict, world: int) -> int:
@@ -178,7 +158,7 @@ def test_groups_form_while_a_rogue_lists_bumps_and_overwrites_every_key():
         for g, sec in enumerate([secret, secret, secret, None]):
             prefix = f"asap-jf{g}" + os.urandom(3).hex() + "-"
             prefixes.append(prefix)
-            got = _finish_group(*_start_group(store.port, 3, sec, prefix, rounds=20))
+            got = collect(*_start_group(store.port, 3, sec, prefix, rounds=20))
             forged += _assert_all_right(got, 3)
     assert rogue.rounds > 0 and rogue.overwrites > 0 and rogue.bumps + rogue.refused_bumps > 0, vars(rogue)
     assert any(k.startswith("asap/") for k in rogue.keys_seen), sorted(rogue.keys_seen)[:10]
@@ -199,10 +179,10 @@ def test_a_running_group_lives_while_a_rogue_jams_its_store():
         for _ in procs:
             started.get(timeout=JOIN_S)  # the group has formed
     except Exception:
-        _finish_group(q, procs)
+        collect(q, procs)
         raise
     with Rogue(store.port) as rogue:
-        got = _finish_group(q, procs)
+        got = collect(q, procs)
     forged = _assert_all_right(got, 4)
     assert rogue.rounds > 0 and rogue.overwrites > 0 and rogue.planted, vars(rogue)
     assert forged > 0, "no PE read a planted value (the late PE's heap chunk key): the test jammed nothing"

@@ -3,19 +3,18 @@ day would, and leaves the judging to its caller (a test asserts, the fault suite
 
 * the rendezvous store: :func:`plant_old_layout` (an outsider's keys before a group forms),
   :func:`plant_forged_value` (a value with a wrong MAC under a real key), :func:`run_pair` (two PEs that join a
-  given store and exchange a row);
+  given store and exchange a row); :func:`spawn` / :func:`collect` (spawned PEs that each report one message);
 * the network: :data:`ROGUE_PEER` / :func:`rogue_peer` / :func:`victim` (a UCX peer outside the group claiming
   PE 1), :func:`stream_in_order` (messages whose order and completeness the receiver checks, for lossy links);
 * the host: :func:`cpu_hogs` (a busy loop at nice 0 on every core), :func:`in_small_shm` (a private, small
-  ``/dev/shm``), :func:`http_in_host` (HTTP requests from inside a simulated host).
+  ``/dev/shm``). HTTP calls from inside a simulated host: :mod:`asap_comm.testing.service`.
 
-Every wait here is bounded. The functions that run on PEs (``victim``, ``stream_in_order``) are importable from
-the tests directory, as ``netns.run_across_hosts`` needs; ``_pe`` runs in a spawned process.
+Every wait here is bounded. ``victim`` and ``stream_in_order`` run on PEs of
+:func:`asap_comm.testing.netns.run_across_hosts`; ``_pe`` runs in a spawned process.
 """
 from __future__ import annotations
 
 import glob
-import json
 import multiprocessing as mp
 import os
 import random
@@ -90,7 +89,35 @@ def plant_forged_value(store, secret: str, prefix: str, forged: str) -> tuple:
     return ("host/1" if forged == "host/1" else "ctrl/1"), planted, seg
 
 
-def _pe(rank, port, secret, prefix, q, env_secret=None, timeout=20.0):
+def spawn(target, args: list) -> tuple:
+    """One spawned process per tuple of ``args``, each running ``target(*args[i], q)``; ``(q, procs)`` for
+    :func:`collect`. ``target`` puts one message on ``q`` whose second item is its rank."""
+    q = CTX.Queue()
+    procs = [CTX.Process(target=target, args=(*a, q)) for a in args]
+    for p in procs:
+        p.start()
+    return q, procs
+
+
+def collect(q, procs) -> dict:
+    """``{rank: message}`` of the processes :func:`spawn` started, each wait bounded by :data:`JOIN_S` (a
+    process that did not report fails with ``queue.Empty``); then every process is joined (killed past the
+    bound)."""
+    try:
+        got = {}
+        for _ in procs:
+            msg = q.get(timeout=JOIN_S)
+            got[msg[1]] = msg
+        return got
+    finally:
+        for p in procs:
+            p.join(timeout=JOIN_S)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _pe(rank, port, secret, prefix, env_secret, timeout, q):
     """One PE in a spawned process: joins, exchanges a row with the other PE, reports what it saw."""
     if env_secret is not None:
         os.environ["ASAP_GROUP_SECRET"] = env_secret
@@ -112,23 +139,7 @@ def run_pair(port, secrets_, prefix, env_secrets=(None, None), timeout=20.0) -> 
     """Two PEs (spawned processes) join the store on 127.0.0.1:``port`` with ``secrets_[r]`` (and
     ``$ASAP_GROUP_SECRET`` = ``env_secrets[r]``), each puts ``rank + 1`` into the other's row. Returns
     ``{rank: ("ok", rank, row it holds, secret files left) or ("err", rank, exception type, message)}``."""
-    q = CTX.Queue()
-    procs = [CTX.Process(target=_pe, args=(r, port, secrets_[r], prefix, q, env_secrets[r], timeout))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        for _ in procs:
-            msg = q.get(timeout=JOIN_S)
-            got[msg[1]] = msg
-        return got
-    finally:
-        for p in procs:
-            p.join(timeout=JOIN_S)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    return collect(*spawn(_pe, [(r, port, secrets_[r], prefix, env_secrets[r], timeout) for r in range(2)]))
 
 
 # ----------------------------------------------------------------------------- the network
@@ -260,34 +271,3 @@ def in_small_shm(size: str, argv: "list[str]", timeout: float, cwd: "str | None"
     script = f'mount -t tmpfs -o size={size},mode=1777 tmpfs /dev/shm && exec "$@"'
     return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv],
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
-
-
-_HTTP = r"""
-import json, sys, time, urllib.request, urllib.error
-url, method, body, repeat, pause = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-for i in range(repeat):
-    data = None if method == "GET" else json.dumps(body if not isinstance(body, list) else body[i % len(body)]).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            out = (r.status, json.loads(r.read() or b"null"))
-    except urllib.error.HTTPError as e:
-        out = (e.code, json.loads(e.read() or b"null"))
-    except Exception as e:
-        out = (0, str(e))
-    print(json.dumps(out), flush=True)
-    time.sleep(pause)
-"""
-
-
-def http_in_host(host, path: str, port: int, body=None, repeat: int = 1, pause: float = 0.0, wait: bool = True):
-    """Requests from inside simulated ``host`` (its loopback), one after another, each with a 60 s timeout:
-    ``[(status, json body)]`` (status 0: no answer, the body is the error text), or the running process (its
-    stdout: one such JSON pair a line) when ``wait`` is false. ``body``: a list of bodies is sent in turn."""
-    p = host.popen([sys.executable, "-c", _HTTP, f"http://127.0.0.1:{port}{path}", "GET" if body is None else "POST",
-                    json.dumps(body), str(repeat), str(pause)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                   text=True)
-    if not wait:
-        return p
-    out = p.communicate(timeout=120)[0]
-    return [tuple(json.loads(line)) for line in out.splitlines() if line.startswith("[")]

@@ -16,7 +16,8 @@ including after a failure (the namespaces' deletion removes their links).
 
 Needs root (or CAP_SYS_ADMIN + CAP_NET_ADMIN) and ``ip``/``unshare``;
 :func:`unavailable` says why not when they are missing. CI runs as root, and
-the tests turn a missing capability into a failure there (``$CI`` set).
+the tests turn a missing capability into a failure there (``$CI`` set); the
+tests that build hosts carry the ``netns`` marker.
 """
 from __future__ import annotations
 
@@ -51,6 +52,23 @@ def unavailable() -> "str | None":
     if r.returncode != 0:
         return f"`ip netns add` failed: {r.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
+
+
+def why_no_hosts() -> "str | None":
+    """Why a group cannot span simulated hosts here (:func:`unavailable`; or asap_comm built without the network
+    backend; or libucx missing), or None if it can."""
+    why = unavailable()
+    if why is not None:
+        return why
+    from asap_comm._native import _C
+
+    if not getattr(_C, "NET_AVAILABLE", False):
+        return "asap_comm was built without the network backend (UCX headers missing at build time)"
+    try:
+        import libucx  # noqa: F401
+    except ImportError:
+        return "the network backend needs libucx-cu12: pip install -e '.[net]' (the test extra includes it)"
     return None
 
 
@@ -201,7 +219,7 @@ def free_port() -> int:
 
 
 # ----------------------------------------------------------------------------- running a group across hosts
-_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
+_WORKER = ["-m", "asap_comm.testing.worker"]  # one PE: joins, runs the function, pickles its result
 
 
 def run_across_hosts(hosts: Hosts, layout: "list[int]", fn, *args, timeout: float = 120.0,
@@ -210,7 +228,8 @@ def run_across_hosts(hosts: Hosts, layout: "list[int]", fn, *args, timeout: floa
     """Run ``fn(comm, *args)`` on ``sum(layout)`` PEs, ``layout[i]`` of them on host ``i`` (ranks in host order),
     each joining with ``asap_comm.init()`` from the torchrun-style environment; returns every PE's result.
 
-    ``fn`` must be importable from the tests directory. Every wait is bounded: a PE that does not end within
+    ``fn`` must be a module-level function; the PEs import its module (its directory goes on their
+    ``PYTHONPATH``, so a test module's or a script's functions work). Every wait is bounded: a PE that does not end within
     ``timeout`` s fails the call. ``expect_fail``: ranks allowed to end without a result (their result is None).
     ``during(hosts, procs)``: called once every PE has started (to kill a host, cut a link, ...).
     ``launcher``: ``"python"`` starts each PE itself; ``"torchrun"`` starts one ``torchrun --nnodes N
@@ -236,14 +255,14 @@ def run_across_hosts(hosts: Hosts, layout: "list[int]", fn, *args, timeout: floa
     base["ASAP_TEST_DUMP_AFTER"] = str(max(1.0, timeout - 8))  # a hung PE prints its stacks before the kill
     base = with_secret(base)
     if launcher == "torchrun":
-        procs = torchrun(hosts, layout, [_WORKER, target, out], env=base, port=port)
+        procs = torchrun(hosts, layout, [*_WORKER, target, out], env=base, port=port)
     elif launcher == "python":
         rank = 0
         for h, n in enumerate(layout):
             for local in range(n):
                 e = dict(base, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
                          LOCAL_WORLD_SIZE=str(n), MASTER_ADDR=hosts[0].addr, MASTER_PORT=str(port))
-                procs.append(hosts[h].popen([sys.executable, _WORKER, target, out], env=e,
+                procs.append(hosts[h].popen([sys.executable, *_WORKER, target, out], env=e,
                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
                 rank += 1
     else:

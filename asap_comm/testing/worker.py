@@ -1,6 +1,6 @@
-"""One PE of a multi-host test (started by netns.run_across_hosts on a simulated host).
+"""One PE of a multi-host test (started by :func:`asap_comm.testing.netns.run_across_hosts` on a simulated host).
 
-    python multihost_worker.py module:function OUT_DIR
+    python -m asap_comm.testing.worker module:function OUT_DIR
 
 Joins the group with ``asap_comm.init()`` from the torchrun-style environment
 the harness sets, runs ``function(comm, *args)`` (args pickled in
@@ -12,8 +12,6 @@ import os
 import pickle
 import sys
 import traceback
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> int:
