@@ -9,6 +9,11 @@
   layer to any attention rank as rows arrive (``moe.ExpertEnd``), gathered per
   layer up to a token budget or a deadline (``ExpertBatcher``).
 * The lock-step ablation (:class:`_Lockstep`, ``barrier_free=False``).
+
+With spare expert PEs (``RuntimeConfig.spare_expert_ranks``), an expert PE's
+death is expert failover's (``failover.py``): the ranks do not fail with it,
+a spare waits in :func:`expert_main` until the front end hands it a dead
+rank's experts, and an attention rank re-routes on the front end's word.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from ..errors import CommError, PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import ExpertBatch, MoEPlan, apply_experts
 from .exchange import AsyncExchange
+from .failover import TAKEOVER, check_route, decode_takeover, depended_on
 from .hooks import model_hooks
 from .lane import LaneAborted, LaneRank, LaneWait
 from .patience import DeathWatch
@@ -33,7 +39,7 @@ def moe_plan(cfg: RuntimeConfig, info: ModelInfo) -> MoEPlan:
     return MoEPlan(num_attention_ranks=cfg.num_attention_ranks, num_expert_ranks=cfg.num_expert_ranks,
                    num_experts=info.num_experts, hidden=info.hidden, dtype=info.dtype,
                    max_tokens=max(cfg.token_budget, cfg.max_chunk_tokens), top_k=info.top_k,
-                   max_inflight=2 if cfg.ping_pong else 1)
+                   max_inflight=2 if cfg.ping_pong else 1, num_spare_ranks=cfg.spare_expert_ranks)
 
 
 # ----------------------------------------------------------------------------- lock-step ablation
@@ -53,9 +59,10 @@ class _Lockstep:
     ``_DONE``.
     """
 
-    def __init__(self, comm, steps, num_ranks: int, timeout_s: float) -> None:
+    def __init__(self, comm, steps, num_ranks: int, timeout_s: float, scoped: bool = False) -> None:
         self.comm, self.steps, self.ranks, self.timeout_s = comm, steps, range(num_ranks), timeout_s
         self.me, self.step = comm.rank, 0
+        self.scoped = scoped  # with spares: a wait fails only with the rank it waits for (an expert's death does not)
 
     def _announce(self, delta: int) -> None:
         for q in self.ranks:
@@ -65,7 +72,9 @@ class _Lockstep:
         self.step += 1
         self._announce(1)
         for q in self.ranks:
-            if q != self.me:
+            if q != self.me and self.scoped:
+                self.comm.signal_wait_until(self.steps, q, ">=", self.step, timeout=self.timeout_s, peers=[q])
+            elif q != self.me:
                 self.comm.signal_wait_until(self.steps, q, ">=", self.step, timeout=self.timeout_s)
 
     def catch_up(self) -> None:
@@ -87,14 +96,18 @@ class _AttentionRank(ChunkTaker):
         self.comm, self.cfg, self.info, self.model = comm, cfg, info, model
         self.exchange, self.box, self.stats = AsyncExchange(ch.moe), ch.box, ch.stats
         steps = ch.lockstep
-        self.lockstep = None if steps is None else _Lockstep(comm, steps, cfg.num_attention_ranks, cfg.timeout_s)
-        self.front = cfg.num_attention_ranks + cfg.num_expert_ranks
+        self.failover = cfg.spare_expert_ranks > 0
+        self.lockstep = None if steps is None else _Lockstep(comm, steps, cfg.num_attention_ranks, cfg.timeout_s,
+                                                              self.failover)
+        self.front = comm.world_size - 1
         self.batcher = MicroBatcher(cfg.token_budget)
         self.tokens: dict = {}  # (request, chunk index) -> token ids
         self.caches: dict = {}  # request -> KV cache
         self.cancelled: set = set()  # requests cancelled while a chunk of theirs runs
         self.spans: list = []  # (pe, track, name, start on the host's monotonic clock, duration)
         self.lane = None if ch.lane is None else LaneRank(comm, cfg, model, ch.lane, self.cancelled, self.spans)
+        A = cfg.num_attention_ranks
+        self._expert_pes = range(A, A + cfg.num_expert_ranks + cfg.spare_expert_ranks)
 
     def _queue_chunk(self, chunk, groups: int) -> None:
         if groups < 0 and self.lane is not None:  # a long-prompt lane's chunk (lane.py)
@@ -164,6 +177,26 @@ class _AttentionRank(ChunkTaker):
             self.caches.pop(chunks[0].request_id, None)
         self._busy("attn tail", t[0])
 
+    def _route(self, src: int, msg: tuple) -> None:
+        """Expert failover (``failover.py``): expert rank ``r``'s PE died; route it to the spare that took over and
+        send the spare the parts in flight that the dead PE did not return (``AttentionEnd.replace``)."""
+        r, new, dead = check_route(self.comm, self.cfg, src, msg)
+        if new < 0:
+            raise PeerFailure(f"attention worker PE {self.comm.rank}: expert rank {r}'s PE {dead} died and no spare "
+                              "expert rank is left", pe=dead, reason="died")
+        t = time.monotonic()
+        sent = self.exchange.end.replace(r, new)
+        self.spans.append((self.comm.rank, 0, f"failover: expert rank {r} PE {dead} -> {new}, {sent} part(s) "
+                                              "sent again", t, time.monotonic() - t))
+
+    def _wait_route(self, timeout: float) -> None:
+        """An expert PE this rank waits on died and no route has come yet: wait for the front end's message."""
+        try:
+            self.stopped |= not self._take(self.box.recv(timeout=timeout))
+        except CommTimeoutError:
+            self.watch.check()
+            self._check_front()
+
     def _check_front(self) -> None:
         """``PeerFailure`` once the front end is gone (died, or closed) without having stopped this rank: nobody
         is left to send it work or take its results. Its state is read before the inbox, so a stop message it
@@ -180,7 +213,7 @@ class _AttentionRank(ChunkTaker):
                               "before it stopped this worker", pe=self.front, reason=state)
 
     def run(self) -> list:
-        self.watch = DeathWatch(self.comm, range(self.comm.world_size))
+        self.watch = DeathWatch(self.comm, depended_on(self.comm, self.cfg, "attention"))
         running: list = []  # [generator, handle or None, dispatch sequence number]
         seq = 0
         self.stopped = False
@@ -218,11 +251,18 @@ class _AttentionRank(ChunkTaker):
                 # come back sooner to pick up new chunks from the mailbox)
                 h = min(running, key=lambda e: e[2])[1]
                 if isinstance(h, LaneWait):  # a lane chunk waits for earlier chunks' KV
-                    h.wait(0.0005)
+                    try:
+                        h.wait(0.0005)
+                    except PeerFailure as e:  # with spares, an expert PE's death (any PE's ends a lane wait)
+                        if not self.failover or e.pe not in self._expert_pes:
+                            raise
+                        time.sleep(0.0005)
                     self.watch.check()
                     self._check_front()
                 else:
-                    self.exchange.wait(h, 0.002 if len(running) >= max_running else 0.0005)
+                    t_wait = 0.002 if len(running) >= max_running else 0.0005
+                    if not self.exchange.wait(h, t_wait) and self.exchange.end.lost:
+                        self._wait_route(t_wait)  # its expert PE died: the front end's route comes by mail
             else:
                 try:  # with the lock-step ablation on (or a lane chunk waiting to start), come back soon
                     soon = self.lockstep is not None or len(self.batcher) > 0
@@ -255,18 +295,37 @@ def expert_main(comm, cfg, info, model_factory, plan: MoEPlan, ch: Channels):
         raise
 
 
+def _take_over(comm, ex, box, model_factory, spans: list):
+    """On a spare: the front end's :data:`~.failover.TAKEOVER` message, if one came: build the dead rank's experts
+    with the model factory (``ExpertEnd.take_over`` names them) and return the model; else None."""
+    m = box.poll()
+    if m is None:
+        return None
+    with m:
+        if m.tag != TAKEOVER or m.src != comm.world_size - 1:
+            raise CommError(f"spare expert PE {comm.rank}: unexpected message (tag {m.tag}) from PE {m.src}")
+        rank, dead = decode_takeover(m.tensor)
+    t = time.monotonic()
+    model = model_factory("expert", ex.take_over(rank))
+    spans.append((comm.rank, 0, f"take over expert rank {rank} from PE {dead}", t, time.monotonic() - t))
+    return model
+
+
 def _expert_loop(comm, cfg, info, model_factory, plan: MoEPlan, ch: Channels):
     experts = plan.local_experts(comm.rank)
-    model = model_factory("expert", experts)
+    # a spare holds no experts until the front end gives it a dead rank's (failover.py)
+    model = model_factory("expert", experts) if comm.rank not in plan.spare_pes else None
     hooks = model_hooks(model)  # an emulated device holds its modelled transfers (hooks.py)
     ex, stats = ch.moe, ch.stats
     batcher = ExpertBatcher(cfg.expert_token_budget, cfg.expert_deadline_s, enabled=cfg.expert_batching)
     spans = []
-    watch = DeathWatch(comm, range(comm.world_size))
+    watch = DeathWatch(comm, depended_on(comm, cfg, "expert"))
     while True:
         stats.publish()
+        if model is None and (model := _take_over(comm, ex, ch.box, model_factory, spans)) is not None:
+            hooks = model_hooks(model)
         now = time.monotonic()
-        layer = batcher.ready(now)
+        layer = batcher.ready(now) if model is not None else None
         if layer is not None:
             batch = ExpertBatch.merge(batcher.take(layer))
             out = apply_experts(batch, lambda e, x: model.expert(layer, e, x), out=ex.output_buffer(batch))
@@ -278,7 +337,7 @@ def _expert_loop(comm, cfg, info, model_factory, plan: MoEPlan, ch: Channels):
             continue
         if ex.finished and batcher.held_rows == 0:
             break
-        wait = batcher.wait_s(now)
+        wait = batcher.wait_s(now) if model is not None else 0.01  # a spare looks at its inbox every 10 ms
         try:
             batches = ex.dispatch_recv_many(timeout=0.05 if wait is None else max(wait, 1e-4))
         except CommTimeoutError:

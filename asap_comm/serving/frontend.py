@@ -20,6 +20,7 @@ import torch
 
 from ..errors import PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
+from .failover import FrontFailover
 from .metrics import RequestRecord
 from .lane import FrontLane
 from .patience import DeathWatch
@@ -107,8 +108,14 @@ class FrontEnd:
         self.pending = [deque() for _ in range(num_targets)]  # per rank: [request id, payload, tag, queued at]
         self.inflight: dict = {}  # request -> _Admitted
         self.queued_tokens = 0
-        # a worker that dies, or leaves before stop() told it to (it gave up), fails the group
-        self.watch = DeathWatch(comm, range(comm.world_size), must_stay=range(comm.world_size))
+        # a worker that dies, or leaves before stop() told it to (it gave up), fails the group; with spare expert
+        # PEs an expert PE's death is the failover's (failover.py) until no spare is left
+        self.failover = None
+        watched = range(comm.world_size)
+        if label == "async" and cfg.spare_expert_ranks:
+            self.failover = FrontFailover(comm, cfg, box, self.pending)
+            watched = [pe for pe in watched if pe not in self.failover.pes]
+        self.watch = DeathWatch(comm, watched, must_stay=watched)
         self._cp = cfg.cp_threshold if label == "sync" else None
         self.lane = FrontLane(cfg, info, num_targets, enabled=label == "async")  # the long-prompt lane (lane.py)
 
@@ -216,9 +223,12 @@ class FrontEnd:
         workers = [pe for pe in range(self.comm.world_size) if pe != self.comm.rank]
         while True:
             rows = stats.rows()
-            if all(rows[pe]["published"] for pe in workers):
+            gone = {} if self.failover is None else self.failover.gone
+            if all(rows[pe]["published"] or pe in gone for pe in workers):
                 return time.monotonic() - t0
             self.watch.check()
+            if self.failover is not None:
+                self.failover.check()
             if time.monotonic() - t0 > timeout_s:
                 late = [pe for pe in workers if not rows[pe]["published"]]
                 raise CommTimeoutError(f"front end: workers {late} were not ready within {timeout_s} s")
@@ -244,6 +254,8 @@ class FrontEnd:
     def stop(self, timeout: float = 5.0) -> None:
         """Send every rank the stop message (after its queued chunks)."""
         self.watch.release()  # the workers may leave from now on
+        if self.failover is not None:
+            self.failover.release()
         for w in range(self.W):
             self.pending[w].append((None, torch.zeros(1, dtype=torch.int64), STOP, time.monotonic()))
         deadline = time.monotonic() + timeout
@@ -295,6 +307,8 @@ class FrontEnd:
         (less while messages wait for room or prompts for the lane). Raises ``PeerFailure`` if a PE the group needs
         died."""
         self._lane_give_up()
+        if self.failover is not None:
+            self.failover.check()  # before the flush: a route goes out ahead of the chunks
         self._flush()
         out = []
         while (m := self.box.poll()) is not None:

@@ -56,7 +56,9 @@ class GroupSpec:
 
     @property
     def world_size(self) -> int:
-        return self.cfg.num_attention_ranks + self.cfg.num_expert_ranks + 1
+        """Workers (with ASAP's spare expert PEs) and the front end."""
+        spares = self.cfg.spare_expert_ranks if self.mode == "async" else 0
+        return self.cfg.num_attention_ranks + self.cfg.num_expert_ranks + spares + 1
 
 
 def open_channels(comm, cfg: RuntimeConfig, info: ModelInfo, mode: str, plan=None) -> Channels:
@@ -72,11 +74,11 @@ def open_channels(comm, cfg: RuntimeConfig, info: ModelInfo, mode: str, plan=Non
     me = comm.rank
     moe = lockstep = shm = lane = None
     if mode == "async":
-        A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
-        if comm.world_size != A + E + 1:
-            raise ValueError(f"open_channels: an async group of A={A} + E={E} ranks + 1 front end has "
-                             f"{A + E + 1} PEs, not {comm.world_size}")
-        role = "attention" if me < A else "expert" if me < A + E else "front"
+        A, E, S = cfg.num_attention_ranks, cfg.num_expert_ranks, cfg.spare_expert_ranks
+        if comm.world_size != A + E + S + 1:
+            raise ValueError(f"open_channels: an async group of A={A} + E={E} + S={S} spare ranks + 1 front end has "
+                             f"{A + E + S + 1} PEs, not {comm.world_size}")
+        role = "attention" if me < A else "expert" if me < A + E + S else "front"  # a spare is an expert PE
         if role == "attention":
             moe = AttentionEnd(comm, plan)
         elif role == "expert":
@@ -103,7 +105,11 @@ def open_channels(comm, cfg: RuntimeConfig, info: ModelInfo, mode: str, plan=Non
 
 def role_of(cfg: RuntimeConfig, pe) -> str:
     """What PE ``pe`` of an async group is, for error messages."""
-    return "attention worker" if pe is not None and pe < cfg.num_attention_ranks else "expert worker"
+    if pe is not None and pe < cfg.num_attention_ranks:
+        return "attention worker"
+    if pe is not None and 0 <= pe - cfg.num_attention_ranks - cfg.num_expert_ranks < cfg.spare_expert_ranks:
+        return "spare expert worker"
+    return "expert worker"
 
 
 class _RoleOf:
@@ -149,8 +155,10 @@ def run_group(spec: GroupSpec, requests: Sequence, report_path: str) -> RunResul
     shared by the host's processes). If a PE dies, the front end's event log
     gives the records anyway and requests left unfinished get the error.
     """
+    # with spare expert PEs the front end leads: an expert PE's death is the failover's, not the end of the run
+    lead = {"leader": spec.world_size - 1} if spec.mode == "async" and spec.cfg.spare_expert_ranks else {}
     try:
-        results = launch(group_main, spec.world_size, spec, timeout=spec.cfg.timeout_s)
+        results = launch(group_main, spec.world_size, spec, timeout=spec.cfg.timeout_s, **lead)
     except (LaunchError, CommError) as e:
         records, outputs = replay_report(report_path, requests)
         for rec in records:

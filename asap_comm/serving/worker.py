@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import PeerFailure
+from ..errors import CommError, PeerFailure
+from .failover import ROUTE, decode_route
 from .patience import send_patiently
 from .protocol import CANCEL, STOP, decode_cancel, decode_chunk, encode_result
 
@@ -125,9 +126,9 @@ def worker_cancel(rid: int, batcher, tokens: dict, caches: dict, cancelled: set)
 
 class ChunkTaker:
     """The worker side of the chunk protocol, shared by the async attention ranks and the baseline's workers:
-    :meth:`_take` handles one request-mailbox message (a chunk, :data:`CANCEL` or :data:`STOP`). Needs
-    ``batcher`` (a ``MicroBatcher``), ``tokens``, ``caches`` and ``cancelled``; :meth:`_queue_chunk` decides
-    where a chunk goes (by default the micro-batcher)."""
+    :meth:`_take` handles one request-mailbox message (a chunk, :data:`CANCEL`, :data:`STOP` or expert failover's
+    ``failover.ROUTE``, given to :meth:`_route`). Needs ``batcher`` (a ``MicroBatcher``), ``tokens``, ``caches``
+    and ``cancelled``; :meth:`_queue_chunk` decides where a chunk goes (by default the micro-batcher)."""
 
     def _take(self, m) -> bool:
         """Handle one mailbox message; False on the stop message."""
@@ -136,6 +137,9 @@ class ChunkTaker:
                 return False
             if m.tag == CANCEL:
                 self._cancel(decode_cancel(m.tensor))
+                return True
+            if m.tag == ROUTE:
+                self._route(m.src, decode_route(m.tensor))
                 return True
             chunk, groups, toks = decode_chunk(m.tensor)
         self.tokens[(chunk.request_id, chunk.index)] = toks
@@ -147,3 +151,8 @@ class ChunkTaker:
 
     def _queue_chunk(self, chunk, groups: int) -> None:
         self.batcher.add(chunk)
+
+    def _route(self, src: int, msg: tuple) -> None:
+        """Expert failover's route message ``(expert rank, new PE or -1, dead PE)``: only the asynchronous
+        runtime's attention ranks take one."""
+        raise CommError(f"route: PE {src} sent a failover message to a worker that serves no expert exchange")
