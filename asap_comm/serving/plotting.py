@@ -130,8 +130,9 @@ def plain_ticks(ax, which: str = "both") -> None:
                 axis.set_major_locator(mt.LogLocator(base=10, subs=(1.0,)))
             elif decades >= 0.9:
                 axis.set_major_locator(mt.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-            else:
-                axis.set_major_locator(mt.MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]))
+            else:  # under a decade: evenly spaced values, no unlabelled minor ticks between them
+                axis.set_major_locator(mt.MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+                axis.set_minor_locator(mt.NullLocator())
             axis.set_minor_formatter(mt.NullFormatter())
         elif axis.get_scale() == "linear":
             axis.set_major_locator(mt.MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))

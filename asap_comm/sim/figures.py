@@ -202,7 +202,7 @@ def barrier_figure(path: Path, result: dict) -> list:
         f"{result.get('profile', '?')}, r DP groups x TP{tp} dies, EP over all; model {result.get('model', '?')}; "
         f"trace: Poisson arrivals, log-normal prompts of mean 4,096 tokens with log-space sigma = spread (and the "
         f"Mooncake trace), {s.get('per_group', '?')} requests per group; load {s.get('utilisation', '?')} of a rough "
-        f"capacity; chunks and step budget {plots.plain_number(s["chunk"]) if "chunk" in s else "?"} tokens, no CP"])
+        f"capacity; chunks and step budget {plots.plain_number(s['chunk']) if 'chunk' in s else '?'} tokens, no CP"])
     return plots.save(fig, path)
 
 
