@@ -199,6 +199,9 @@ def main(argv=None) -> int:
                         "(asap_comm.sim.validate_emulated); published: the simulator against published measurements "
                         "(asap_comm.sim.published; --configs default or quick, --num-requests: the capacity window, default "
                         "128 as published)")
+    p.add_argument("--markdown", default=None, metavar="FILE",
+                   help="--regime published: also write the table as a markdown page to FILE (the docs' "
+                        "docs/results/validation_published.md)")
     e = p.add_argument_group("--regime emulated")
     e.add_argument("--emulate", default="ascend-910c-cm384", metavar="PROFILE", help="the emulated hardware profile")
     e.add_argument("--emulate-model", default="deepseek-v3", help="the emulated model's shapes")
@@ -213,8 +216,10 @@ def main(argv=None) -> int:
     e.add_argument("--slo", type=float, default=None, help="SLO in seconds (default: 3x the simulated unloaded "
                    "TTFT of the baseline on the p90 prompt)")
     args = p.parse_args(argv)
+    if args.markdown and args.regime != "published":
+        p.error(f"--markdown {args.markdown}: only --regime published writes a markdown page (got --regime {args.regime})")
     if args.regime == "published":
-        return _main_published(p, args)
+        return _main_published(p, args, sys.argv[1:] if argv is None else list(argv))
     if args.regime == "emulated":
         configs = args.configs
         if configs not in ECONFIGS:
@@ -247,9 +252,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _main_published(p, args) -> int:
+def _main_published(p, args, argv: list) -> int:
     """``validate --regime published``: the table of published figures against the simulator."""
-    from .published import published_table, validate_published
+    from .published import published_markdown, published_table, validate_published
 
     profile = args.profile if args.profile != "local" else "ascend-910c-cm384"
     try:
@@ -260,4 +265,9 @@ def _main_published(p, args) -> int:
         return 2
     print(published_table(result))
     print(f"wrote {Path(args.out) / 'validation_published.json'}")
+    if args.markdown:
+        shown = ["DIR" if i and argv[i - 1] == "--out" else "FILE" if i and argv[i - 1] == "--markdown" else a
+                 for i, a in enumerate(argv)]
+        Path(args.markdown).write_text(published_markdown(result, " ".join(["python -m asap_comm.sim validate", *shown])))
+        print(f"wrote {args.markdown}")
     return 0
