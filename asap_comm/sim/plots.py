@@ -192,7 +192,7 @@ def slo_throughput(path: Path, runs: list, facts: RunFacts, *, recorded: "dict |
     bx.set_ylabel(f"TTFT {_pname(key)} (s)", fontsize=9)
     bx.set_xlabel(f"offered load ({facts.load_unit})")
     handles, labels = ax.get_legend_handles_labels()
-    ax.legend(handles, [textwrap.fill(x, 34) for x in labels], loc="upper left", bbox_to_anchor=(1.01, 1.0),
+    ax.legend(handles, [textwrap.fill(x, 34, break_on_hyphens=False) for x in labels], loc="upper left", bbox_to_anchor=(1.01, 1.0),
               fontsize=7, frameon=False, borderaxespad=0)
     bx.legend(fontsize=7, loc="upper left")
     plain_ticks(ax)
