@@ -117,12 +117,12 @@ def make_row(dies: int, trace: str, percentile: int, slo_s: float, a: dict, s: d
 # ----------------------------------------------------------------------------- the plot
 def plot_scaling(path: Path, rows: list, title: str = "") -> list:
     """The ratio against dies (log 2), one line per percentile and trace; withheld ratios are gaps."""
-    from .plots import _plt
+    from .plots import fit_title, plain_ticks, pyplot, save
 
-    plt = _plt()
+    plt = pyplot()
     if plt is None or not rows:
         return []
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(7, 4.4), layout="constrained")
     styles = {90: "o-", 99: "s--"}
     for pct in sorted({r["percentile"] for r in rows}):
         for trace in sorted({r["trace"] for r in rows}):
@@ -140,13 +140,11 @@ def plot_scaling(path: Path, rows: list, title: str = "") -> list:
     ax.set_xticks(sizes, [str(d) for d in sizes])
     ax.set_xlabel("dies (devices) of either deployment")
     ax.set_ylabel("SLO-compliant throughput, best ASAP / best baseline")
-    ax.set_title(title, fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [Path(path).name]
+    plain_ticks(ax, "y")
+    fit_title(fig, title.split("\n"))  # fitted to the figure (serving.plotting), saved with a tight bbox
+    return save(fig, path, dpi=110)
 
 
 # ----------------------------------------------------------------------------- command line
