@@ -43,10 +43,9 @@ FLAGS = {
     "expert_deadline_s": "--expert-deadline-s",
     "long_prompt_lane": "--no-long-prompt-lane", "lane_threshold": "--lane-threshold", "lane_groups": "--lane-groups",
     "lane_tokens": "--lane-tokens", "lane_wait_s": "--lane-wait-s",
+    "spare_expert_ranks": "--spare-expert-ranks",
     "sync_collectives": "--sync-collectives",
 }
-if "spare_expert_ranks" in _DEFAULTS:  # expert failover (async_ranks.py), where the runtime has it
-    FLAGS["spare_expert_ranks"] = "--spare-expert-ranks"
 
 
 def _tokens_or_auto(text: str):
@@ -59,10 +58,10 @@ def _tokens_or_auto(text: str):
         raise argparse.ArgumentTypeError(f"{text!r}: give a number of tokens, or auto") from None
 
 
-def add_runtime_args(parser: argparse.ArgumentParser, *, collectives: bool = True) -> None:
+def add_runtime_args(parser: argparse.ArgumentParser, *, simulated: bool = False) -> None:
     """Add the runtime's flags to ``parser``, in three groups (both modes, ASAP only, the baseline only), each
-    with its ``RuntimeConfig`` default. ``collectives=False`` leaves out ``--sync-collectives`` (the simulator
-    models the collectives; the host's transport is not its to choose)."""
+    with its ``RuntimeConfig`` default. ``simulated=True`` (the simulator) leaves out the two that only real
+    processes have: ``--spare-expert-ranks`` and ``--sync-collectives`` (the simulator models the collectives)."""
     d = _DEFAULTS
     shared = parser.add_argument_group("runtime (both modes)")
     shared.add_argument("--attention-ranks", type=int, default=d["num_attention_ranks"],
@@ -108,10 +107,11 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, collectives: bool = Tru
     asap.add_argument("--lane-wait-s", type=float, default=d["lane_wait_s"], metavar="SECONDS",
                       help="a prompt that has waited this many seconds for room in the lane runs on one attention "
                            "rank instead; unset: it waits for a lane to close")
-    if "spare_expert_ranks" in FLAGS:
+    if not simulated:
         asap.add_argument("--spare-expert-ranks", type=int, default=d["spare_expert_ranks"],
-                          help="expert ranks held in reserve, holding no experts until one fails")
-    if collectives:
+                          help="expert failover: spare expert processes, holding no experts until one takes over "
+                               "the experts of an expert rank that died")
+    if not simulated:
         sync = parser.add_argument_group("runtime (the baseline only)")
         sync.add_argument("--sync-collectives", choices=("gloo", "shm"), default=d["sync_collectives"],
                           help="the baseline's all-to-alls: gloo (torch.distributed), or shm (asap_comm shared "
@@ -128,7 +128,7 @@ def runtime_config_from_args(args: argparse.Namespace, **overrides) -> RuntimeCo
         dest = flag[5:] if flag.startswith("--no-") else flag[2:]
         dest = dest.replace("-", "_")
         if not hasattr(args, dest):
-            continue  # a flag this command left out (--sync-collectives in the simulator)
+            continue  # a flag this command left out (simulated=True)
         v = getattr(args, dest)
         values[name] = (not v) if flag.startswith("--no-") else v
     if values.get("lane_threshold") == "auto":

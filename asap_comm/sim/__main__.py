@@ -73,7 +73,7 @@ def apply_run_defaults(args, given: set) -> tuple:
 
 def _deployment_args(p: argparse.ArgumentParser) -> None:
     """The runtime flags (``add_runtime_args``, shared with every command line) and the simulator's parallelism."""
-    add_runtime_args(p, collectives=False)
+    add_runtime_args(p, simulated=True)
     g = p.add_argument_group("parallelism (modelled devices)")
     g.add_argument("--sync-ranks", type=int, default=None,
                    help="baseline DP groups of --sync-tp devices each, EP over all of them "
