@@ -238,8 +238,9 @@ class HttpApp:
         from aiohttp import web
 
         svc = self.svc
+        svc.check_failover()  # a dead expert PE a spare replaces is no failure of the service
         workers = svc.workers()
-        dead = [w for w in workers if w["state"] == "died"]
+        dead = [w for w in workers if w["state"] == "died" and not w.get("failed_over")]  # replaced: not a failure
         if svc.failure is None and dead:
             w = dead[0]
             svc.fail(f"{w['role']} PE {w['pe']} died")
@@ -256,6 +257,8 @@ class HttpApp:
                                      status=200 if err is None else 503)
         body = {"status": "ok" if err is None else "unhealthy", "mode": self.opts.mode, "model": self.opts.model_name,
                 "front_end_pid": os.getpid(), "worker_stall_s": limit, "workers": workers}
+        if svc.fe.failover is not None:  # expert failover (docs/failover.md): spares left, each replacement
+            body["failover"] = svc.fe.failover.summary()
         if err is not None:
             body["error"] = err.message
         return web.json_response(body, status=200 if err is None else 503)

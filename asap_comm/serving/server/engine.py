@@ -169,10 +169,11 @@ class Engine:
 
     def _root_cause(self, pe, reason) -> tuple:
         """The PE to name for a failure first seen as ``pe`` ``reason``: a worker that closed usually did so
-        because another one died (it left when its wait failed), so a worker that died is named first."""
+        because another one died (it left when its wait failed), so a worker that died is named first (not one
+        that expert failover replaced)."""
         if reason != "died":
             for other in range(self.comm.world_size - 1):
-                if self.comm.peer_state(other) == "died":
+                if self.comm.peer_state(other) == "died" and other not in self._failed_over():
                     return other, "died"
         return pe, reason
 
@@ -324,7 +325,10 @@ class Engine:
         self.beats.observe()
         ages = self.beats.ages()
         limit = self.opts.worker_stall_s
+        gone = self._failed_over()
         for pe, age in ages.items():
+            if pe in gone:  # died and replaced (or a spare that died unused): no heartbeat is expected
+                continue
             if age > limit and pe not in self.stalled:
                 self.stalled.add(pe)
                 print(f"asap serve: {self.role_of(pe)} PE {pe} sent no heartbeat for {age:.1f} s (stalled; "
@@ -339,8 +343,31 @@ class Engine:
         # looks: look now, and log a stall or a recovery before /health reports it, so the two always agree.
         self._watch_heartbeats()
         rows, ages = self.stats.rows(), self.beats.ages()
+        fo = self.fe.failover
         out = []
         for pe in range(self.comm.world_size - 1):
-            out.append({"pe": pe, "role": self.role_of(pe), "pid": rows[pe]["pid"] or None,
-                        "state": self.comm.peer_state(pe), "heartbeat_age_s": round(ages[pe], 3)})
+            w = {"pe": pe, "role": self.role_of(pe), "pid": rows[pe]["pid"] or None,
+                 "state": self.comm.peer_state(pe), "heartbeat_age_s": round(ages[pe], 3)}
+            if fo is not None and pe in fo.pes:  # expert failover: which expert rank it serves, who replaced it
+                w["expert_rank"] = fo.serves(pe)
+                w["replaced_by"] = next((e.new_pe for e in fo.replacements if e.dead_pe == pe), None)
+                w["failed_over"] = pe in fo.gone
+            out.append(w)
         return out
+
+    def check_failover(self) -> None:
+        """Expert failover now (``/health`` asks before it judges the workers): a dead expert PE is replaced
+        first, or fails the service when no spare is left."""
+        fo = self.fe.failover
+        if fo is None or self.failure is not None:
+            return
+        try:
+            fo.check(force=True)
+        except PeerFailure as e:
+            self.fail(f"{self.role_of(e.pe)} PE {e.pe} {e.reason}")
+
+    def _failed_over(self) -> dict:
+        """The expert and spare PEs expert failover has handled (``failover.FrontFailover.gone``): their death is
+        not the service's."""
+        fo = self.fe.failover
+        return {} if fo is None or self.failure is not None else fo.gone

@@ -7,7 +7,7 @@ import math
 
 from ..protocol import BATCH_BUCKETS
 
-__all__ = ["TTFT_BUCKETS", "ServiceMetrics", "WorkerCollector", "LaneCollector"]
+__all__ = ["TTFT_BUCKETS", "ServiceMetrics", "WorkerCollector", "LaneCollector", "FailoverCollector"]
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 
@@ -45,6 +45,7 @@ class ServiceMetrics:
         self.limit = Gauge("asap_connections_limit", "--max-connections", registry=r)
         r.register(WorkerCollector(svc))
         r.register(LaneCollector(svc))
+        r.register(FailoverCollector(svc))
 
     def completed(self, c) -> None:
         """A request's result (a ``frontend.Completion``) reached the front end."""
@@ -129,3 +130,22 @@ class LaneCollector:
                                   "on one attention rank", value=c.gave_up)
         yield GaugeMetricFamily("asap_lane_waiting", "Long prompts waiting for room in the lane now",
                                 value=len(lane.waiting))
+
+
+class FailoverCollector:
+    """Prometheus collector of expert failover (``serving.failover.FrontFailover``; docs/failover.md): expert ranks
+    a spare took over (``asap_expert_failovers_total``) and the spares left. Nothing without spare expert ranks."""
+
+    def __init__(self, svc) -> None:
+        self.svc = svc
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        fo = self.svc.fe.failover
+        if fo is None:
+            return
+        yield CounterMetricFamily("asap_expert_failovers", "Expert ranks whose PE died and a spare expert PE took "
+                                  "over (--spare-expert-ranks)", value=fo.count)
+        yield GaugeMetricFamily("asap_spare_expert_ranks_left", "Spare expert PEs alive and not yet used",
+                                value=len(fo.spares))

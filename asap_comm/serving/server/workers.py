@@ -152,10 +152,11 @@ def serve_one_pe(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions) 
     status is 0 once the front end stopped it, 3 if the group failed under it."""
     W, r = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
-    if A + E + 1 != W:
+    S = cfg.spare_expert_ranks if args.mode == "async" else 0
+    if A + E + S + 1 != W:
         if r == 0:
             print(f"asap serve: torchrun started {W} processes, but --attention-ranks {A} + --expert-ranks {E} + "
-                  f"the front end make {A + E + 1}", file=sys.stderr)
+                  f"--spare-expert-ranks {S} + the front end make {A + E + S + 1}", file=sys.stderr)
         return 2
     pe = W - 1 if r == 0 else r - 1
     is_front = pe == W - 1

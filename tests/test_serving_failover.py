@@ -1,0 +1,176 @@
+"""Expert failover (docs/failover.md): with a spare expert PE, an expert worker SIGKILLed under load costs no request
+(every admitted one answered, equal to the reference forward) in run_async and in the HTTP service; /health shows
+the replacement and /metrics counts it; once no spare is left, the next death fails the group as before (the
+service answers 503 naming the PE and exits 3), and nothing is left behind."""
+import glob
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from asap_comm.serving.runtime import RuntimeConfig, run_async
+from asap_comm.testing.service import Service, wait_dead
+from serving_utils import CFG, INFO, TinyFactory, check_against_reference, make_trace
+
+from models import random_init
+
+pytestmark = pytest.mark.slow  # serving groups of A + E + S + 1 processes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOIN_S = 60  # the longest a load thread may take to end once told to
+LAUNCH_SEGMENT = re.compile(r"/dev/shm/asap-[0-9a-f]{12}-")  # asap_comm.launch's segment names
+
+
+class KillFirstHolder:
+    """Builds the tiny model's halves; the expert PE that holds expert 0 *first* SIGKILLs itself after ``after``
+    expert calls (a file created with O_EXCL marks it, so the spare that takes its experts over lives)."""
+
+    def __init__(self, after: int, mark: str) -> None:
+        self.after, self.mark, self.inner = after, mark, TinyFactory()
+
+    def __call__(self, role: str, experts: list):
+        model = self.inner(role, experts)
+        if role != "expert" or not experts or experts[0] != 0:
+            return model
+        calls, inner, after, mark = [0], model.expert, self.after, self.mark
+
+        def expert(layer, e, x, weights=None):
+            calls[0] += 1
+            if calls[0] > after:
+                try:
+                    os.close(os.open(mark, os.O_CREAT | os.O_EXCL))
+                except FileExistsError:  # the spare serving the same experts: not killed
+                    pass
+                else:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return inner(layer, e, x, weights)
+
+        model.expert = expert
+        return model
+
+
+def test_run_async_loses_nothing_when_an_expert_pe_dies_with_a_spare(tmp_path):
+    before = set(glob.glob("/dev/shm/asap-*"))
+    mark = str(tmp_path / "killed")
+    cfg = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=2, spare_expert_ranks=1, token_budget=32,
+                        chunk_len=16, max_prompt_len=64, timeout_s=90)
+    requests = make_trace(30, seed=2, spread_s=1.0)
+    result = run_async(KillFirstHolder(20, mark), INFO, requests, cfg)
+    assert os.path.exists(mark), "the expert PE was never killed: the run did not test failover"
+    failed = {rec.request_id: rec.error for rec in result.records if not rec.ok}
+    assert failed == {}, failed
+    assert sorted(result.outputs) == [r.request_id for r in requests]
+    assert check_against_reference(requests, result) == []
+    # a group's segments are named asap-<12 hex>-...; others (another run's, a store's) may come and go meanwhile
+    _wait(lambda: not {p for p in set(glob.glob("/dev/shm/asap-*")) - before if LAUNCH_SEGMENT.match(p)}, 10,
+          "the group's shared-memory segments to be removed")
+
+
+def _prompt(g: torch.Generator) -> list:
+    n = int(torch.randint(4, 60, (1,), generator=g))
+    return torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
+
+
+class Load:
+    """``clients`` threads, each calling /v1/completions one call after another (hidden states asked for) until
+    stopped; every answer kept as (prompt, status, body)."""
+
+    def __init__(self, url: str, clients: int) -> None:
+        self.url, self.answers, self.stop_flag = url, [], threading.Event()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _client(self, i: int) -> None:
+        g = torch.Generator().manual_seed(1000 + i)
+        with httpx.Client(base_url=self.url, timeout=90) as http:
+            while not self.stop_flag.is_set():
+                ids = _prompt(g)
+                try:
+                    r = http.post("/v1/completions", json={"prompt": ids, "return_hidden_states": True})
+                    answer = (ids, r.status_code, r.json())
+                except (httpx.HTTPError, ValueError) as e:
+                    answer = (ids, 0, {"error": f"{type(e).__name__}: {e}"})
+                with self.lock:
+                    self.answers.append(answer)
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.answers)
+
+    def stop(self) -> list:
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(timeout=JOIN_S)
+        assert not any(t.is_alive() for t in self.threads), "a load thread did not end"
+        return list(self.answers)
+
+
+def _wait(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        time.sleep(0.05)
+
+
+def test_service_fails_over_under_load_then_fails_when_no_spare_is_left():
+    s = Service(["--model", "tiny", "--spare-expert-ranks", "1", "--failure-exit-s", "2", "--chunk-len", "32",
+                 "--token-budget", "64"], start_timeout_s=240, cwd=REPO)
+    try:
+        status, health = s.health()
+        assert status == 200 and health["failover"]["spares_left"] == [4], health
+        workers = health["workers"]
+        assert [w["role"] for w in workers] == ["attention worker"] * 2 + ["expert worker"] * 2 + \
+            ["spare expert worker"]
+        assert [w["expert_rank"] for w in workers[2:]] == [0, 1, None]
+        assert s.metric("asap_expert_failovers_total") == 0
+        victim = workers[2]
+        load = Load(s.url, clients=4)
+        try:
+            _wait(lambda: load.count() >= 8, 60, "the load to be answered")
+            os.kill(victim["pid"], signal.SIGKILL)
+            _wait(lambda: s.metric("asap_expert_failovers_total") == 1, 30, "the failover")
+            served = load.count()
+            _wait(lambda: load.count() >= served + 12, 60, "answers after the failover")
+        finally:
+            answers = load.stop()
+        # every call answered 200 with the reference's token and hidden state
+        model = random_init(CFG, seed=0)
+        bad = []
+        for ids, code, body in answers:
+            if code != 200:
+                bad.append((code, body))
+                continue
+            out = model.prefill(torch.tensor(ids, dtype=torch.int64))
+            choice = body["choices"][0]
+            if choice["token_ids"] != [int(out.logits[-1].argmax())] or not torch.allclose(
+                    torch.tensor(choice["hidden_states"]), out.final_hidden[-1], rtol=1e-4, atol=1e-5):
+                bad.append(("wrong", ids))
+        assert bad == [] and len(answers) >= 20, (bad[:5], len(answers), s.log()[-3000:])
+        # /health: healthy, the dead PE replaced by the spare, which serves its expert rank
+        status, health = s.health()
+        assert status == 200, health
+        fo = health["failover"]
+        assert fo["failovers"] == 1 and fo["spares_left"] == [] and fo["expert_rank_pes"] == [4, 3]
+        assert [(e["expert_rank"], e["dead_pe"], e["new_pe"]) for e in fo["replacements"]] == [(0, 2, 4)]
+        w = {x["pe"]: x for x in health["workers"]}
+        assert w[2]["state"] == "died" and w[2]["replaced_by"] == 4 and w[4]["expert_rank"] == 0
+        assert s.metric("asap_spare_expert_ranks_left") == 0
+        assert "spare PE 4 takes over expert rank 0" in s.log()
+        # no spare left: the next expert death fails the service as before (503 naming it, exit 3)
+        os.kill(w[4]["pid"], signal.SIGKILL)
+        status, health = s.wait_health(lambda st, b: st == 503, 30)
+        assert status == 503 and "PE 4 died" in health["error"], health
+        r = s.client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+        assert r.status_code == 503 and "PE 4 died" in r.json()["error"]["message"], r.text
+        assert s.proc.wait(timeout=60) == 3, s.log()[-3000:]
+        assert wait_dead([x["pid"] for x in workers]) == []
+        assert s.new_segments() == set()
+    finally:
+        s.close()
