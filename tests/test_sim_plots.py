@@ -4,6 +4,7 @@ labels match the series, the title states what was run and fits inside the figur
 axes, tick labels are plain, the SLO and the sustained-load cut are drawn."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -265,3 +266,37 @@ def test_replot_redraws_from_json_and_lists_what_it_cannot(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["replot", str(tmp_path / "empty")]) == 2
     assert "no summary.json or barrier.json" in capsys.readouterr().err
+
+
+def test_rerun_rebuilds_the_winners_and_refuses_a_json_it_does_not_reproduce():
+    """replot --rerun-points: the winners rebuilt from their describe() records, checked against the JSON's
+    numbers at the base load before anything is drawn from a re-run."""
+    from asap_comm.sim.costs import CostModel
+    from asap_comm.sim.grids import headline_config, mooncake_trace
+    from asap_comm.sim.shapes import ModelShapes
+    from asap_comm.sim.simulate import Parallelism
+    from asap_comm.sim.study import Deployment, run_point
+
+    slo, n, rate = 15.0, 30, 0.3
+    a = Deployment("async", dataclasses.replace(headline_config(6, 16, 8192, 8192, 16384, 0.0005, 262144),
+                                                lane_wait_s=2.0 * slo), Parallelism(attention_tp=8))
+    s = Deployment("sync", headline_config(chunk=8192, budget=16384),
+                   Parallelism(sync_tp=8, cp_threshold=4096, sync_overlap=True), sync_ranks=8)
+    config = {"model": "deepseek-v3", "num_requests": n, "runtime": {"long_prompt_lane": True},
+              "grid": {"lane_wait_slo": [None, 1.0, 2.0]}}
+    res = {"profile": "ascend-910c-cm384", "slo_s": slo, "trace": mooncake_trace(n)[1],
+           "best": {"async": a.describe(), "sync": s.describe()},
+           "async": {"rate_req_s": rate, "ttft_p99_s": 1.0}, "sync": {"rate_req_s": rate},
+           "load_sensitivity": [{"rate_req_s": rate / 2, "async": {}, "sync": {}}]}
+    data = {"config": config, "routing": {"spec": "balanced"}, "weights": None}
+    for m, d in (("async", a), ("sync", s)):
+        assert figures._deployment(d.describe(), res, config) == d
+    with pytest.raises(ValueError, match="changed since the study ran"):
+        figures.rerun_headline(data, res)
+    cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.load("deepseek-v3")
+    trace = mooncake_trace(n)[0]
+    want = run_point("async", trace, rate, cost, shapes, a.cfg, slo, par=a.par)[0]
+    res["async"] = {"rate_req_s": rate, **{k: want[k] for k in ("ttft_p99_s", "slo_attainment")}}
+    timelines, rows = figures.rerun_headline(data, res)
+    assert set(timelines) == {"async", "sync"} and all(timelines.values())
+    assert set(rows[0]["async"]) >= {"ttft_p99_s"} and rows[0]["sync"]["ttft_p99_s"] > 0

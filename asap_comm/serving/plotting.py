@@ -36,7 +36,7 @@ def pyplot():
     return plt
 
 
-def fit_title(fig, lines, *, fontsize: float = 9.0, min_fontsize: float = 6.0, margin: float = 0.02):
+def fit_title(fig, lines, *, fontsize: float = 8.5, min_fontsize: float = 6.0, margin: float = 0.02):
     """Set ``fig``'s suptitle to ``lines`` (a string or a list of lines; empty ones dropped), wrapped and sized
     by :func:`fit_text`. Returns the Text. Use with ``layout="constrained"`` so the axes make room for it."""
     return fit_text(fig, fig.suptitle(""), lines, fontsize=fontsize, min_fontsize=min_fontsize, margin=margin)

@@ -79,7 +79,7 @@ def headline_figures(out: Path, res: dict, config: dict, timelines: "dict | None
                                             _ratio(r["sync"][key], r["async"][key])) for r in rows]},
             "load, as a fraction of the best baseline's SLO-compliant rate"
             + (f" ({base:.3g} req/s)" if base else ""),
-            facts.lines(), ylabel=f"TTFT {p}, baseline / ASAP (above 1: ASAP faster)")
+            facts.lines(), ylabel=f"TTFT {p}, baseline / ASAP", equal="1.0 (equal; above: ASAP faster)")
     elif rows:
         skipped.append((name, f"its load_sensitivity rows have no {key} (the study's percentile); re-run the "
                               "headline to record it"))
@@ -206,10 +206,91 @@ def barrier_figure(path: Path, result: dict) -> list:
     return plots.save(fig, path)
 
 
+# ----------------------------------------------------------------------------- re-simulated points
+def _deployment(b: dict, res: dict, config: dict):
+    """The :class:`~asap_comm.sim.study.Deployment` of a headline winner from its ``describe()`` record (``b``);
+    the lane's wait bound, which its label rounds, is the grid's multiple of the SLO nearest it."""
+    import dataclasses
+    import re as _re
+
+    from .grids import headline_config
+    from .simulate import Parallelism
+    from .study import Deployment
+
+    lane = (config.get("runtime") or {}).get("long_prompt_lane", True)
+    if b["mode"] == "sync":
+        cfg = dataclasses.replace(headline_config(chunk=b["chunk_len"], budget=b["token_budget"]), long_prompt_lane=lane)
+        return Deployment("sync", cfg, Parallelism(sync_tp=b["sync_tp"], cp_threshold=b["cp_threshold"],
+                                                   sync_overlap=b["sync_overlap"]), sync_ranks=b["sync_ranks"])
+    cfg = headline_config(b["attention_ranks"], b["expert_ranks"], b["chunk_len"], b["token_budget"],
+                          b["expert_token_budget"], b["expert_deadline_s"], b.get("lane_tokens"))
+    cfg = dataclasses.replace(cfg, long_prompt_lane=lane)
+    m = _re.search(r"lane wait ([0-9.e+-]+) s", b["label"])
+    if m:
+        slo = res["slo_s"]
+        factors = [f for f in (config.get("grid") or {}).get("lane_wait_slo", []) if f]
+        f = min(factors, key=lambda f: abs(f * slo - float(m.group(1)))) if factors else float(m.group(1)) / slo
+        cfg = dataclasses.replace(cfg, lane_wait_s=f * slo)
+    d = Deployment("async", cfg, Parallelism(attention_tp=b["attention_tp"]))
+    if d.label != b["label"]:
+        raise ValueError(f"the rebuilt deployment reads {d.label!r}, the JSON {b['label']!r}")
+    return d
+
+
+def rerun_headline(data: dict, res: dict) -> "tuple[dict, list]":
+    """What a headline JSON lacks for its figures, simulated again: each winner at the best baseline's
+    SLO-compliant load with its per-rank spans (the utilisation timeline) and, where the load sensitivity lacks
+    the study's percentile, at each of its loads. First the winners' runs at that load must reproduce the JSON's
+    TTFT p50/p90/p99 and attainment (to 1e-9): else nothing is re-run (the simulator or its inputs changed
+    since) and the error says so. Returns (timelines, load_sensitivity rows with every percentile)."""
+    from .costs import CostModel
+    from .grids import mooncake_trace
+    from .memory import with_weights
+    from .routing import routed_cost
+    from .shapes import ModelShapes
+    from .study import run_point
+
+    config = data.get("config") or {}
+    shapes = ModelShapes.load(config.get("model", "deepseek-v3"))
+    cost = CostModel.load(res["profile"], shapes.name)
+    cost = routed_cost(CostModel(with_weights(cost.profile, data.get("weights")), shapes),
+                       (data.get("routing") or {}).get("spec", "balanced"))
+    trace, desc = mooncake_trace(config["num_requests"])
+    if desc != res["trace"]:
+        raise ValueError(f"the trace reads {desc!r}, the JSON {res['trace']!r}")
+    best = {m: _deployment(res["best"][m], res, config) for m in ("async", "sync")}
+    base, slo = res["async"]["rate_req_s"], res["slo_s"]
+    timelines = {}
+    for m, d in best.items():
+        s, r = run_point(m, trace, base, cost, shapes, d.cfg, slo, sync_ranks=d.sync_ranks, spans=True, par=d.par)
+        _same_run(s, res[m], d, base)
+        timelines[m] = r.spans
+    rows = []
+    for row in res.get("load_sensitivity") or []:
+        row = {**row, "async": dict(row["async"]), "sync": dict(row["sync"])}
+        for m, d in best.items():
+            if "ttft_p99_s" not in row[m]:
+                s, _ = run_point(m, trace, row["rate_req_s"], cost, shapes, d.cfg, slo, sync_ranks=d.sync_ranks,
+                                 par=d.par)
+                _same_run(s, row[m], d, row["rate_req_s"])  # what the JSON has of this run, reproduced
+                row[m]["ttft_p99_s"] = s["ttft_p99_s"]
+        rows.append(row)
+    return timelines, rows
+
+
+def _same_run(s: dict, want: dict, d, rate: float) -> None:
+    for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "slo_attainment"):
+        w = want.get(k)
+        if w is not None and (s[k] is None or abs(s[k] - w) > 1e-9 * max(1.0, abs(w))):
+            raise ValueError(f"{d.label} at {rate:.4g} req/s: {k} {s[k]!r} now, {w!r} in the JSON (the simulator "
+                             "or its inputs changed since the study ran)")
+
+
 # ----------------------------------------------------------------------------- replot
-def replot(path: Path) -> Made:
+def replot(path: Path, rerun: bool = False) -> Made:
     """Redraw the figures of the result in ``path`` (a directory with ``summary.json`` or ``barrier.json``, or
-    that file) beside it."""
+    that file) beside it. ``rerun``: a headline's missing points simulated again (:func:`rerun_headline`; the
+    JSON itself is not changed)."""
     path = Path(path)
     if path.is_dir():
         found = [path / n for n in ("summary.json", "barrier.json") if (path / n).is_file()]
@@ -220,7 +301,11 @@ def replot(path: Path) -> Made:
     if "profiles" in data:
         made, skipped = [], []
         for res in data["profiles"].values():
-            m, s = headline_figures(out, res, data.get("config") or {})
+            timelines = None
+            if rerun:
+                timelines, rows = rerun_headline(data, res)
+                res = {**res, "load_sensitivity": rows}
+            m, s = headline_figures(out, res, data.get("config") or {}, timelines)
             made, skipped = made + m, skipped + s
         return made, skipped
     if "rows" in data and "paper" in data:
@@ -238,11 +323,15 @@ def main(argv=None) -> int:
                                 description="Redraw a study's figures from its result JSON, beside it.")
     p.add_argument("dirs", nargs="+", metavar="DIR",
                    help="a result directory (summary.json or barrier.json), or the file itself")
+    p.add_argument("--rerun-points", action="store_true",
+                   help="sim headline: simulate again what the JSON lacks (the winners' per-rank spans at the base "
+                        "load; the load sensitivity at the study's percentile), after checking that the winners' "
+                        "runs at the base load reproduce the JSON; a few runs per profile")
     args = p.parse_args(argv)
     rc = 0
     for d in args.dirs:
         try:
-            made, skipped = replot(Path(d))
+            made, skipped = replot(Path(d), rerun=args.rerun_points)
         except (ValueError, OSError, KeyError) as e:
             print(f"replot: {e}", file=sys.stderr)
             rc = 2

@@ -226,7 +226,7 @@ def ttft_vs_load(path: Path, runs: list, slo: float, title: str = "",
     pct = facts.percentile if facts is not None else percentile
     key = ttft_key(pct)
     probes = probe_loads(r.get("offered_tokens_per_s") for r in runs)
-    fig, ax = plt.subplots(figsize=(7, 4.4), layout="constrained")
+    fig, ax = plt.subplots(figsize=(7.6, 5.0), layout="constrained")
     for mode, pts in _by_mode(runs).items():
         pts = [r for r in pts if r["offered_tokens_per_s"] not in probes]
         c = _COLORS.get(mode)
@@ -281,13 +281,13 @@ def utilisation_timeline(path: Path, timelines: dict, title="", max_ranks: int =
 
 
 def ratio_plot(path: Path, series: dict, xlabel: str, title="", target: "float | None" = None, *,
-               ylabel: str = "best ASAP / best baseline", notes=()) -> list:
+               ylabel: str = "best ASAP / best baseline", notes=(), equal: str = "1.0 (equal)") -> list:
     """One ratio against one parameter: ``series`` maps a label to [(x, ratio or None)] (None: withheld, left
     out and listed under the figure). ``ylabel`` says which way the ratio runs; ``title``: a string or lines."""
     plt = pyplot()
     if plt is None or not series:
         return []
-    fig, ax = plt.subplots(figsize=(6.6, 4.0), layout="constrained")
+    fig, ax = plt.subplots(figsize=(7.2, 4.8), layout="constrained")
     notes = list(notes)
     for label, pts in series.items():
         gone = [x for x, r in pts if r is None]
@@ -297,7 +297,7 @@ def ratio_plot(path: Path, series: dict, xlabel: str, title="", target: "float |
             notes.append(f"{label}: withheld at {', '.join(plain_number(x) for x in gone)}.")
     if target is not None:
         ax.axhline(target, color="gray", ls=":", lw=0.8, label=f"target {target:g}x")
-    ax.axhline(1.0, color="black", lw=0.6, label="1.0 (equal)")
+    ax.axhline(1.0, color="black", lw=0.6, label=equal)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
