@@ -445,7 +445,7 @@ def published_markdown(result: dict, command: str) -> str:
              f"The simulator (profile `{result['profile']}`, model `{result['model']}`, configs "
              f"`{result['configs']}`, capacity window of {result['num_requests']} requests) against published "
              f"figures. Target: within {TARGET:.0%}. *Fitted* rows set a value of the profile; the others are held "
-             "out. Method and reading: [the validation page](../validation.md#against-published-measurements-regime-published).\n",
+             "out. Method and reading: [the validation page](../validation.md#against-published-measurements).\n",
              f"| figure | deployment | published | simulated | error | within {TARGET:.0%} | fit | source |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
