@@ -336,6 +336,8 @@ class HttpFront:
             http.tokenizing.shutdown(wait=False, cancel_futures=True)
         if svc.failure is None:
             svc.fe.stop(5.0)
+            if hasattr(self.stop_event, "ended_cleanly"):  # (on one host: workers.StopFlag)
+                self.stop_event.ended_cleanly()
         else:
             try:  # the live workers may still take the stop message
                 svc.fe.stop(1.0)

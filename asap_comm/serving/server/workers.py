@@ -37,12 +37,22 @@ class StopFlag:
 
     def __init__(self) -> None:
         self._flag = mp.get_context("spawn").RawValue("b", 0)
+        self._clean = mp.get_context("spawn").RawValue("b", 0)  # the front end ended without a failure
 
     def set(self) -> None:
         self._flag.value = 1
 
     def is_set(self) -> bool:
         return bool(self._flag.value)
+
+    def ended_cleanly(self) -> None:
+        """The front end says it stopped without a failure (expert failover: a replaced PE's death, which
+        ``launch`` reports at the end, was not the service's)."""
+        self._clean.value = 1
+
+    @property
+    def clean(self) -> bool:
+        return bool(self._clean.value)
 
 
 def remove_stale(shm_dir: str = "/dev/shm") -> None:
@@ -86,6 +96,10 @@ def _launch_here(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions, 
         if e.remote_type == "OutOfSharedMemory":  # a setting of this machine, not a failure of the service
             print(f"asap serve: {first.split('raised OutOfSharedMemory: ', 1)[-1]}", file=sys.stderr)
             return 2
+        A, E = cfg.num_attention_ranks, cfg.num_expert_ranks
+        if front.stop_event.clean and args.mode == "async" and A <= e.rank < A + E + cfg.spare_expert_ranks:
+            print(f"asap serve: stopped cleanly; an expert PE a spare replaced had ended: {first}", file=sys.stderr)
+            return 0
         print(f"asap serve: stopped: {first}", file=sys.stderr)
         return 3
     del store  # the gloo group's store lives until the group ended
