@@ -144,6 +144,25 @@ def test_no_page_names_a_path_of_one_machine():
     assert not hits, "\n".join(hits)
 
 
+# Flags of other programs that the docs name (torchrun, vLLM, pytest-benchmark, MkDocs, docker).
+OTHERS_FLAGS = {"--nnodes", "--nproc-per-node", "--node-rank", "--master-addr", "--master-port", "--additional-config",
+                "--benchmark-only", "--strict", "--site-dir", "--config-file", "--shm-size", "--help"}
+
+
+def test_every_flag_the_docs_name_is_one_the_code_has():
+    """A renamed flag (``--lane-wait`` became ``--lane-wait-s``) leaves no page naming the old one. The changelog
+    names old flags on purpose and is not checked."""
+    code = set()
+    for folder in ("asap_comm", "examples", "bench", "models"):
+        for path in (REPO / folder).rglob("*.py"):
+            code |= set(re.findall(r"[\"'](--[a-z][a-z0-9-]*)", path.read_text()))
+    assert "--lane-wait-s" in code and "--attention-ranks" in code, "the scan of the code found no flags"
+    unknown = [f"{_rel(page)}: {flag}" for page in PAGES if page.name != "changelog.md"
+               for flag in sorted(set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", page.read_text())))
+               if flag not in code and flag not in OTHERS_FLAGS]
+    assert not unknown, "flags no command line declares:\n" + "\n".join(unknown)
+
+
 # ------------------------------------------------------------------------------------------- the site (MkDocs)
 def test_mkdocs_build_strict_passes(tmp_path):
     pytest.importorskip("mkdocs", reason="the [docs] extra is not installed (pip install -e '.[docs]')")
