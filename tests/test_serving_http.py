@@ -4,7 +4,6 @@ the admission bound and its waiting room gets 429s and loses nothing admitted, a
 deadlines give 504 and cancel the work; a client that disconnects frees its slot; /metrics parses; a killed
 worker gives 503 and an unhealthy /health, then the service exits; SIGTERM drains and leaves no process and
 no shared-memory segment behind."""
-import glob
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from asap_comm.serving.client import ServiceProcess
+from asap_comm.testing.service import Service, alive, wait_dead
 from models import preset, random_init
 
 pytestmark = pytest.mark.slow  # starts the HTTP service (a serving group) per module
@@ -44,61 +43,12 @@ def reference():
     return first_token_and_hidden
 
 
-class Server(ServiceProcess):
-    """The service (``--model tiny --port 0 ARGS``) in a subprocess, with an httpx client and metric reads."""
+class Server(Service):
+    """The service (``--model tiny --port 0 ARGS``) in a subprocess, with an httpx client and metric reads (the
+    harness's ``Service``)."""
 
-    def __init__(self, *args: str) -> None:
-        self.segments_before = _shm()
-        super().__init__(["--model", "tiny", "--port", "0", *args], start_timeout_s=START_TIMEOUT_S, cwd=REPO)
-        self.client = httpx.Client(base_url=self.url, timeout=60)
-
-    def metrics(self) -> dict:
-        """``{(name, labels as a sorted tuple): value}`` of every sample of /metrics."""
-        r = self.client.get("/metrics")
-        assert r.status_code == 200
-        out = {}
-        for fam in text_string_to_metric_families(r.text):
-            for s in fam.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
-
-    def metric(self, name: str, **labels) -> float:
-        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
-
-    def wait_metric(self, name: str, pred, timeout_s: float = 30.0, **labels) -> float:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            v = self.metric(name, **labels)
-            if pred(v) or time.monotonic() > deadline:
-                return v
-            time.sleep(0.02)
-
-    def new_segments(self) -> set:
-        return _shm() - self.segments_before
-
-
-def _shm() -> set:
-    """asap_comm's segments and multiprocessing's named semaphores (the service's stop event)."""
-    return set(glob.glob("/dev/shm/asap-*")) | set(glob.glob("/dev/shm/sem.mp-*"))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_dead(pids: list, timeout_s: float = 30.0) -> list:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    def __init__(self, *args: str, nofile: "int | None" = None) -> None:
+        super().__init__(["--model", "tiny", *args], start_timeout_s=START_TIMEOUT_S, cwd=REPO, nofile=nofile)
 
 
 def _prompt(n: int, seed: int) -> list:
@@ -209,7 +159,7 @@ def test_metrics_parse_with_prometheus_client(server):
     health = server.client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert [w["state"] for w in health.json()["workers"]] == ["alive"] * 4
-    assert all(isinstance(w["pid"], int) and _alive(w["pid"]) for w in health.json()["workers"])
+    assert all(isinstance(w["pid"], int) and alive(w["pid"]) for w in health.json()["workers"])
 
 
 def test_burst_past_the_admission_bound_gets_429_and_loses_nothing_admitted(server, reference):
@@ -339,7 +289,7 @@ def test_sigterm_drains_and_leaves_nothing_behind(server):
     t.join(timeout=120)
     assert box["r"].status_code == 200, box["r"].text  # the request in flight finished
     assert code == 0, server.log()
-    assert _wait_dead(pids) == []
+    assert wait_dead(pids) == []
     assert server.new_segments() == set()
     assert "stopped cleanly" in server.log()
 
@@ -419,7 +369,7 @@ def test_sync_service_text_prompts_deadline_and_worker_death(reference, tmp_path
         assert r.status_code == 503 and "worker PE 1 died" in r.json()["error"]["message"]
         code = s.proc.wait(timeout=60)
         assert code == 3, s.log()
-        assert _wait_dead([w["pid"] for w in workers]) == []
+        assert wait_dead([w["pid"] for w in workers]) == []
         assert s.new_segments() == set()
     finally:
         if s.proc.poll() is None:

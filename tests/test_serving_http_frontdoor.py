@@ -14,8 +14,6 @@ with a trailing newline (as a mounted secret often is):
 * and (a service of its own) a SIGKILL of the whole process tree leaves no named semaphore, the next start
   removes stale segments whose owner is dead (and no other), and response ids differ across restarts.
 """
-import glob
-import json
 import os
 import re
 import resource
@@ -23,17 +21,15 @@ import secrets
 import signal
 import socket
 import statistics
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
 import httpx
 import pytest
-from test_serving_http import Server, _alive, _prompt, _shm, _wait_dead, reference  # noqa: F401  (a fixture)
+from test_serving_http import Server, _prompt, reference  # noqa: F401  (a fixture)
 
 from asap_comm.serving.server.request import default_max_body_bytes
+from asap_comm.testing.service import Flood, descendants, shm_files, wait_dead
 
 pytestmark = pytest.mark.slow  # starts the HTTP service (a serving group) per module
 
@@ -47,21 +43,18 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def door():
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     old = os.environ.get("ASAP_API_KEY")
     os.environ["ASAP_API_KEY"] = KEY + "\n"
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(NOFILE, hard), hard))  # inherited by the service
     try:
         s = Server("--max-queued-tokens", str(BOUND), "--header-timeout-s", str(HEADER_S), "--idle-timeout-s",
-                   str(IDLE_S), "--chunk-len", "256", "--token-budget", "512", "--request-timeout-s", "30")
+                   str(IDLE_S), "--chunk-len", "256", "--token-budget", "512", "--request-timeout-s", "30",
+                   nofile=NOFILE)
     finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         if old is None:
             del os.environ["ASAP_API_KEY"]
         else:
             os.environ["ASAP_API_KEY"] = old
     s.api = httpx.Client(base_url=s.url, timeout=60, headers=AUTH)
-    s.addr = (s.url.split("//")[1].split(":")[0], int(s.url.rsplit(":", 1)[1]))
     yield s
     if s.proc.poll() is None:
         s.stop()
@@ -182,38 +175,6 @@ def test_stalled_uploads_do_not_starve_small_calls(door, reference):
 
 
 # ----------------------------------------------------------------------------- fairness
-FLOOD = textwrap.dedent("""
-    import asyncio, json, sys, time
-    import aiohttp
-
-    url, key, calls, tokens, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-    counts = {}
-
-    async def one(session, stop):
-        body = {"prompt": list(range(1, tokens + 1)), "max_tokens": 1}
-        while time.monotonic() < stop:
-            try:
-                async with session.post(url + "/v1/completions", json=body,
-                                        headers={"Authorization": "Bearer " + key}) as r:
-                    await r.read()
-                    counts[r.status] = counts.get(r.status, 0) + 1
-                    if r.status == 429:
-                        await asyncio.sleep(0.05)
-            except aiohttp.ClientError:
-                counts["error"] = counts.get("error", 0) + 1
-
-    async def main():
-        stop = time.monotonic() + seconds
-        conn = aiohttp.TCPConnector(limit=0, local_addr=("127.0.0.2", 0))
-        async with aiohttp.ClientSession(connector=conn) as session:
-            print("flooding", flush=True)
-            await asyncio.gather(*(one(session, stop) for _ in range(calls)))
-        print(json.dumps(counts), flush=True)
-
-    asyncio.run(main())
-""")
-
-
 def _serial(client: httpx.Client, prompts: list, reference) -> tuple:
     """``(statuses, seconds of the 200s)`` of one call after another."""
     statuses, seconds = [], []
@@ -236,15 +197,10 @@ def test_a_flooding_client_does_not_take_the_service_from_another(door, referenc
         reference(ids)  # computed before any timing
     alone_statuses, alone = _serial(b, prompts[:12], reference)
     assert alone_statuses == [200] * 12
-    flood = subprocess.Popen([sys.executable, "-c", FLOOD, door.url, KEY, "64", "64", "25"], stdout=subprocess.PIPE,
-                             text=True)
-    try:
-        assert flood.stdout.readline().strip() == "flooding"
+    with Flood(door.url, 64, 64, 25.0, api_key=KEY) as flood:
         time.sleep(2.0)  # the flood fills the admission bound and the waiting room
         flooded_statuses, flooded = _serial(b, prompts[12:] + prompts[:12], reference)
-    finally:
-        out, _ = flood.communicate(timeout=90)
-    counts = {str(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+    counts = flood.counts
     assert counts.get("200", 0) > 24, counts  # A was served too
     assert counts.get("429", 0) > 0, counts  # and was over its share
     assert flooded_statuses.count(429) == 0 and set(flooded_statuses) == {200}, flooded_statuses
@@ -285,24 +241,6 @@ def test_x_request_id_is_echoed_and_names_the_completion(door, reference):
 
 
 # ----------------------------------------------------------------------------- a crash of the whole tree
-def _tree(pid: int) -> list:
-    """``pid`` and every descendant."""
-    kids: dict = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            kids.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
-        except (OSError, IndexError, ValueError):
-            pass
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(kids.get(p, []))
-    return out
-
-
 def _plant(name: str) -> str:
     """A file in /dev/shm as a crashed service leaves it (ten minutes old)."""
     path = os.path.join("/dev/shm", name)
@@ -325,21 +263,21 @@ def test_a_crash_of_the_whole_tree_leaves_nothing_for_long_and_ids_differ_across
             assert os.path.exists(held), "a segment a live process holds was removed"
             assert "stale" in first.log()
             id1 = _complete(first.client, _prompt(5, 7300), reference).json()["id"]
-            pids = _tree(first.proc.pid)
+            pids = descendants(first.proc.pid)
             assert len(pids) >= 6, pids  # the launcher, 4 workers, the front end (and its parse process)
         finally:
-            for p in _tree(first.proc.pid):  # the whole tree at once, as the OOM killer or a power cut would
+            for p in descendants(first.proc.pid):  # the whole tree at once, as the OOM killer or a power cut would
                 try:
                     os.kill(p, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             first.proc.wait(timeout=30)
-        assert not _wait_dead(pids), "processes outlived SIGKILL"
+        assert not wait_dead(pids), "processes outlived SIGKILL"
         left = first.new_segments()
         assert not [p for p in left if "sem.mp-" in p], f"named semaphores left by the crash: {sorted(left)}"
         second = Server("--max-queued-tokens", "512")
         try:
-            assert not (left & _shm()), f"the next start left the crash's segments: {sorted(left & _shm())}"
+            assert not (left & shm_files()), f"the next start left the crash's segments: {sorted(left & shm_files())}"
             id2 = _complete(second.client, _prompt(5, 7300), reference).json()["id"]
             assert id1 != id2 and re.fullmatch(r"cmpl-[0-9a-f]{8,}-\d+", id2), (id1, id2)
             assert id1.split("-")[1] != id2.split("-")[1], (id1, id2)  # a prefix per start
