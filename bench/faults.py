@@ -20,7 +20,8 @@ Rows (``--only`` names):
 ``rogue-peer``     a UCX peer outside the group, claiming PE 1, sends a put, a signal, a forged handshake
 ``stop-front-end`` the front end SIGSTOPped for 60 s (``--quick``: 35 s) under 200 clients
 ``stop-worker``    an expert worker SIGSTOPped for 60 s (35 s) under 200 clients
-``kill-worker``    an expert worker SIGKILLed under load
+``kill-worker``    an expert worker SIGKILLed under load (``kill-worker-spare``: the same with one spare
+                   expert rank, in its own service: the spare takes over; dip and recovery measured)
 ``cpu-hogs``       a busy loop at nice 0 on every core for 30 s (15 s) while serving
 ``link-down``      the service under torchrun on two hosts; node 1's link goes down under load
 ``loss-5``,        5% / 20% of the packets one host sends dropped (nftables, in its namespace) while two
@@ -616,6 +617,60 @@ class Suite:
         row.details = {"killed": w, "health": [status, body], "statuses": dict(tally.statuses),
                        "examples": tally.examples, "log": tail(svc.log())}
 
+    # 5b. a worker killed, with a spare ----------------------------------------------
+    def kill_worker_spare(self, row: Row) -> None:
+        """Its own service with one spare expert rank (docs/failover.md): 50 clients; an expert worker SIGKILLed;
+        right answers per second (1 s windows, sampled every 0.25 s) 10 s before and 20 s after (15 s quick):
+        the dip (the slowest window after the kill against the median before) and the time to recover (from the
+        kill to the first window back at 0.9 of before)."""
+        svc = Service(60, ["--spare-expert-ranks", "1"])
+        after_s = 15.0 if self.mode == "quick" else 20.0
+        try:
+            w = svc.pick("expert")
+            series: list = []  # (time, right 200s so far)
+            with Load(svc.url, self.small, 50, 0.05, 90) as load:
+                self._warm(load, 50)
+
+                def sample_until(end: float) -> None:
+                    while time.monotonic() < end:
+                        series.append((time.monotonic(), load.tally.statuses["200"] - load.tally.wrong))
+                        time.sleep(0.25)
+
+                sample_until(time.monotonic() + 10.0)
+                t_kill = time.monotonic()
+                log(f"  SIGKILL expert worker PE {w['pe']} (pid {w['pid']}) with a spare, "
+                    f"{load.in_flight} calls in flight ...")
+                os.kill(w["pid"], signal.SIGKILL)
+                sample_until(t_kill + after_s)
+                tally = load.stop()
+            status, body = svc.health()
+            failovers = svc.metric("asap_expert_failovers_total")
+        finally:
+            code = svc.close()
+        rates = [(t, (n - m) / (t - u)) for (t, n) in series for (u, m) in series if 0.99 <= t - u <= 1.01]
+        before = sorted(r for t, r in rates if t <= t_kill)
+        base = before[len(before) // 2] if before else 0.0
+        during = [(t, r) for t, r in rates if t > t_kill]
+        low_t, low = min(during, key=lambda x: x[1]) if during else (t_kill, 0.0)
+        back = next((t for t, r in during if t >= low_t and r >= 0.9 * base), None)
+        after = sorted(r for t, r in during if t >= t_kill + after_s / 2)
+        fo = body.get("failover", {})
+        repl = fo.get("replacements", [])
+        row.observed = (f"spare took over: {[(e['expert_rank'], e['dead_pe'], e['new_pe']) for e in repl]} "
+                        f"(rank, dead PE, spare); /health {status}, asap_expert_failovers_total {failovers:g}; "
+                        f"right answers/s: {base:.0f} before (median of 1 s windows), {low:.0f} at the lowest "
+                        f"({low / base if base else 0:.2f}x, {low_t - t_kill:.1f} s after the kill), "
+                        f"{after[len(after) // 2] if after else 0:.0f} in the last {after_s / 2:.0f} s; back at 0.9x "
+                        f"{'%.1f s' % (back - t_kill) if back is not None else 'never'} after the kill; "
+                        f"a clean stop after: exit status {code}")
+        row.answered, row.wrong = tally.answered(), tally.wrong
+        row.passed = (tally.only("200") and tally.lost == 0 and status == 200 and failovers == 1 and len(repl) == 1
+                      and code == 0)
+        row.details = {"killed": w, "health": [status, body], "statuses": dict(tally.statuses),
+                       "examples": tally.examples, "rate_before": base, "rate_lowest": low,
+                       "lowest_after_s": low_t - t_kill, "recovered_after_s": None if back is None else back - t_kill,
+                       "series": [(round(t - t_kill, 3), n) for t, n in series]}
+
     # 6. CPU hogs ------------------------------------------------------------------
     def cpu_hogs(self, row: Row) -> None:
         svc = self.service()
@@ -1093,6 +1148,10 @@ FAULTS = {
     "kill-worker": ("expert worker SIGKILL under load",
                     "503 naming it (/health and calls), exit status 3, no process and no /dev/shm/asap-* segment "
                     "left; every answer right or 503", None, Suite.kill_worker),
+    "kill-worker-spare": ("expert worker SIGKILL under load with a spare (--spare-expert-ranks 1)",
+                          "the spare takes over: every call 200 with the right token, none failed; /health 200 "
+                          "showing the replacement, asap_expert_failovers_total 1; a clean stop after (exit 0); "
+                          "the throughput dip and the time to recover reported", None, Suite.kill_worker_spare),
     "cpu-hogs": ("CPU hogs at nice 0 on every core",
                  "no failure: every answer 200 with the right token, every worker alive", None,
                  Suite.cpu_hogs),
@@ -1131,7 +1190,7 @@ FAULTS = {
 RUN_ORDER = ["rogue-store", "small-shm", "no-secret", "rogue-peer", "loss-5", "loss-20", "link-down",
              "stop-remote-worker",
              "hostile-bodies", "hog-client", "slowloris", "stalled-uploads", "flood-client", "cpu-hogs",
-             "stop-front-end", "stop-worker", "kill-worker"]
+             "stop-front-end", "stop-worker", "kill-worker-spare", "kill-worker"]
 assert sorted(RUN_ORDER) == sorted(FAULTS)
 
 COLUMNS = ("fault", "expected", "observed", "answered", "wrong", "pass")
