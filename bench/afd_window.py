@@ -5,7 +5,7 @@ the highest offered input tokens/s whose TTFT p99 over a 128-request window of t
 baseline DP4 x TP8 (EP32) about 2,600 tok/s, AFD 2 x TP8 + 16 FFN dies about 4,400 tok/s, **1.68x**. This script
 measures the same in real processes on emulated accelerators (``asap_comm.sim.emulate``), the deployment of
 ``examples/prefill.py --emulate`` (ASAP 2 x TP8 + 16 expert dies against 4 x TP8 with EP over all 32 dies and
-context parallelism, ``prefill.EMULATE_DEFAULTS``):
+context parallelism, ``asap_comm.sim.prefill.deploy.EMULATE_DEFAULTS``):
 
 * the devices: the 910C profile with the afd-plugin's software stack (``--stack``, default ``vllm-ascend-eager``:
   the three overrides ``validate --regime published`` fitted to their solo TTFTs; their eager stack is several
@@ -39,14 +39,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import prefill  # noqa: E402  (the example's deployment, reference and checking code)
-
-from asap_comm.serving import Request, summarize_run  # noqa: E402
-from asap_comm.serving.runtime import PromptRequest, RuntimeConfig  # noqa: E402
-from asap_comm.sim import study  # noqa: E402
-from asap_comm.sim.emulate import simulate_emulated  # noqa: E402
-from asap_comm.sim.published import afd_screening_window, stack_profile  # noqa: E402
+from asap_comm.serving import Request, summarize_run
+from asap_comm.serving.plugins import load_model_factory, model_info_of
+from asap_comm.serving.runtime import PromptRequest
+from asap_comm.sim import study
+from asap_comm.sim.emulate import simulate_emulated
+from asap_comm.sim.prefill import deploy, job  # the example's deployment, reference and checking code
+from asap_comm.sim.published import afd_screening_window, stack_profile
 
 P99_SLO_S = 50.0  # the study's criterion, modelled seconds
 PUBLISHED = {"baseline_tok_s": 2600.0, "afd_tok_s": 4400.0, "ratio": 1.68,
@@ -57,13 +56,13 @@ PUBLISHED = {"baseline_tok_s": 2600.0, "afd_tok_s": 4400.0, "ratio": 1.68,
 
 
 def emulate_args(args, profile_path: str) -> argparse.Namespace:
-    """The example's --emulate deployment and flags (``prefill.parse_args``: its EMULATE_DEFAULTS), lane threshold
+    """The example's --emulate deployment and flags (``deploy.parse_args``: its EMULATE_DEFAULTS), lane threshold
     auto."""
     argv = ["--emulate", profile_path, "--emulate-model", "deepseek-v3", "--seed", str(args.seed), "--num-requests",
             str(args.num_requests), "--time-scale", str(args.time_scale), "--token-scale", str(args.token_scale)]
     if args.cp_threshold is not None:
         argv += ["--cp-threshold", str(args.cp_threshold)]
-    return prefill.parse_args(argv + (["--no-long-prompt-lane"] if args.no_long_prompt_lane else []))
+    return deploy.parse_args(argv + (["--no-long-prompt-lane"] if args.no_long_prompt_lane else []))
 
 
 def main(argv=None) -> int:
@@ -73,8 +72,8 @@ def main(argv=None) -> int:
     p.add_argument("--search", action="store_true", help="also search each mode's capacity (slow)")
     p.add_argument("--no-long-prompt-lane", action="store_true", help="ASAP without its long-prompt lane (ablation)")
     p.add_argument("--bound", type=float, default=1.15, help="stop when the capacity bracket is within this ratio")
-    p.add_argument("--time-scale", type=float, default=prefill.DEFAULT_TIME_SCALE)
-    p.add_argument("--token-scale", type=int, default=prefill.DEFAULT_TOKEN_SCALE)
+    p.add_argument("--time-scale", type=float, default=deploy.DEFAULT_TIME_SCALE)
+    p.add_argument("--token-scale", type=int, default=deploy.DEFAULT_TOKEN_SCALE)
     p.add_argument("--modes", default="async,sync")
     p.add_argument("--cp-threshold", type=int, default=None,
                    help="the baseline's context parallelism: served tokens above which a prompt is shared by several "
@@ -96,25 +95,19 @@ def main(argv=None) -> int:
     profile_path.write_text(json.dumps(stack_profile("ascend-910c-cm384", args.stack).data, indent=1))
     ea = emulate_args(args, str(profile_path))
     K, S = ea.time_scale, ea.token_scale
-    factory = prefill.StageFactory(ea.model, 0)
-    mcfg = factory.config()
-    info = prefill.model_info(mcfg)
+    factory = load_model_factory(ea.model, seed=0)
+    info = model_info_of(factory)
     window = afd_screening_window(args.num_requests)  # modelled seconds, emulated tokens
     g = torch.Generator().manual_seed(args.seed)
     lens = [min(ea.max_prompt_len, max(1, round(r.prompt_len / S))) for r in window]
-    reqs = [PromptRequest(r.request_id, r.arrival_s, torch.randint(0, mcfg.vocab_size, (n,), generator=g))
+    reqs = [PromptRequest(r.request_id, r.arrival_s, torch.randint(0, info.vocab_size, (n,), generator=g))
             for r, n in zip(window, lens)]
-    refs, _ = prefill.references(factory, reqs)
+    refs, _ = job.references(factory, reqs)
     mean_emulated = S * sum(lens) / len(lens)
-    base = RuntimeConfig(num_attention_ranks=ea.attention_ranks, num_expert_ranks=ea.expert_ranks,
-                         token_budget=ea.token_budget, chunk_len=ea.chunk_len, max_prompt_len=ea.max_prompt_len,
-                         sync_collectives=ea.sync_collectives)
-    cfgs = {m: prefill.mode_config(base, m, ea) for m in ("async", "sync")}
-    cfgs = {m: dataclasses.replace(c, placer_linear_weight=prefill.emulated(ea, factory, m).placer_linear_weight())
-            for m, c in cfgs.items()}
+    cfgs = deploy.runtime_configs(ea, factory)  # each mode's, the placer weighing work as the emulated device does
     slo_wall = P99_SLO_S * K
     cfgs["async"] = dataclasses.replace(cfgs["async"], long_prompt_lane=not args.no_long_prompt_lane,
-                                        lane_threshold=prefill.lane_threshold(ea, factory, cfgs["async"], slo_wall))
+                                        lane_threshold=deploy.lane_threshold(ea, factory, cfgs["async"], slo_wall))
     t0 = time.time()
     print(f"window: {len(reqs)} requests, {S * sum(lens):,.0f} emulated tokens (mean {mean_emulated:,.0f}), "
           f"criterion TTFT p99 <= {P99_SLO_S:g} s modelled ({slo_wall:.2f} s wall at time scale {K:g}); lane "
@@ -129,7 +122,7 @@ def main(argv=None) -> int:
     def simulated(mode: str, tok_s: float) -> dict:
         """The simulator's TTFT p50 / p90 / p99 (modelled seconds) of the run at ``tok_s``."""
         trace = [Request(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in load_at(tok_s)]
-        res = simulate_emulated(prefill.emulated(ea, factory, mode), mode, trace, cfgs[mode])
+        res = simulate_emulated(deploy.emulated(ea, factory, mode), mode, trace, cfgs[mode])
         s = summarize_run(res.records, slo_wall).as_dict()
         return {k: (None if s[k] is None else s[k] / K) for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")}
 
@@ -139,9 +132,9 @@ def main(argv=None) -> int:
         """One real run of ``mode`` at ``tok_s``: its row appended to ``points``; True if it meets the criterion."""
         load = load_at(tok_s)
         with tempfile.TemporaryDirectory(prefix="asap-afd-") as stats_dir:
-            res = prefill.run_mode(mode, prefill.emulated(ea, factory, mode, stats_dir), info, load, cfgs[mode])
-            emu = prefill.emulation_stats(stats_dir)
-        c, b, _ = prefill.check(res, refs)
+            res = job.run_mode(mode, deploy.emulated(ea, factory, mode, stats_dir), info, load, cfgs[mode])
+            emu = job.emulation_stats(stats_dir)
+        c, b, _ = job.check(res, refs)
         counts["checked"] += c
         counts["mismatches"] += b
         s = summarize_run(res.records, slo_wall).as_dict()
@@ -186,7 +179,7 @@ def main(argv=None) -> int:
               "stack": args.stack, "time_scale": K, "token_scale": S,
               "num_requests": len(reqs), "window_tokens": S * sum(lens), "deployment": {
                   "async": f"{ea.attention_ranks} x TP{ea.attention_tp} + {ea.expert_ranks * ea.expert_dies} expert "
-                           f"dies", "sync": f"{prefill.sync_workers(ea)} x TP{ea.sync_tp}, EP over all dies, "
+                           f"dies", "sync": f"{deploy.sync_workers(ea)} x TP{ea.sync_tp}, EP over all dies, "
                                             + (f"CP > {ea.cp_threshold * S} tokens" if ea.cp_threshold else "no CP")},
               "long_prompt_lane": cfgs["async"].long_prompt_lane, "lane_threshold": cfgs["async"].lane_threshold,
               "modes": {}}

@@ -60,18 +60,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import prefill  # noqa: E402  (the example's load, reference and SLO code)
-
-from asap_comm.serving import served_fraction, slo_compliant_throughput, summarize_run  # noqa: E402
-from asap_comm.serving import throughput_ratio  # noqa: E402
-from asap_comm.serving.client import ServiceProcess, make_prompts, replay, summarize  # noqa: E402
-from asap_comm.serving.http_input import default_max_body_bytes  # noqa: E402
-from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async  # noqa: E402
-from asap_comm.serving.sync import run_sync  # noqa: E402
-from asap_comm.serving.traces import FixedLengths, Request, scale_trace, synthetic_trace  # noqa: E402
-from asap_comm.testing.service import hostile_scenario, ids_body  # noqa: E402
-from asap_models import StageFactory  # noqa: E402
+from asap_comm.serving import served_fraction, slo_compliant_throughput, summarize_run
+from asap_comm.serving import throughput_ratio
+from asap_comm.serving.client import ServiceProcess, make_prompts, replay, summarize
+from asap_comm.serving.http_input import default_max_body_bytes
+from asap_comm.serving.plugins import model_info_of
+from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async
+from asap_comm.serving.runtime_args import runtime_config_from_args
+from asap_comm.serving.sync import run_sync
+from asap_comm.serving.traces import FixedLengths, Request, scale_trace, synthetic_trace
+from asap_comm.sim.prefill import deploy, job  # the example's load, reference and SLO code
+from asap_comm.testing.service import hostile_scenario, ids_body
+from asap_models import StageFactory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,7 +107,7 @@ ROUNDS = 3
 
 def added_latency(quick: bool) -> dict:
     factory = StageFactory("small", 0)
-    info = prefill.model_info(factory.config())
+    info = model_info_of(factory)
     cfg = RuntimeConfig(2, 2, token_budget=256, chunk_len=256, max_prompt_len=512)
     n = 12 if quick else 30
     trace = [Request(i, 0.5 * i, 64) for i in range(n)]
@@ -150,7 +150,7 @@ def added_latency(quick: bool) -> dict:
 # ----------------------------------------------------------------------------- 2. front-end capacity
 def capacity(quick: bool) -> dict:
     factory = StageFactory("tiny", 0)
-    info = prefill.model_info(factory.config())
+    info = model_info_of(factory)
     cfg = RuntimeConfig(2, 2, token_budget=512, chunk_len=512, max_prompt_len=512)
     rates = [25, 50, 100, 200] if quick else [25, 50, 100, 200, 400, 800]
     duration = 2.0 if quick else 4.0
@@ -198,19 +198,17 @@ def capacity(quick: bool) -> dict:
 # ----------------------------------------------------------------------------- 3. SLO-compliant throughput
 REPEATS = 2  # runs per (mode, path, rate); a rate passes only if every repeat does
 def slo_throughput(quick: bool) -> dict:
-    args = prefill.build_parser().parse_args([])  # the example's defaults
+    # the example's defaults (prompts up to 512 tokens, as this benchmark's committed results ran)
+    args = deploy.parse_args(["--max-prompt-len", "512"])
     factory = StageFactory(args.model, args.seed)
-    mcfg = factory.config()
-    info = prefill.model_info(mcfg)
+    info = model_info_of(factory)
     args.num_requests = 24 if quick else 60
-    requests = prefill.make_requests(args, mcfg.vocab_size)
-    refs, single_s = prefill.references(factory, requests)
-    cfg = RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
-                        token_budget=args.token_budget, chunk_len=args.chunk_len, max_prompt_len=args.max_prompt_len,
-                        sync_collectives="shm")
+    requests = job.make_requests(args, info.vocab_size)
+    refs, single_s = job.references(factory, requests)
+    cfg = runtime_config_from_args(args, sync_collectives="shm")
     args.slo = "auto"
     log("3/3 SLO: measuring the baseline's unloaded TTFT (in process) ...")
-    slo_info = prefill.resolve_slo(args, factory, info, cfg, requests, single_s, ["sync"])
+    slo_info = job.resolve_slo(args, factory, info, cfg, requests, single_s, ["sync"])
     slo = slo_info["ttft_s"]
     rates = [2.0, 4.0, 8.0] if quick else [2.0, 4.0, 6.0, 8.0, 12.0]
     trace = [Request(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in requests]
@@ -222,10 +220,10 @@ def slo_throughput(quick: bool) -> dict:
         for mode in ("async", "sync"):
             runner = run_async if mode == "async" else run_sync
             for rate in rates:
-                load = prefill.at_rate(requests, rate)
+                load = job.at_rate(requests, rate)
                 log(f"3/3 {mode}: {rate:g} req/s in process (repeat {rep + 1}) ...")
                 res = runner(factory, info, load, dataclasses.replace(cfg, progress=False))
-                c, b, _ = prefill.check(res, refs)
+                c, b, _ = job.check(res, refs)
                 checked, mismatches = checked + c, mismatches + b
                 s = summarize_run(res.records, slo).as_dict()
                 points.setdefault((mode, "in_process"), []).append((rate, s["slo_attainment"], served_fraction(s)))

@@ -18,7 +18,8 @@ swept over request rates for each variant, in this order, in one run:
 * ``async -barrier_free`` ... ``async -expert_batching``: one optimization off;
 * ``async -long_prompt_lane``: the long-prompt lane off.
 
-The deployment, load and defaults are the example's for the same flags (``prefill.parse_args``; with
+The deployment, load and defaults are the example's for the same flags (``asap_comm.sim.prefill``'s
+``deploy.parse_args``; with
 ``--emulate`` its memory check, emulated placer weight and lane threshold too).
 
 Per variant: the SLO-compliant throughput (highest offered load, prompt
@@ -41,12 +42,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import prefill  # noqa: E402  (the example's load, reference and checking code)
-
-from asap_comm.serving import (slo_compliant_throughput, summarize_run,  # noqa: E402
-                               throughput_ratio, withheld_reason)
-from asap_comm.serving.runtime import RuntimeConfig  # noqa: E402
+from asap_comm.serving import slo_compliant_throughput, summarize_run, throughput_ratio, withheld_reason
+from asap_comm.serving.plugins import load_model_factory, model_info_of
+from asap_comm.serving.slo import SLO_MULTIPLIER
+from asap_comm.serving.traces import TraceError
+from asap_comm.sim.prefill import deploy, job  # the example's load, reference and checking code
 
 VARIANTS = [("sync", "sync", {}), ("async", "async", {})] + [
     (f"async -{opt}", "async", {opt: False})
@@ -54,7 +54,7 @@ VARIANTS = [("sync", "sync", {}), ("async", "async", {})] + [
 
 
 def example_args(args) -> argparse.Namespace:
-    """The example's own arguments (``prefill.parse_args``) for this benchmark's flags: the same deployment, load
+    """The example's own arguments (``deploy.parse_args``) for this benchmark's flags: the same deployment, load
     and defaults as ``examples/prefill.py`` given those flags (with ``--emulate``, its EMULATE_DEFAULTS: tiny model,
     Mooncake trace, afd-plugin's 32 dies), so every flag the example adds reaches the benchmark too."""
     argv = ["--num-requests", str(args.num_requests), "--slo", str(args.slo)]
@@ -69,7 +69,7 @@ def example_args(args) -> argparse.Namespace:
     for flag, value in given:
         if value is not None:
             argv += [flag, str(value)]
-    return prefill.parse_args(argv)
+    return deploy.parse_args(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "4 x TP8 with CP, shm collectives); --rates auto searches each "
                         "variant's SLO-compliant rate")
     p.add_argument("--emulate-model", default="deepseek-v3")
-    p.add_argument("--time-scale", type=float, default=prefill.DEFAULT_TIME_SCALE)
-    p.add_argument("--token-scale", type=int, default=prefill.DEFAULT_TOKEN_SCALE)
-    d = prefill.EMULATE_DEFAULTS
+    p.add_argument("--time-scale", type=float, default=deploy.DEFAULT_TIME_SCALE)
+    p.add_argument("--token-scale", type=int, default=deploy.DEFAULT_TOKEN_SCALE)
+    d = deploy.EMULATE_DEFAULTS
     p.add_argument("--attention-ranks", type=int, default=None,
                    help=f"default 2 ({d['attention_ranks']} with --emulate)")
     p.add_argument("--expert-ranks", type=int, default=None, help=f"default 2 ({d['expert_ranks']} with --emulate)")
@@ -108,39 +108,32 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     eargs = example_args(args)
     if args.emulate:
-        line = prefill.memory_refusal(eargs)  # the example's check: a deployment the emulated dies cannot hold
+        line = deploy.memory_refusal(eargs, "bench_serving.py")  # the example's: what the emulated dies cannot hold
         if line is not None:
-            print(line.replace("prefill.py", "bench_serving.py", 1), file=sys.stderr)
+            print(line, file=sys.stderr)
             return 2
     try:  # as the example: a bad trace line, an unknown preset, a missing file, a load that cannot be scaled
-        factory = prefill.StageFactory(eargs.model, 0)
-        mcfg = factory.config()
-        info = prefill.model_info(mcfg)
-        requests = prefill.make_requests(eargs, mcfg.vocab_size)
-    except (prefill.TraceError, ValueError, OSError) as e:
+        factory = load_model_factory(eargs.model, seed=0)
+        info = model_info_of(factory)
+        requests = job.make_requests(eargs, info.vocab_size)
+    except (TraceError, ValueError, LookupError, OSError) as e:
         print(f"bench_serving.py: {e}", file=sys.stderr)
         return 2
-    refs, single_process_s = prefill.references(factory, requests)
+    refs, single_process_s = job.references(factory, requests)
     mean_len = sum(int(r.token_ids.numel()) for r in requests) / len(requests)
     auto_rates = args.rates.strip() == "auto"
     rates = [] if auto_rates else [float(x) for x in args.rates.split(",") if x]
-    base = RuntimeConfig(num_attention_ranks=eargs.attention_ranks, num_expert_ranks=eargs.expert_ranks,
-                         token_budget=eargs.token_budget, chunk_len=eargs.chunk_len,
-                         max_prompt_len=eargs.max_prompt_len, expert_token_budget=eargs.expert_token_budget,
-                         sync_collectives=eargs.sync_collectives)
-    cfgs = {m: prefill.mode_config(base, m, eargs) for m in ("async", "sync")}
+    # as the example: each mode's config (with --emulate the placer weighs work as the emulated device does)
+    cfgs = deploy.runtime_configs(eargs, factory)
     if args.emulate:
-        single_process_s = max(single_process_s, prefill._emulated_p90_s(eargs, factory, requests))
-        # as the example: the placer weighs work as the emulated device does
-        cfgs = {m: dataclasses.replace(c, placer_linear_weight=prefill.emulated(eargs, factory, m)
-                                       .placer_linear_weight()) for m, c in cfgs.items()}
-    slo_info = prefill.resolve_slo(eargs, {m: prefill.emulated(eargs, factory, m) for m in ("async", "sync")}, info,
-                                   cfgs, requests, single_process_s, ["sync"])
+        single_process_s = max(single_process_s, deploy.emulated_p90_s(eargs, job.prompt_p90(requests)))
+    slo_info = job.resolve_slo(eargs, {m: deploy.emulated(eargs, factory, m) for m in ("async", "sync")}, info,
+                               cfgs, requests, single_process_s, ["sync"])
     slo = slo_info["ttft_s"]
     # as the example: the long-prompt lane's threshold (with --emulate, the simulator's predicted TTFT against the SLO)
-    cfgs["async"] = dataclasses.replace(cfgs["async"], lane_threshold=prefill.lane_threshold(eargs, factory,
-                                                                                             cfgs["async"], slo))
-    print(prefill.describe_slo(slo_info), file=sys.stderr, flush=True)
+    cfgs["async"] = dataclasses.replace(cfgs["async"], lane_threshold=deploy.lane_threshold(eargs, factory,
+                                                                                            cfgs["async"], slo))
+    print(job.describe_slo(slo_info), file=sys.stderr, flush=True)
     chosen = [v for v in VARIANTS if not args.variants or v[0] in args.variants.split(",")]
     print(f"{len(requests)} requests, mean prompt {mean_len:.0f} tokens, SLO {slo:.3f} s, rates {rates}",
           file=sys.stderr, flush=True)
@@ -152,13 +145,13 @@ def main(argv=None) -> int:
 
         def run_at(rate: float) -> float:
             nonlocal checked, mismatches
-            load = prefill.at_rate(prefill.probe_requests(requests, rate) if auto_rates else requests, rate)
+            load = job.at_rate(job.probe_requests(requests, rate) if auto_rates else requests, rate)
             n = len(load)
             with tempfile.TemporaryDirectory(prefix="asap-emu-") as stats_dir:
-                result = prefill.run_mode(mode, prefill.emulated(eargs, factory, mode, stats_dir), info, load, cfg)
-                emu = prefill.emulation_stats(stats_dir) if args.emulate else None
+                result = job.run_mode(mode, deploy.emulated(eargs, factory, mode, stats_dir), info, load, cfg)
+                emu = job.emulation_stats(stats_dir) if args.emulate else None
             s = summarize_run(result.records, slo).as_dict()
-            c, b, _ = prefill.check(result, refs)
+            c, b, _ = job.check(result, refs)
             checked, mismatches = checked + c, mismatches + b
             load_mean = sum(int(r.token_ids.numel()) for r in load) / len(load)
             runs.append({"rate_req_s": rate, "offered_tokens_per_s": rate * load_mean, "requests": n, **s,
@@ -171,8 +164,8 @@ def main(argv=None) -> int:
 
         if auto_rates:
             workers = cfg.num_attention_ranks + (0 if mode == "async" else cfg.num_expert_ranks)
-            unloaded = slo_info["unloaded_ttft_s"].get("sync") or slo / prefill.SLO_MULTIPLIER
-            prefill.sweep_auto(run_at, prefill.sweep_start(workers, unloaded, mean_len, slo_info["p90_prompt_tokens"]))
+            unloaded = slo_info["unloaded_ttft_s"].get("sync") or slo / SLO_MULTIPLIER
+            job.sweep_auto(run_at, job.sweep_start(workers, unloaded, mean_len, slo_info["p90_prompt_tokens"]))
         else:
             for rate in rates:
                 run_at(rate)
@@ -192,12 +185,12 @@ def main(argv=None) -> int:
         low = r["runs"][0]
         lines.append(f"| {name} | {sct if sct is None else round(sct)} | {ratio} | "
                      f"{fmt(low['ttft_p50_s'])} / {fmt(low['ttft_p90_s'])} ({low['rate_req_s']:.2f} req/s) |")
-    md = "\n".join(lines) + (f"\n\n{prefill.describe_slo(slo_info)}; {len(requests)} requests, mean prompt "
+    md = "\n".join(lines) + (f"\n\n{job.describe_slo(slo_info)}; {len(requests)} requests, mean prompt "
                              f"{mean_len:.0f} tokens; correctness: {checked} outputs checked, {mismatches} mismatches\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serving.json").write_text(json.dumps({"slo": slo_info, "rates": rates or "auto",
-                                                  "emulation": prefill.emulated(eargs, factory, "async")
+                                                  "emulation": deploy.emulated(eargs, factory, "async")
                                                   .describe_emulation() if args.emulate else None, "mean_prompt_tokens": mean_len,
                                                   "correctness": {"checked": checked, "mismatches": mismatches},
                                                   "variants": results}, indent=2, default=str))

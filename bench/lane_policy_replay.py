@@ -7,7 +7,7 @@ For the two emulated deployments of the README (``examples/prefill.py --emulate 
 runs the example's own request windows (the first 240 Mooncake requests, same-timestamp bursts, probes at each
 rate as ``--sweep auto`` builds them) through ``simulate_emulated`` with the host costs and router skew that
 ``validate --regime emulated`` measured (``docs/results/validation-emulated``), for each lane policy: the KV
-pool (one or more longest prompts, ``--lane-tokens``) and the wait bound (``--lane-wait``, in SLOs). Prints
+pool (one or more longest prompts, ``--lane-tokens``) and the wait bound (``lane_wait_s``, here in SLOs). Prints
 per rate the SLO attainment, served tokens/s and TTFT p99; ASAP only (the baseline has no lane). Seconds, not
 minutes: the simulator predicted the emulated runs' attainment within a few points (README), so this is how
 the policies were compared before any emulated run.
@@ -20,14 +20,14 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+from asap_comm.serving import summarize_run
+from asap_comm.serving.plugins import load_model_factory
+from asap_comm.serving.runtime_args import runtime_config_from_args
+from asap_comm.serving.traces import Request
+from asap_comm.sim.emulate import simulate_emulated
+from asap_comm.sim.prefill import deploy, job  # the example's request windows, deployment flags and rate scaling
 
-import prefill  # noqa: E402  (examples/prefill.py: its request windows, deployment flags and rate scaling)
-from asap_comm.serving import summarize_run  # noqa: E402
-from asap_comm.serving.runtime import RuntimeConfig  # noqa: E402
-from asap_comm.serving.traces import Request  # noqa: E402
-from asap_comm.sim.emulate import simulate_emulated  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 VALIDATION = ROOT / "docs" / "results" / "validation-emulated" / "validation_emulated.json"
 EMU = ["--emulate", "ascend-910c-cm384", "--emulate-model", "deepseek-v3"]
@@ -50,16 +50,11 @@ def measured_overheads() -> tuple:
 
 
 def setup(flags: list) -> tuple:
-    from asap_models import StageFactory
-
-    args = prefill.parse_args(flags)
-    base = StageFactory(args.model, args.seed)
-    reqs = prefill.make_requests(args, base.config().vocab_size)
-    cfg = RuntimeConfig(num_attention_ranks=args.attention_ranks, num_expert_ranks=args.expert_ranks,
-                        token_budget=args.token_budget, chunk_len=args.chunk_len, max_prompt_len=args.max_prompt_len,
-                        expert_token_budget=args.expert_token_budget)
-    cfg = prefill.mode_config(cfg, "async", args)
-    factory = prefill.emulated(args, base, "async")
+    args = deploy.parse_args(flags)
+    base = load_model_factory(args.model, seed=args.seed)
+    reqs = job.make_requests(args, base.describe()["vocab_size"])
+    cfg = deploy.mode_config(runtime_config_from_args(args), "async", args)
+    factory = deploy.emulated(args, base, "async")
     # the lane threshold the emulated runs used (--lane-threshold auto: 256 served tokens on both deployments)
     cfg = dataclasses.replace(cfg, placer_linear_weight=factory.placer_linear_weight(), lane_threshold=256)
     return args, factory, cfg, reqs
@@ -73,7 +68,7 @@ def replay(name: str, host: dict, skew: float) -> list:
         c = dataclasses.replace(cfg, lane_tokens=prompts * args.max_prompt_len,
                                 lane_wait_s=None if wait is None else wait * slo)
         for rate in rates:
-            load = prefill.at_rate(prefill.probe_requests(reqs, rate), rate)
+            load = job.at_rate(job.probe_requests(reqs, rate), rate)
             trace = [Request(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in load]
             res = simulate_emulated(factory, "async", trace, c, host_overhead=host, expert_skew=skew)
             s = summarize_run(res.records, slo).as_dict()

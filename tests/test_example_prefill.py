@@ -134,28 +134,29 @@ def test_prefill_example_user_errors_exit_2_with_one_line(tmp_path, case):
 
 
 def test_parse_args_fills_the_emulate_defaults_of_absent_flags_only():
-    """prefill.parse_args (what main and bench/afd_window.py build their arguments with): with --emulate, every flag
-    not given takes EMULATE_DEFAULTS, a given one keeps its value; afd_window's --cp-threshold reaches the
+    """deploy.parse_args (what the example and bench/afd_window.py build their arguments with): with --emulate, every
+    flag not given takes EMULATE_DEFAULTS, a given one keeps its value; afd_window's --cp-threshold reaches the
     baseline and a bad one exits 2."""
-    sys.path.insert(0, str(ROOT / "examples"))
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import afd_window
-        import prefill
     finally:
-        del sys.path[:2]
-    a = prefill.parse_args(["--emulate", "ascend-910c-cm384", "--attention-tp", "4", "--cp-threshold", "0"])
+        sys.path.pop(0)
+    from asap_comm.serving.protocol import RuntimeConfig
+    from asap_comm.sim.prefill import deploy
+
+    a = deploy.parse_args(["--emulate", "ascend-910c-cm384", "--attention-tp", "4", "--cp-threshold", "0"])
     assert (a.attention_tp, a.cp_threshold, a.sync_tp, a.expert_dies) == (4, 0, 8, 4)
     assert a.model == "tiny" and a.length_scale == pytest.approx(1 / a.token_scale)
-    plain = prefill.parse_args(["--attention-ranks", "3"])  # no --emulate: the parser's own defaults
+    plain = deploy.parse_args(["--attention-ranks", "3"])  # no --emulate: the parser's own defaults
     assert plain.attention_ranks == 3 and plain.emulate is None and plain.length_scale == 1.0
     ns = argparse.Namespace(seed=0, num_requests=16, time_scale=0.35, token_scale=128, no_long_prompt_lane=True,
                             cp_threshold=0)
     ea = afd_window.emulate_args(ns, "ascend-910c-cm384")
     assert ea.cp_threshold == 0 and ea.no_long_prompt_lane and ea.num_requests == 16 and ea.attention_ranks == 2
-    base = prefill.RuntimeConfig(num_attention_ranks=2, num_expert_ranks=4, cp_threshold=None)
-    assert prefill.mode_config(base, "sync", ea).cp_threshold is None  # 0: the baseline without CP
-    assert prefill.mode_config(base, "sync", afd_window.emulate_args(
+    base = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=4, cp_threshold=None)
+    assert deploy.mode_config(base, "sync", ea).cp_threshold is None  # 0: the baseline without CP
+    assert deploy.mode_config(base, "sync", afd_window.emulate_args(
         argparse.Namespace(**{**vars(ns), "cp_threshold": None}), "ascend-910c-cm384")).cp_threshold == 64
     with pytest.raises(SystemExit) as e:
         afd_window.main(["--cp-threshold", "-1"])
@@ -165,25 +166,21 @@ def test_parse_args_fills_the_emulate_defaults_of_absent_flags_only():
 def test_sweep_auto_halves_no_lower_than_its_floor_and_says_where_it_stopped():
     """--sweep auto on a mode that meets the SLO at no load: halving stops at the rate whose probe would span more
     than SWEEP_MAX_PROBE_S (before: 8 halvings, the last probes minutes each); the search reports that rate."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import prefill
-    finally:
-        sys.path.pop(0)
+    from asap_comm.sim.prefill import job
     from asap_comm.sim.study import search_rate
 
-    floor = prefill.sweep_floor(240)
-    assert floor == pytest.approx(prefill.SWEEP_MIN_REQUESTS / prefill.SWEEP_MAX_PROBE_S)
-    assert prefill.sweep_floor(20) == pytest.approx(20 / prefill.SWEEP_MAX_PROBE_S)  # a shorter load: shorter probes
+    floor = job.sweep_floor(240)
+    assert floor == pytest.approx(job.SWEEP_MIN_REQUESTS / job.SWEEP_MAX_PROBE_S)
+    assert job.sweep_floor(20) == pytest.approx(20 / job.SWEEP_MAX_PROBE_S)  # a shorter load: shorter probes
     ran = []
-    lowest = prefill.sweep_auto(lambda r: ran.append(r) or (0.5, 1.0), 8.0, min_rate=floor)
+    lowest = job.sweep_auto(lambda r: ran.append(r) or (0.5, 1.0), 8.0, min_rate=floor)
     assert ran == [8.0 / 2 ** k for k in range(len(ran))] and min(ran) >= floor > min(ran) / 2
     assert lowest == min(ran) and len(ran) < 9  # the floor, not the 8 halvings, ended it
     # a mode that meets the SLO below the start: the floor does not stop it, and the search bisects as before
     ran.clear()
-    assert prefill.sweep_auto(lambda r: ran.append(r) or ((0.95, 1.0) if r <= 1.0 else (0.5, 1.0)), 8.0,
+    assert job.sweep_auto(lambda r: ran.append(r) or ((0.95, 1.0) if r <= 1.0 else (0.5, 1.0)), 8.0,
                               min_rate=floor) is None
-    assert 1.0 in ran and len(ran) == 4 + prefill.SWEEP_AUTO_BISECTIONS
+    assert 1.0 in ran and len(ran) == 4 + job.SWEEP_AUTO_BISECTIONS
     # without a floor: the 8 halvings of before
     assert len(search_rate(lambda r: (0.0, 1.0), 8.0)) == 9
     with pytest.raises(ValueError, match="min_rate"):
@@ -194,18 +191,14 @@ def test_sweep_auto_counts_only_sustained_loads():
     """--sweep auto bisects on the combined criterion: a load that meets the SLO attainment but is served below 90%
     of offered (the longest requests queued without bound) fails, so the search stops below it; a runner that
     returns the attainment alone is refused."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import prefill
-    finally:
-        sys.path.pop(0)
+    from asap_comm.sim.prefill import job
     from asap_comm.sim.study import search_rate
 
     seen = search_rate(lambda r: (1.0, 1.0 if r <= 2.0 else 0.5), 1.0, bisections=3)
     passed = [r for r, (a, f) in seen.items() if a >= 0.9 and f >= 0.9]
     assert max(passed) == 2.0 and all(r > 2.0 for r in seen if r not in passed)
     # attainment 1.0 everywhere, served 9% of offered everywhere: no load passes
-    assert prefill.sweep_auto(lambda r: (1.0, 0.09), 8.0, min_rate=1.0) == 1.0
+    assert job.sweep_auto(lambda r: (1.0, 0.09), 8.0, min_rate=1.0) == 1.0
     with pytest.raises(ValueError, match="served_fraction"):
         search_rate(lambda r: 1.0, 8.0)
 
@@ -215,28 +208,28 @@ def test_bench_serving_takes_the_examples_arguments_and_memory_check(tmp_path):
     that lacked flags the example added later, such as --routing, so --emulate failed with an AttributeError):
     the emulated defaults are the example's, every attribute the example's helpers read is there, and a deployment
     the emulated dies cannot hold exits 2 with one line naming memory."""
-    sys.path.insert(0, str(ROOT / "examples"))
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import bench_serving
-        import prefill
     finally:
-        del sys.path[:2]
+        sys.path.pop(0)
     from asap_models import StageFactory
+
+    from asap_comm.sim.prefill import deploy
 
     def bench_args(*argv):
         return bench_serving.build_parser().parse_args(list(argv))
 
     e = bench_serving.example_args(bench_args("--emulate", "ascend-910c-cm384", "--num-requests", "240",
                                               "--attention-tp", "4"))
-    want = prefill.parse_args(["--emulate", "ascend-910c-cm384", "--num-requests", "240", "--attention-tp", "4",
-                               "--time-scale", repr(prefill.DEFAULT_TIME_SCALE)])
+    want = deploy.parse_args(["--emulate", "ascend-910c-cm384", "--num-requests", "240", "--attention-tp", "4",
+                               "--time-scale", repr(deploy.DEFAULT_TIME_SCALE)])
     assert vars(e) == vars(want) and e.model == "tiny" and e.routing == "balanced"
-    assert prefill.memory_refusal(e) is None
+    assert deploy.memory_refusal(e) is None
     for mode in ("async", "sync"):  # the call that raised AttributeError on the hand-built namespace
-        assert prefill.emulated(e, StageFactory(e.model, 0), mode).describe_emulation()["profile"]
+        assert deploy.emulated(e, StageFactory(e.model, 0), mode).describe_emulation()["profile"]
     plain = bench_serving.example_args(bench_args("--model", "tiny", "--attention-ranks", "3"))
-    assert vars(plain) == vars(prefill.parse_args(["--num-requests", "40", "--slo", "auto", "--model", "tiny",
+    assert vars(plain) == vars(deploy.parse_args(["--num-requests", "40", "--slo", "auto", "--model", "tiny",
                                                    "--attention-ranks", "3"]))
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_serving.py"), "--emulate", "ascend-910c-cm384",
                         "--attention-tp", "1", "--expert-ranks", "1", "--out", str(tmp_path)], capture_output=True,

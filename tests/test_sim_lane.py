@@ -341,13 +341,14 @@ def test_the_wait_bound_keeps_the_64_die_lane_from_starving_in_the_emulated_repl
     from asap_comm.serving import summarize_run
     from asap_comm.sim.emulate import simulate_emulated
     from asap_comm.sim.lane import LANE_WAIT_SLO
+    from asap_comm.sim.prefill import job
 
     host, skew = lpr.measured_overheads()
     out = {}
     for name, rate in (("64", 12.0), ("32", 3.77)):
         flags, slo, _ = lpr.DEPLOYMENTS[name]
         args, factory, cfg, reqs = lpr.setup(flags)
-        load = lpr.prefill.at_rate(lpr.prefill.probe_requests(reqs, rate), rate)
+        load = job.at_rate(job.probe_requests(reqs, rate), rate)
         trace = [Request(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in load]
         for wait in (None, LANE_WAIT_SLO * slo):
             c = dataclasses.replace(cfg, lane_tokens=args.max_prompt_len, lane_wait_s=wait)

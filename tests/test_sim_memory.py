@@ -195,18 +195,15 @@ def _example(*args, timeout=120):
 
 
 def test_example_emulated_default_is_feasible_and_an_infeasible_one_is_refused(tmp_path):
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import prefill
-    finally:
-        sys.path.pop(0)
-    p = prefill.build_parser()
+    from asap_comm.sim.prefill import deploy
+
+    p = deploy.build_parser()
     args = p.parse_args(["--emulate", CM])
-    prefill.apply_emulate_defaults(args, set())
-    assert prefill.memory_refusal(args) is None
-    t = prefill.memory_table(args)
+    deploy.apply_emulate_defaults(args, set())
+    assert deploy.memory_refusal(args) is None
+    t = deploy.memory_table(args)
     assert [d.dies for d in t["async"]] == [16, 16] and [d.dies for d in t["sync"]] == [32]
-    assert prefill.sync_workers(args) == 4
+    assert deploy.sync_workers(args) == 4
     r = _example("--emulate", CM, "--attention-ranks", "5", "--attention-tp", "2", "--expert-ranks", "6",
                  "--expert-dies", "1", "--sync-tp", "4", "--out", str(tmp_path))
     lines = [x for x in r.stderr.splitlines() if x.strip()]
@@ -217,20 +214,17 @@ def test_example_sizes_an_expert_die_by_the_runtimes_expert_batch():
     """An expert process computes one gathered layer batch at a time (--expert-token-budget rows, in emulated rows as
     simulate_emulated scales them), not every in-flight row at once: the headline's best 64-die split fits so, and
     is refused when expert batching is off (every arrival computed as it comes: the in-flight bound)."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import prefill
-    finally:
-        sys.path.pop(0)
     from asap_models import StageFactory
+
+    from asap_comm.sim.prefill import deploy
 
     from asap_comm.sim.emulate import rows_per_real_row
 
     split = ["--emulate", CM, "--attention-ranks", "12", "--attention-tp", "4", "--expert-ranks", "4",
              "--expert-dies", "4", "--sync-tp", "8", "--cp-threshold", "128", "--chunk-len", "64"]
-    args = prefill.parse_args(split)
-    assert prefill.memory_refusal(args) is None
-    expert = prefill.memory_table(args)["async"][1]
+    args = deploy.parse_args(split)
+    assert deploy.memory_refusal(args) is None
+    expert = deploy.memory_table(args)["async"][1]
     assert expert.role == "expert" and expert.dies == 16
     prof, shapes = Profile.load(CM), ModelShapes.load("deepseek-v3")
     real = ModelShapes.from_hf_config(StageFactory(args.model, args.seed).describe()["hf_config"], name="served")
@@ -241,9 +235,9 @@ def test_example_sizes_an_expert_die_by_the_runtimes_expert_batch():
                              max_prompt_len=args.max_prompt_len * args.token_scale, long_prompt_lane=True,
                              expert_token_budget=budget)[1]
     assert expert.breakdown == pytest.approx(want.breakdown)
-    bigger = prefill.memory_table(prefill.parse_args(split + ["--expert-token-budget", "4096"]))["async"][1]
+    bigger = deploy.memory_table(deploy.parse_args(split + ["--expert-token-budget", "4096"]))["async"][1]
     assert bigger.breakdown["activations"] > expert.breakdown["activations"]
-    line = prefill.memory_refusal(prefill.parse_args(split + ["--no-expert-batching"]))
+    line = deploy.memory_refusal(deploy.parse_args(split + ["--no-expert-batching"]))
     assert line is not None and "memory" in line and "expert die" in line, line
 
 
@@ -352,7 +346,8 @@ def test_fitting_lane_tokens_takes_the_most_longest_prompts_the_attention_dies_h
 def test_lane_tokens_auto_sizes_the_pool_to_what_memory_holds_in_sim_run_and_the_example(tmp_path):
     """--lane-tokens auto: sim run and examples/prefill.py --emulate size the lane's KV pool by the memory model
     (fitting_lane_tokens) and record it; without it the pool is one longest prompt; --lane-tokens auto needs
-    --emulate in the example; bad --lane-tokens / --lane-wait values are usage errors naming the flag."""
+    --emulate in the example; bad --lane-tokens / --lane-wait-s / --lane-wait-slo values are usage errors naming the
+    flag."""
     base = [sys.executable, "-m", "asap_comm.sim", "run", "--profile", CM, "--model", "deepseek-v3",
             "--attention-ranks", "6", "--attention-tp", "8", "--expert-ranks", "16", "--sync-ranks", "8",
             "--sync-tp", "8", "--num-requests", "4", "--modes", "async"]
@@ -366,7 +361,7 @@ def test_lane_tokens_auto_sizes_the_pool_to_what_memory_holds_in_sim_run_and_the
     att = s["memory"]["per_die"]["async"][0]
     assert att["feasible"] and att["breakdown_gb"]["lane KV (received)"] == pytest.approx(
         pool["prompts"] * 131072 * (512 + 64) * 2 * 61 / GB, rel=1e-3)
-    r = subprocess.run(base + ["--lane-wait", "3.5", "--out", str(tmp_path / "one")], capture_output=True,
+    r = subprocess.run(base + ["--lane-wait-s", "3.5", "--out", str(tmp_path / "one")], capture_output=True,
                        text=True, timeout=300)
     s = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert r.returncode == 0 and s["memory"]["lane_pool"] is None and s["config"]["runtime"]["lane_tokens"] is None
@@ -374,20 +369,18 @@ def test_lane_tokens_auto_sizes_the_pool_to_what_memory_holds_in_sim_run_and_the
     lane = s["async"]["lane"]  # the lane's counts at the run's load (SimResult.lane)
     assert set(lane) == {"opened", "waited", "gave_up", "wait_s_mean", "wait_s_max"}, lane
     assert lane["opened"] + lane["gave_up"] <= 4 and lane["gave_up"] <= lane["waited"]
-    for flag, value in (("--lane-tokens", "many"), ("--lane-wait", "-1")):
+    for flag, value in (("--lane-tokens", "many"), ("--lane-wait-s", "-1")):
         r = subprocess.run(base + [flag, value, "--out", str(tmp_path / "bad")], capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 2 and flag in r.stderr, r.stderr[-2000:]
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import prefill
-    finally:
-        sys.path.pop(0)
-    args = prefill.parse_args(["--emulate", CM])
-    assert args.lane_tokens is None and args.lane_wait == "auto"
-    assert prefill.default_lane_tokens(args) == (4 * args.max_prompt_len, 4)  # the emulated default holds four
-    assert prefill.default_lane_tokens(prefill.parse_args(["--emulate", CM, "--no-long-prompt-lane"])) is None
+    from asap_comm.sim.prefill import deploy
+
+    args = deploy.parse_args(["--emulate", CM])
+    assert args.lane_tokens is None and args.lane_wait_s is None and args.lane_wait_slo == 2.0
+    assert deploy.default_lane_tokens(args) == (4 * args.max_prompt_len, 4)  # the emulated default holds four
+    assert deploy.default_lane_tokens(deploy.parse_args(["--emulate", CM, "--no-long-prompt-lane"])) is None
     for argv, flag in ((["--lane-tokens", "auto"], "--lane-tokens auto needs --emulate"),
-                       (["--lane-tokens", "0"], "--lane-tokens 0"), (["--lane-wait", "soon"], "--lane-wait soon")):
+                       (["--lane-tokens", "0"], "--lane-tokens 0"), (["--lane-wait-s", "-2"], "--lane-wait-s -2"),
+                       (["--lane-wait-slo", "soon"], "--lane-wait-slo")):
         r = _example(*argv, "--out", str(tmp_path / "ex"))
         assert r.returncode == 2 and flag in r.stderr, r.stderr[-2000:]

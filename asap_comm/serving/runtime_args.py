@@ -125,8 +125,7 @@ def runtime_config_from_args(args: argparse.Namespace, **overrides) -> RuntimeCo
     ``ValueError`` naming the flag and the value (give it to ``parser.error``)."""
     values = {}
     for name, flag in FLAGS.items():
-        dest = flag[5:] if flag.startswith("--no-") else flag[2:]
-        dest = dest.replace("-", "_")
+        dest = flag[2:].replace("-", "_")  # --no-ping-pong -> no_ping_pong (True: the switch off)
         if not hasattr(args, dest):
             continue  # a flag this command left out (simulated=True)
         v = getattr(args, dest)
