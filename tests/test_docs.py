@@ -271,3 +271,46 @@ def test_the_published_validation_holds_a_fresh_run_of_its_quick_rows(tmp_path):
     assert not missing, ("docs/results/validation_published.md differs from a fresh run in these rows (re-run "
                          "`python -m asap_comm.sim validate --regime published --out DIR --markdown "
                          "docs/results/validation_published.md`):\n" + "\n".join(missing))
+
+
+# ------------------------------------------------------------------------ the README's results against their files
+# README results rows whose figures are a committed summary's: row -> (summary, baseline's and ASAP's tok/s).
+RESULT_FILES = {
+    "910C, 64 dies, p90": "docs/results/headline/p90/summary.json",
+    "910C, 64 dies, p99, SLO 10x": "docs/results/headline/p99/summary.json",
+    "910C, 32 dies, p90": "docs/results/headline32/p90/summary.json",
+    "emulated 910C, 32 dies (real runtime), p90": "docs/results/emulated-default/summary.json",
+}
+
+
+def _slo_compliant(summary: dict, mode: str) -> float:
+    side = summary[mode]
+    if "slo_compliant_throughput" not in side:  # a study over profiles: {profile: {...}}
+        (side,) = side.values()
+    return side["slo_compliant_throughput"]
+
+
+def _results_rows() -> dict:
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = lines.index("## Results")
+    rows = {}
+    for line in lines[start + 1:]:
+        if line.startswith("#"):
+            break
+        if line.startswith("| ") and not line.startswith(("| setting", "| ---")):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            rows[cells[0]] = cells
+    return rows
+
+
+@pytest.mark.parametrize("row", sorted(RESULT_FILES))
+def test_the_readmes_results_are_the_committed_summaries(row):
+    import json
+
+    cells = _results_rows().get(row)
+    assert cells, f"the README's results table has no row {row!r}"
+    summary = json.loads((REPO / RESULT_FILES[row]).read_text())
+    want = [f"{round(_slo_compliant(summary, m)):,}" for m in ("sync", "async")]
+    assert cells[2:4] == want, f"README row {row!r} gives {cells[2:4]}, {RESULT_FILES[row]} has {want}"
+    ratio = _slo_compliant(summary, "async") / _slo_compliant(summary, "sync")
+    assert cells[4] == f"**{ratio:.2f}x**", f"README row {row!r} gives {cells[4]}, the summary {ratio:.2f}x"
