@@ -37,13 +37,12 @@ import torch
 import asap_comm
 from asap_comm.serving import ChromeTrace, summarize_run
 from asap_comm.serving.frontend import Replay
-from asap_comm.serving.runtime import PromptRequest, RunResult, RuntimeConfig
 from asap_comm.serving.group import GroupSpec, group_main
+from asap_comm.serving.plugins import load_model_factory, model_info_of
+from asap_comm.serving.runtime import PromptRequest, RunResult
+from asap_comm.serving.runtime_args import add_runtime_args, given_flags, runtime_config_from_args
 from asap_comm.serving.traces import LogNormalLengths, synthetic_trace
-from asap_models import StageFactory
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prefill import check, model_info  # noqa: E402  (the single-host example's helpers)
+from asap_comm.sim.prefill.job import check  # the single-host job's reference check
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,17 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async: ASAP (attention and expert ranks); sync: the DP+EP baseline")
     p.add_argument("--model", default="tiny", help="model preset of asap_models (default tiny)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention-ranks", type=int, default=None,
-                   help="async: attention ranks (default: the PEs on rank 0's host)")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--rate", type=float, default=8.0, help="arrivals per second")
     p.add_argument("--median-len", type=int, default=24)
-    p.add_argument("--max-prompt-len", type=int, default=96)
-    p.add_argument("--token-budget", type=int, default=64)
-    p.add_argument("--chunk-len", type=int, default=64)
     p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO in seconds for the summary")
     p.add_argument("--timeout", type=float, default=120.0, help="bound of the whole run, seconds")
     p.add_argument("--out", default="runs/multihost", help="directory of the outputs (on the front end's host)")
+    # the runtime's flags, every command line's (--attention-ranks: by default the PEs on rank 0's host here; the
+    # expert ranks are the PEs left but the spares and the front end)
+    add_runtime_args(p)
     return p
 
 
@@ -76,7 +73,12 @@ def make_requests(args, vocab: int) -> list:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    given = given_flags(parser, argv)
+    args.attention_ranks = args.attention_ranks if "attention_ranks" in given else None
+    args.expert_ranks = args.expert_ranks if "expert_ranks" in given else None
     comm = asap_comm.init(timeout=args.timeout)
     try:
         return run(comm, args)
@@ -90,19 +92,24 @@ def run(comm, args) -> int:
     # The split of the group: async, A attention + E expert ranks + the front end; sync, the same A + E PEs
     # as DP+EP workers (run_sync's split) + the front end.
     A = args.attention_ranks if args.attention_ranks is not None else len(first_host)
-    E = W - A - 1
-    if A < 1 or E < 1:
+    S = args.spare_expert_ranks if args.mode == "async" else 0
+    E = W - A - S - 1
+    if A < 1 or E < 1 or args.expert_ranks not in (None, E):
         if rank == 0:
-            print(f"prefill_multihost.py: {W} PEs cannot hold {A} attention ranks, at least one expert rank and "
-                  "the front end", file=sys.stderr)
+            print(f"prefill_multihost.py: {W} PEs cannot hold {A} attention ranks, "
+                  + ("at least one" if args.expert_ranks is None else f"{args.expert_ranks}")
+                  + f" expert rank(s), {S} spare(s) and the front end", file=sys.stderr)
         return 2
-    factory = StageFactory(args.model, args.seed)
-    mcfg = factory.config()
-    info = model_info(mcfg)
-    requests = make_requests(args, mcfg.vocab_size)
-    cfg = RuntimeConfig(num_attention_ranks=A, num_expert_ranks=E,
-                        token_budget=args.token_budget, chunk_len=args.chunk_len,
-                        max_prompt_len=args.max_prompt_len, timeout_s=args.timeout, progress=rank == W - 1)
+    factory = load_model_factory(args.model, seed=args.seed)
+    info = model_info_of(factory)
+    requests = make_requests(args, info.vocab_size)
+    try:
+        cfg = runtime_config_from_args(args, num_attention_ranks=A, num_expert_ranks=E, timeout_s=args.timeout,
+                                       progress=rank == W - 1).for_mode(args.mode)
+    except ValueError as e:
+        if rank == 0:
+            print(f"prefill_multihost.py: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     if rank == W - 1:
         out.mkdir(parents=True, exist_ok=True)
