@@ -2,6 +2,9 @@
 
     python bench/lane_ttft.py [--prompt 499] [--attention-ranks 2] [--attention-tp 8] [--expert-ranks 4]
 
+The runtime's flags are every command line's (``add_runtime_args``); this benchmark's presets for those not given:
+4 expert ranks, 128-token chunks and micro-batches, prompts up to max(512, --prompt) tokens.
+
 Emulated accelerators (``asap_comm.sim.emulate``): the served ``tiny`` model stands for ``--emulate-model`` on
 ``--profile``, each real token for ``--token-scale`` emulated ones (499 x 128 = 63.9k tokens: the afd-plugin
 study's solo prompt). A short warm-up request runs first; the long prompt arrives after it. Prints the modelled
@@ -16,37 +19,41 @@ import tempfile
 
 import torch
 
-from asap_comm.serving.runtime import ModelInfo, PromptRequest, RuntimeConfig, run_async
+from asap_comm.serving.plugins import load_model_factory, model_info_of
+from asap_comm.serving.runtime import PromptRequest, run_async
+from asap_comm.serving.runtime_args import add_runtime_args, given_flags, runtime_config_from_args
 from asap_comm.sim.emulate import EmulatedFactory, overrun_summary, read_stats
-from models.factory import StageFactory  # this checkout's models (the lane's kv_rows hooks)
+
+PRESETS = {"expert_ranks": 4, "chunk_len": 128, "token_budget": 128}  # for the runtime's flags not given
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompt", type=int, default=499, help="served tokens of the long prompt")
-    p.add_argument("--attention-ranks", type=int, default=2)
     p.add_argument("--attention-tp", type=int, default=8)
-    p.add_argument("--expert-ranks", type=int, default=4)
-    p.add_argument("--chunk-len", type=int, default=128)
     p.add_argument("--profile", default="ascend-910c-cm384")
     p.add_argument("--emulate-model", default="deepseek-v3")
     p.add_argument("--time-scale", type=float, default=0.25)
     p.add_argument("--token-scale", type=int, default=128)
     p.add_argument("--out", default=None, help="write the numbers as JSON here")
+    add_runtime_args(p)
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = p.parse_args(argv)
-    base = StageFactory("tiny", seed=0)
-    c = base.config()
-    info = ModelInfo(c.num_hidden_layers, tuple(c.is_moe_layer(i) for i in range(c.num_hidden_layers)), c.hidden_size,
-                     c.vocab_size, c.n_routed_experts, c.num_experts_per_tok,
-                     kv_row_width=c.kv_lora_rank + c.qk_rope_head_dim)
+    given = given_flags(p, argv)
+    for k, v in {**PRESETS, "max_prompt_len": max(512, a.prompt)}.items():
+        if k not in given:
+            setattr(a, k, v)
+    base = load_model_factory("tiny", seed=0)
+    info = model_info_of(base)
     g = torch.Generator().manual_seed(0)
-    reqs = [PromptRequest(0, 0.0, torch.randint(0, c.vocab_size, (8,), generator=g)),
-            PromptRequest(1, 2.0, torch.randint(0, c.vocab_size, (a.prompt,), generator=g))]
-    out = {"command": " ".join(["python bench/lane_ttft.py"] + (argv if argv is not None else sys.argv[1:]))}
+    reqs = [PromptRequest(0, 0.0, torch.randint(0, info.vocab_size, (8,), generator=g)),
+            PromptRequest(1, 2.0, torch.randint(0, info.vocab_size, (a.prompt,), generator=g))]
+    out = {"command": " ".join(["python bench/lane_ttft.py"] + argv)}
     for lane in (False, True):
-        cfg = RuntimeConfig(num_attention_ranks=a.attention_ranks, num_expert_ranks=a.expert_ranks,
-                            token_budget=a.chunk_len, chunk_len=a.chunk_len, max_prompt_len=max(512, a.prompt),
-                            long_prompt_lane=lane, timeout_s=600)
+        try:
+            cfg = runtime_config_from_args(a, long_prompt_lane=lane, timeout_s=600)
+        except ValueError as e:
+            p.error(str(e))
         with tempfile.TemporaryDirectory() as stats:
             f = EmulatedFactory(base, a.profile, a.emulate_model, time_scale=a.time_scale, token_scale=a.token_scale,
                                 num_expert_ranks=a.expert_ranks, attention_tp=a.attention_tp, stats_dir=stats)
