@@ -76,7 +76,8 @@ def test_the_lane_wait_bound_is_one_name_in_seconds_on_every_command_line():
 
 def test_bad_values_name_the_flag_and_the_value():
     p = _parser()
-    for argv, words in ((["--token-budget", "0"], "--token-budget 0:"), (["--lane-wait-s", "-1"], "--lane-wait-s -1.0:"),
+    for argv, words in ((["--token-budget", "0"], "--token-budget 0:"),
+                        (["--lane-wait-s", "-1"], "--lane-wait-s -1.0:"),
                         (["--lane-groups", "1"], "--lane-groups 1:"), (["--lane-tokens", "0"], "--lane-tokens 0:"),
                         (["--expert-deadline-s", "nan"], "--expert-deadline-s nan:")):
         with pytest.raises(ValueError) as e:

@@ -36,9 +36,9 @@ import torch
 from .lane import LANE_WORDS
 from .policies import Chunk, check_linear_weight
 
-__all__ = ["ModelInfo", "RuntimeConfig", "SHARED_FIELDS", "ASYNC_FIELDS", "SYNC_FIELDS", "PromptRequest", "RunResult", "HDR", "STOP", "CANCEL", "encode_chunk",
-           "decode_chunk", "encode_cancel", "decode_cancel", "encode_result", "decode_result", "Channels", "WorkerStats",
-           "BATCH_BUCKETS", "request_mailbox"]
+__all__ = ["ModelInfo", "RuntimeConfig", "SHARED_FIELDS", "ASYNC_FIELDS", "SYNC_FIELDS", "PromptRequest",
+           "RunResult", "HDR", "STOP", "CANCEL", "encode_chunk", "decode_chunk", "encode_cancel", "decode_cancel",
+           "encode_result", "decode_result", "Channels", "WorkerStats", "BATCH_BUCKETS", "request_mailbox"]
 
 STOP = -1  # tag of the front end's "no more requests" message
 CANCEL = -2  # tag of the front end's "drop this request" message (payload: [request id])

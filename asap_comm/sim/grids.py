@@ -89,7 +89,7 @@ def async_grid(devices: int, experts, tps, chunks, heads: int, budgets=(16384,),
 def with_lane_wait(asyncs, slo_s: float, factors=(None,)) -> list:
     """ASAP candidates with each of the lane's wait bounds (``RuntimeConfig.lane_wait_s``) searched, given as
     multiples of the SLO (``headline --lane-wait-slo``; None: wait for room, the runtime's default), so that a
-    search re-run under another SLO scales the bound with it (``examples/prefill.py --lane-wait-slo`` is 2 by default)."""
+    search re-run under another SLO scales the bound with it (``examples/prefill.py --lane-wait-slo``: 2)."""
     out = []
     for d in asyncs:
         for f in factors:

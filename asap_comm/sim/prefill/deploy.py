@@ -61,7 +61,8 @@ def build_parser(description: str = "MoE prefill, ASAP against the synchronous D
     p.add_argument("--model", default="small", help="model preset (tiny, small) or a checkpoint directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights, the trace and the prompts")
     p.add_argument("--modes", default="async,sync", help="comma-separated modes to run: async (ASAP), sync (baseline)")
-    p.add_argument("--out", default="runs/prefill", help="directory for summary.json, ttft.png and timeline_<mode>.json")
+    p.add_argument("--out", default="runs/prefill",
+                   help="directory for summary.json, ttft.png and timeline_<mode>.json")
     load = p.add_argument_group("load")
     load.add_argument("--trace", default="synthetic",
                       help="the load: 'synthetic' (Gamma-bursty arrivals, log-normal prompt lengths), 'mooncake' or "
