@@ -14,8 +14,8 @@ The four halves, each a one-sided operation on pre-sized symmetric buffers::
         (a, slot), then a descriptor is sent     out = f(b)  # [n, H]
         to r's inbox                         <──  ex.combine_send(b, out)
     y = att.combine_recv(h)                          rows go straight into a's combine
-        waits for slot's counter only,               area at the offset a assigned, then
-        reduces the returned rows                    a's slot counter is bumped (release)
+        waits for slot's counters only,              area at the offset a assigned, then
+        reduces the returned rows                    a's (slot, r) counter is bumped (release)
 
 Why it cannot deadlock (docs/design.md, "A buffer layout that cannot deadlock"):
 
@@ -27,8 +27,10 @@ Why it cannot deadlock (docs/design.md, "A buffer layout that cannot deadlock"):
   descriptor send never waits;
 * the attention rank knows, at dispatch, how many rows each expert rank will
   return and gives each its own offset in the combine area, so
-  ``combine_send`` writes without coordination and bumps a counter;
-* ``combine_recv`` waits on its own slot's counter, nothing else.
+  ``combine_send`` writes without coordination and bumps a counter (one per
+  slot and expert rank ``r``: who returned is known, which expert failover
+  needs, docs/failover.md);
+* ``combine_recv`` waits on its own slot's counters, nothing else.
 
 So with at most S handles outstanding per attention rank, every
 ``dispatch_send`` and ``combine_send`` completes whether or not any attention

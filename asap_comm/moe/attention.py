@@ -67,6 +67,7 @@ class AttentionEnd:
         self._owner = [A + r for r in range(E)]  # the PE serving expert rank r (a spare once r's PE died)
         self._keep = plan.num_spare_ranks > 0  # keep each handle's inputs until combine_recv, to send a part again
         self.resent = 0  # parts sent again to a replacement (replace)
+        self.lost: set = set()  # with spares: expert PEs found dead by wait_ready, not yet replaced
         self._finished = False
 
     @property
@@ -258,16 +259,17 @@ class AttentionEnd:
 
     def wait_ready(self, handle: DispatchHandle, timeout: float) -> bool:
         """Wait at most ``timeout`` s until :meth:`is_ready` (``handle`` stays outstanding: read it with
-        :meth:`combine_recv`). Returns whether it is ready; raises ``PeerFailure`` if a PE it waits on died,
-        unless the group has spare expert PEs: then it returns False at once (the PE's replacement, once
-        :meth:`replace` names it, answers instead)."""
+        :meth:`combine_recv`). Returns whether it is ready; raises ``PeerFailure`` if a PE died. With spare
+        expert PEs only the death of a PE it waits on counts, and then it returns False at once and adds the
+        PE to :attr:`lost` (its replacement, once :meth:`replace` names it, answers instead)."""
         try:
             self._wait_words(handle, timeout)
         except CommTimeoutError:
             return False
-        except PeerFailure:
-            if not self._keep:
+        except PeerFailure as e:
+            if not self._keep or e.pe not in self._owner:
                 raise
+            self.lost.add(e.pe)
             return False
         return True
 
@@ -307,6 +309,7 @@ class AttentionEnd:
             raise ValueError(f"replace: expert rank r={r!r} is out of range [0, {plan.num_expert_ranks})")
         if pe not in plan.spare_pes:
             raise ValueError(f"replace: pe={pe!r} is not a spare expert PE ({list(plan.spare_pes)})")
+        self.lost.discard(self._owner[r])
         self._owner[r] = pe
         sent = 0
         done, E = self._buf.done, plan.num_expert_ranks
