@@ -44,9 +44,11 @@ def run_async(model_factory: Callable[[str, list], Any], info: ModelInfo, reques
     """Run ``requests`` through the asynchronous disaggregated runtime; return per-request results.
 
     ``model_factory(role, experts)`` (picklable; ``role`` is ``"attention"``
-    or ``"expert"``) builds each worker's model. Runs ``A + E + 1``
-    processes on this host. If a worker dies, the requests it held fail with
-    an error and the run still returns (nothing hangs; ``timeout_s`` bounds it).
+    or ``"expert"``) builds each worker's model. Runs ``A + E + S + 1``
+    processes on this host (``S = cfg.spare_expert_ranks``). If a worker dies, the requests it held fail with
+    an error and the run still returns (nothing hangs; ``timeout_s`` bounds it); an expert worker's death
+    costs nothing while a spare is left (docs/failover.md: a spare takes over its experts, every request
+    is answered; the run's timeline spans are then empty, as ``launch`` reports the dead PE).
     """
     if cfg.cp_threshold is not None:
         raise ValueError(f"run_async: cp_threshold={cfg.cp_threshold} is the baseline's context parallelism "
