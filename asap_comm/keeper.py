@@ -74,14 +74,6 @@ class Keeper:
             self._serve.append(fn)
             self._wake()
 
-    def arrive(self, key: str) -> None:
-        """Every PE but rank 0 publishes its arrival at ``key`` and goes on; rank 0 waits for all of them."""
-        if self.rank == 0:
-            for pe in range(1, self._world):
-                self._read(self.prefix, f"{key}/{pe}", f"PE {pe} at {key!r}")
-        else:
-            self._publish(self.prefix, f"{key}/{self.rank}", b"1")
-
     def formed(self) -> None:
         """The group has formed: nothing of its formation is needed any more."""
         with self._cv:

@@ -95,18 +95,13 @@ class FairRoom:
             if not self.has_room(w.tokens):  # nothing gained: put them back, as they were
                 self._put_back(reversed(out))
                 return None
-        q = self.queues.get(w.client)
-        if q is None:
-            q = self.queues[w.client] = deque()
-            self.turn.append(w.client)
-        q.append(w)
-        self.held[w.client] = self.held.get(w.client, 0) + w.tokens
-        self.tokens += w.tokens
-        self.calls += 1
+        self._put_back((w,))
         return out
 
     def _put_back(self, ws) -> None:
-        for w in ws:  # each was the newest of its client
+        """Append each of ``ws`` to its client's queue (a new waiter, or one just taken out as its client's
+        newest) and count it."""
+        for w in ws:
             q = self.queues.get(w.client)
             if q is None:
                 q = self.queues[w.client] = deque()
