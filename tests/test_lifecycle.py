@@ -1,4 +1,5 @@
-"""Segments, bootstrap failures, zombies, packaging errors."""
+"""Segments, bootstrap failures, zombies, packaging errors; launch scripts without a main guard, ranks that
+outlive a killed launcher, a second init on an open address, collective calls made on only some PEs."""
 import os
 import stat
 import subprocess
@@ -9,10 +10,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed import TCPStore
 
 import asap_comm
-from asap_comm import _C, PeerFailure
+from asap_comm import _C, CommError, PeerFailure
+from asap_comm.testing.service import alive
 from distributed_utils import run, shm_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,3 +152,124 @@ def test_launch_leader_outlives_a_dead_worker_and_stops_the_rest(tmp_path):
     assert not Path(str(note) + ".late").exists(), "the sleeping worker was not stopped after the leader ended"
     with pytest.raises(ValueError, match="leader=3"):
         asap_comm.launch(_leader_group, 3, str(note), leader=3)
+
+
+# --------------------------------------------------------------------------
+# launch: an unguarded script says so; ranks die with a launcher killed by a signal
+# --------------------------------------------------------------------------
+@pytest.mark.slow
+def test_launch_without_main_guard_says_so(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        import asap_comm
+
+        def work(comm):
+            return comm.rank
+
+        print(asap_comm.launch(work, 2, timeout=60))
+    """))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert p.returncode != 0
+    assert 'no `if __name__ == "__main__":` guard' in p.stderr, p.stderr[-2000:]
+    assert "LaunchError" in p.stderr
+
+
+@pytest.mark.slow
+def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path):
+    """A launcher killed by SIGKILL (or an unhandled SIGTERM) runs no cleanup: its ranks, daemonic children, used to
+    live on, polling forever. The ranks now get SIGHUP when it dies (Linux PR_SET_PDEATHSIG) and exit, even a rank
+    that ignores SIGTERM (as a service's workers do: with SIGTERM as the signal they outlived it), after removing
+    any of the group's shared-memory segments still named (a group's segments are unlinked once every peer has
+    mapped them, so only a launcher killed while the group starts could leave one)."""
+    import glob
+    import signal
+
+    script = tmp_path / "launcher.py"
+    pids = tmp_path / "pids"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, time
+        import asap_comm
+
+        def work(comm):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as asap_comm.serving.server's workers
+            comm.empty((1024,))  # a heap segment in /dev/shm
+            with open({str(pids)!r}, "a") as f:
+                f.write(f"{{os.getpid()}} {{comm._shm_prefix}}\\n")
+            time.sleep(120)
+
+        if __name__ == "__main__":
+            asap_comm.launch(work, 2, timeout=300)
+    """))
+    log = open(tmp_path / "launcher.log", "w")
+    p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while (time.monotonic() < deadline and p.poll() is None
+               and (not pids.exists() or len(pids.read_text().splitlines()) < 2)):  # a line per rank
+            time.sleep(0.1)
+        assert pids.exists(), (tmp_path / "launcher.log").read_text()[-3000:]
+        lines = [x.split() for x in pids.read_text().splitlines()]
+        ranks = [int(pid) for pid, _ in lines]
+        (prefix,) = {pfx for _, pfx in lines}
+        assert len(ranks) == 2
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        log.close()
+
+    deadline = time.monotonic() + 30  # hang guard only: the signal arrives at once
+    while time.monotonic() < deadline and any(alive(r) for r in ranks):
+        time.sleep(0.1)
+    left = [r for r in ranks if alive(r)]
+    for r in left:
+        os.kill(r, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher"
+    segments = glob.glob(f"/dev/shm/{prefix}*")
+    for path in segments:
+        os.unlink(path)
+    assert not segments, f"the killed launcher's group left {segments}"
+
+
+# --------------------------------------------------------------------------
+# a second init on the same address, collective calls made on only some PEs
+# --------------------------------------------------------------------------
+def test_second_init_on_the_same_address_names_the_open_communicator():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with asap_comm.init(0, 1, master_addr="127.0.0.1", master_port=port, timeout=5) as c:
+        with pytest.raises(CommError, match=rf"init: a communicator is already open on 127.0.0.1:{port} in this "
+                                            rf"process \(id {c.id}, rank 0 of 1"):
+            asap_comm.init(0, 1, master_addr="127.0.0.1", master_port=port, timeout=5)
+        assert not c.closed
+
+
+def _mismatched(comm, kind):
+    comm.zeros((4,))
+    if kind == "different":
+        if comm.rank == 0:
+            comm.zeros((8,), torch.float64)
+        else:
+            comm.signals(2)
+    else:  # only PE 0 makes the call
+        if comm.rank == 0:
+            comm.signals(3)
+        else:
+            time.sleep(3)
+    return "returned"
+
+
+@pytest.mark.slow
+def test_collective_call_mismatch_names_the_calls():
+    with pytest.raises(asap_comm.LaunchError) as ei:
+        run(_mismatched, 2, "different")
+    text = str(ei.value)
+    assert "collective calls do not match" in text
+    assert "zeros(shape=(8,), dtype=torch.float64)" in text and "signals(n=2)" in text
+    with pytest.raises(asap_comm.LaunchError) as ei:
+        run(_mismatched, 2, "missing", comm_timeout=1.0)
+    text = str(ei.value)
+    assert "signals: collective call #2, signals(n=3), did not complete" in text
+    assert "PE 1 has made 1 collective calls (its last: zeros(shape=(4,), dtype=torch.float32))" in text

@@ -1,5 +1,6 @@
-"""Cheapest tier: one PE in this process. Argument checking, errors, timeouts,
-mailbox header validation, torch ops registration. No spawn."""
+"""Cheapest tier: one PE in this process. Argument checking, errors, timeouts (numbers only; what a timeout
+awaited), mailbox header validation and back-pressure at capacity, prepared handles' keyword forms, torch ops
+registration. No spawn."""
 import builtins
 
 import pytest
@@ -500,3 +501,98 @@ def test_one_native_form_per_primitive_and_one_error_text_per_failure(comm1):
     assert {error(f) for f in closed} == {(asap_comm.CommError, "put_signal: the communicator is closed")}
     closed_waits = [lambda: c.signal_wait_until(s2, 0, ">=", 1), lambda: w(1)]
     assert {error(f) for f in closed_waits} == {(asap_comm.CommError, "signal_wait_until: the communicator is closed")}
+
+
+# --------------------------------------------------------------------------
+# a one-slot mailbox: back-pressure at capacity, slots reused in ring order
+# --------------------------------------------------------------------------
+def test_one_slot_mailbox_back_pressure(comm1):
+    box = comm1.mailbox(64, 1)
+    box.send(0, torch.ones(2))
+    with pytest.raises(asap_comm.TimeoutError, match="send: waiting for a free slot in PE 0's inbox"):
+        box.send(0, torch.ones(2), timeout=0.02)  # full at capacity 1
+    m = box.recv(timeout=1)
+    with pytest.raises(asap_comm.TimeoutError):
+        box.send(0, torch.ones(2), timeout=0.02)  # received but not released: still occupied
+    m.release()
+    box.send(0, torch.full((2,), 7.0), tag=3, timeout=0.02)
+    with box.recv(timeout=1) as m2:
+        assert m2.tag == 3 and m2.tensor.tolist() == [7.0, 7.0]
+    assert box.poll() is None
+
+
+def test_slots_are_reused_in_ring_order(comm1):
+    """Documented back-pressure: message p waits for the release of message p - num_slots, even if a later one
+    was released first (found by the model-based tier)."""
+    box = comm1.mailbox(64, 2)
+    box.send(0, torch.tensor([0]))
+    box.send(0, torch.tensor([1]))
+    m0, m1 = box.recv(timeout=1), box.recv(timeout=1)
+    m1.release()
+    with pytest.raises(asap_comm.TimeoutError):
+        box.send(0, torch.tensor([2]), timeout=0.02)  # position 2 reuses message 0's slot, still held
+    assert m0.tensor.tolist() == [0]  # the held view is intact
+    m0.release()
+    box.send(0, torch.tensor([2]), timeout=0.02)
+    box.send(0, torch.tensor([3]), timeout=0.02)
+    assert [box.recv(timeout=1).tensor.tolist() for _ in range(2)] == [[2], [3]]
+
+
+# --------------------------------------------------------------------------
+# prepared handles take the documented keyword forms
+# --------------------------------------------------------------------------
+def test_prepared_handles_take_keywords(comm1):
+    box = comm1.mailbox(64, 4)
+    t = torch.arange(4, dtype=torch.float32)
+    f = box.prepare_send(0, t, tag=0)
+    f(tag=9)
+    f(5)
+    f()
+    assert [box.recv(timeout=1).tag for _ in range(3)] == [9, 5, 0]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tg'"):
+        f(tg=1)
+    with pytest.raises(TypeError, match="at most one argument"):
+        f(1, tag=2)
+    x = comm1.zeros((4,))
+    sig = comm1.signals(1)
+    p = comm1.prepare_put_signal(x, t, 0, sig, 0, "add")
+    p(value=5)
+    p(2)
+    assert comm1.signal_fetch(sig, 0) == 7 and torch.equal(x, t)
+    w = comm1.prepare_signal_wait(sig, 0, ">=", timeout=0.05)
+    assert w(value=7) == 7 and w(3) == 7
+    with pytest.raises(TypeError, match="unexpected keyword argument 'v'"):
+        w(v=1)
+    with pytest.raises(TypeError, match="missing the argument value"):
+        p()
+    with pytest.raises(asap_comm.TimeoutError):
+        w(value=8)
+
+
+# --------------------------------------------------------------------------
+# timeouts must be numbers; a recv timeout says what was awaited
+# --------------------------------------------------------------------------
+def test_timeouts_must_be_numbers(comm1):
+    sig = comm1.signals(1)
+    box = comm1.mailbox(64, 2)
+    calls = {
+        "signal_wait_until": lambda: comm1.signal_wait_until(sig, 0, "==", 0, timeout="1"),
+        "barrier": lambda: comm1.barrier(timeout="1"),
+        "recv": lambda: box.recv(timeout="1"),
+        "send": lambda: box.send(0, torch.ones(1), timeout="1"),
+        "prepare_signal_wait": lambda: comm1.prepare_signal_wait(sig, 0, "==", timeout="1"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=f"{name}: timeout must be a number of seconds or None, got '1'"):
+            call()
+    with pytest.raises(TypeError, match="signal_wait_until: timeout must be a number"):
+        comm1.signal_wait_until(sig, 0, "==", 0, timeout=True)
+    assert box.poll() is None  # nothing was sent by the rejected call
+
+
+def test_recv_timeout_says_what_was_awaited(comm1):
+    box = comm1.mailbox(64, 2)
+    with pytest.raises(asap_comm.TimeoutError) as ei:
+        box.recv(timeout=0.01)
+    text = str(ei.value)
+    assert text.startswith("recv: waiting for a message in PE 0's inbox") and "last value seen" not in text
