@@ -300,3 +300,11 @@ def test_rerun_rebuilds_the_winners_and_refuses_a_json_it_does_not_reproduce():
     timelines, rows = figures.rerun_headline(data, res)
     assert set(timelines) == {"async", "sync"} and all(timelines.values())
     assert set(rows[0]["async"]) >= {"ttft_p99_s"} and rows[0]["sync"]["ttft_p99_s"] > 0
+
+
+def test_a_baseline_only_example_says_so():
+    c = {"model": "tiny", "modes": "sync", "trace": "mooncake", "num_requests": 240, "attention_ranks": 2,
+         "expert_ranks": 4, "attention_tp": 8, "expert_dies": 4, "sync_tp": 8, "sync_ranks": None,
+         "emulate": "ascend-910c-cm384", "emulate_model": "deepseek-v3", "token_scale": 128, "time_scale": 0.35}
+    facts = figures.example_facts({"config": c, "slo": {"ttft_s": 3.4}, "runs": []})
+    assert "baseline only" in facts.what and "ASAP" not in facts.hardware and "baseline 32" in facts.hardware

@@ -134,25 +134,32 @@ def example_facts(summary: dict) -> RunFacts:
     A, E = c.get("attention_ranks"), c.get("expert_ranks")
     slo = summary.get("slo") or {}
     trace = f"{c.get('trace', '?')}, {c.get('num_requests', '?')} requests per load"
+    modes = [m for m in ("async", "sync") if m in str(c.get("modes", "async,sync")).split(",")] or ["async", "sync"]
+    who = {"async": "ASAP (async) only", "sync": "synchronous DP+EP baseline only"}.get(
+        modes[0] if len(modes) == 1 else "", "ASAP (async) vs synchronous DP+EP")
     if c.get("emulate"):
         tp, ed, stp = c.get("attention_tp", 1), c.get("expert_dies", 1), c.get("sync_tp", 1)
         mem = summary.get("memory") or {}
         a_dies = {x["role"]: x["dies"] for x in mem.get("async", [])} or {"attention": A * tp, "expert": E * ed}
         s_dies = sum(x["dies"] for x in mem.get("sync", [])) or (c.get("sync_ranks") or (A * tp + E * ed) // stp) * stp
         ts = c.get("token_scale", 1)
-        hw = (f"emulated {c['emulate']} dies: ASAP {a_dies.get('attention')} attention ({A} groups x TP{tp}) + "
-              f"{a_dies.get('expert')} expert, baseline {s_dies} ({s_dies // stp} DP groups x TP{stp}); each served "
-              f"token stands for {ts:g} emulated tokens; times x{c.get('time_scale', 1):g}")
+        sides = {"async": f"ASAP {a_dies.get('attention')} attention ({A} groups x TP{tp}) + "
+                          f"{a_dies.get('expert')} expert",
+                 "sync": f"baseline {s_dies} ({s_dies // stp} DP groups x TP{stp})"}
+        hw = (f"emulated {c['emulate']} dies: {', '.join(sides[m] for m in modes)}; each served token stands for "
+              f"{ts:g} emulated tokens; times x{c.get('time_scale', 1):g}")
         model = f"{c.get('emulate_model', '?')} emulated (served: {c.get('model', '?')})"
         unit = f"served prompt tokens/s (x{ts:g} emulated)"
-        what = "emulated: ASAP (async) vs synchronous DP+EP, real runtime"
+        what = f"emulated: {who}, real runtime"
         ls = c.get("length_scale")
         if ls not in (None, 1, 1.0):
             inv = 1 / ls
             trace += f", lengths / {inv:g}" if abs(inv - round(inv)) < 1e-9 else f", lengths x{ls:g}"
     else:
-        hw = f"this host: ASAP {A} attention + {E} expert processes, baseline {c.get('sync_ranks') or A + E} processes"
-        model, unit, what = c.get("model", "?"), "prompt tokens/s", "measured: ASAP (async) vs synchronous DP+EP"
+        sides = {"async": f"ASAP {A} attention + {E} expert processes",
+                 "sync": f"baseline {c.get('sync_ranks') or A + E} processes"}
+        hw = f"this host: {', '.join(sides[m] for m in modes)}"
+        model, unit, what = c.get("model", "?"), "prompt tokens/s", f"measured: {who}"
     return RunFacts(what=what, hardware=hw, model=model, trace=trace, load_unit=unit, slo_s=slo.get("ttft_s"),
                     percentile=_pct(slo.get("percentile")))
 

@@ -188,7 +188,7 @@ def slo_throughput(path: Path, runs: list, facts: RunFacts, *, recorded: "dict |
                if r["offered_tokens_per_s"] not in probes]
         top = [y for y in top if y > 0]
         ax.set_ylim(min(top + [lo]) / 1.3, max(top + [hi]) * 1.3)
-    ax.set_ylabel(f"served ({facts.load_unit})", fontsize=9)
+    ax.set_ylabel(f"served ({facts.load_unit.split(' (')[0]})", fontsize=9)  # the unit's note is on the x axis
     bx.set_ylabel(f"TTFT {_pname(key)} (s)", fontsize=9)
     bx.set_xlabel(f"offered load ({facts.load_unit})")
     handles, labels = ax.get_legend_handles_labels()
