@@ -2,7 +2,8 @@
 
 ``ToyCost`` answers every question ``asap_comm.sim.simulate`` asks a cost model (``CostModel``'s methods),
 tensor- and context-parallel aware, with the link latency ``LINK``. ``SHAPES`` and ``CFG`` are the small model
-and runtime configuration the hand-computed cases use.
+and runtime configuration the hand-computed cases use. ``sim_cli`` runs ``python -m asap_comm.sim ARGV`` in this
+process.
 """
 from types import SimpleNamespace
 
@@ -52,3 +53,15 @@ class ToyCost:
 SHAPES = SimpleNamespace(num_experts=4, top_k=2, hidden=8, heads=4, moe_layers=(False, True, True))
 CFG = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=64, chunk_len=64, max_prompt_len=64,
                     expert_batching=False)
+
+
+def sim_cli(argv, capsys) -> tuple:
+    """Run ``python -m asap_comm.sim ARGV`` in this process: (exit code, stdout, stderr)."""
+    from asap_comm.sim.__main__ import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err

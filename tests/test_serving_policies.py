@@ -1,8 +1,9 @@
 """The scheduling policies shared by the runtime and the simulator (pure functions and objects)."""
 import pytest
 
-from asap_comm.serving.policies import (Chunk, ExpertBatcher, MicroBatcher, Placer, attention_cost,
+from asap_comm.serving.policies import (LINEAR_WEIGHT, Chunk, ExpertBatcher, MicroBatcher, Placer, attention_cost,
                                         split_prompt)
+from asap_comm.serving.protocol import RuntimeConfig
 
 
 def test_attention_cost_by_hand():
@@ -160,3 +161,30 @@ def test_micro_batcher_cancel_drops_queued_chunks_and_forgets_a_running_request(
     assert not mb.running(1) and mb.next_batch() == []
     mb.add(split_prompt(1, 3, None)[0])  # a reused id starts from chunk 0 again: nothing was left behind
     assert [c.request_id for c in mb.next_batch()] == [1]
+
+
+# ----------------------------------------------------------------------------- the placer's linear weight
+def test_placer_uses_its_linear_weight():
+    short = [Chunk(0, 0, 0, 100, 1)]
+    long_ = [Chunk(1, 0, 0, 400, 1)]
+    for w in (0.0, 5000.0):
+        p = Placer(2, linear_weight=w)
+        p.place(1, long_)
+        assert p.outstanding[0] == attention_cost(400, 0, w)
+    assert Placer(2).linear_weight == LINEAR_WEIGHT
+    # rank 0 holds one prompt of 400 tokens; prompts of 100 follow. Counting pairs only (weight 0) a 100-token
+    # prompt is 1/16 of the long one, so the first 6 all go to rank 1; at weight 5000 one is about 1/4: the 6th
+    # goes back to rank 0
+    heavy, light = Placer(2, linear_weight=5000.0), Placer(2, linear_weight=0.0)
+    placed = {}
+    for name, p in (("heavy", heavy), ("light", light)):
+        p.place(1, long_)
+        placed[name] = [p.place(i, [Chunk(i, 0, 0, 100, 1)]) for i in range(2, 8)]
+    assert placed["light"] == [1] * 6
+    assert placed["heavy"] == [1] * 5 + [0]
+    assert Placer(2, linear_weight=5000.0).place(0, short) == 0
+    for bad in (-1.0, float("nan"), "512", True):
+        with pytest.raises(ValueError, match="linear_weight"):
+            Placer(2, linear_weight=bad)
+        with pytest.raises(ValueError, match="placer_linear_weight"):
+            RuntimeConfig(placer_linear_weight=bad)

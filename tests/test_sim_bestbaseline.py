@@ -15,7 +15,7 @@ from asap_comm.sim.shapes import ModelShapes
 from asap_comm.sim.simulate import Parallelism, simulate
 from asap_comm.sim.study import Deployment, search_best, spread_buckets
 
-from sim_fakes import CFG, LINK, SHAPES, ToyCost
+from sim_fakes import CFG, LINK, SHAPES, ToyCost, sim_cli
 from test_sim_costs import ROUND, close
 
 
@@ -355,21 +355,9 @@ def test_grids_keep_the_device_count_and_spread_buckets():
 
 
 # ----------------------------------------------------------------------------------------- command line
-def _cli(argv, capsys) -> tuple:
-    """Run ``python -m asap_comm.sim ARGV`` in this process: (exit code, stdout, stderr)."""
-    from asap_comm.sim.__main__ import main
-
-    try:
-        rc = main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 @pytest.mark.slow
 def test_cli_flags_parse(tmp_path, capsys):
-    rc, _, err = _cli(["run", "--out", str(tmp_path), "--profile", "h800-node", "--model", "tiny",
+    rc, _, err = sim_cli(["run", "--out", str(tmp_path), "--profile", "h800-node", "--model", "tiny",
                        "--attention-ranks", "2", "--attention-tp", "2", "--expert-ranks", "2", "--sync-tp", "2",
                        "--cp-threshold", "300", "--sync-overlap", "--slo", "0.5", "--slo-percentile", "80",
                        "--num-requests", "30", "--rates", "20"], capsys)
@@ -381,9 +369,9 @@ def test_cli_flags_parse(tmp_path, capsys):
     for bad, msg in ((["--slo-percentile", "0"], "--slo-percentile"), (["--slo", "-1"], "--slo"),
                      (["--sync-tp", "3"], "--sync-tp 3 does not divide"),
                      (["--profile", "local", "--attention-tp", "2"], "dedicated devices")):
-        rc, _, err = _cli(["run", "--out", str(tmp_path), "--model", "tiny", *bad], capsys)
+        rc, _, err = sim_cli(["run", "--out", str(tmp_path), "--model", "tiny", *bad], capsys)
         assert rc == 2 and msg in err, (bad, err)
-    rc, out, _ = _cli(["headline", "--help"], capsys)
+    rc, out, _ = sim_cli(["headline", "--help"], capsys)
     assert rc == 0
     for flag in ("--attention-tp", "--sync-tp", "--cp-threshold", "--slo ", "--slo-percentile", "--expert-ranks",
                  "--chunk-len", "--sync-overlap", "--slo-factors", "--devices"):
@@ -391,5 +379,5 @@ def test_cli_flags_parse(tmp_path, capsys):
     for bad, msg in ((["--sync-tp", "0"], "--sync-tp"), (["--cp-threshold", "x"], "--cp-threshold"),
                      (["--slo-percentile", "101"], "--slo-percentile"), (["--sync-overlap", "maybe"], "--sync-overlap"),
                      (["--slo", "soon"], "--slo")):
-        rc, _, err = _cli(["headline", "--out", str(tmp_path), *bad], capsys)
+        rc, _, err = sim_cli(["headline", "--out", str(tmp_path), *bad], capsys)
         assert rc == 2 and msg in err, (bad, err)

@@ -1,4 +1,5 @@
-"""asap_comm.sim cost models: hand-computed values, monotonicity, errors, shipped data, calibrate."""
+"""asap_comm.sim cost models: hand-computed values, monotonicity, errors, shipped data, calibrate, the placer's
+linear weight, and the host probe that refuses a host disagreeing with its profile."""
 import copy
 import glob
 import json
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from asap_comm.serving.policies import LINEAR_WEIGHT
 from asap_comm.sim.costs import COMPUTE_OPS, CostModel, Profile, known_profiles
 from asap_comm.sim.shapes import ModelShapes, known_presets
 
@@ -318,3 +320,73 @@ def test_sim_cost_modules_import_no_models():
             "bad = [m for m in sys.modules if m == 'models' or m.startswith(('models.', 'asap_models'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ----------------------------------------------------------------------------- the placer's linear weight from the cost model
+def test_placer_linear_weight_from_the_cost_model():
+    w910 = CostModel.load("ascend-910c-cm384", "deepseek-v3").placer_linear_weight()
+    wh800 = CostModel.load("h800-node", "deepseek-v3").placer_linear_weight()
+    wsmall = CostModel.load("local", "small").placer_linear_weight()
+    # deepseek-v3's per-token linear work is thousands of query-key pairs (its projections alone: ~340 MFLOP a
+    # token against 82 kFLOP a pair), several times the old constant
+    assert 3 * LINEAR_WEIGHT < w910 < 20 * LINEAR_WEIGHT and 3 * LINEAR_WEIGHT < wh800 < 20 * LINEAR_WEIGHT
+    assert 0 < wsmall < w910
+    # tensor parallelism splits the core by heads but replicates the down-projections: the weight grows with tp
+    c = CostModel.load("ascend-910c-cm384", "deepseek-v3")
+    assert c.placer_linear_weight(1) < c.placer_linear_weight(2) < c.placer_linear_weight(8)
+    with pytest.raises(ValueError, match="tp=3"):
+        c.placer_linear_weight(3)
+
+
+# ----------------------------------------------------------------------------- the host probe (local regime): a host that disagrees with its profile is refused
+def _fitted_here(tmp_path, probe=None):
+    """The committed local profile, marked as fitted on this host (its fingerprint matches)."""
+    from asap_comm.sim.calibrate import host_fingerprint
+    from asap_comm.sim.costs import Profile
+
+    data = dict(Profile.load("local").data)
+    data["fit"] = {**(data.get("fit") or {}), "host_fingerprint": host_fingerprint()}
+    if probe is not None:
+        data["probe"] = probe
+    path = tmp_path / "profile_here.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_probe_verdict_catches_a_host_twice_as_slow(tmp_path):
+    from asap_comm.sim.costs import Profile
+    from asap_comm.sim.probe import probe_verdict
+
+    shapes = ModelShapes.load("small")
+    ref = {"swiglu": {"16": 1e-4, "256": 2e-3}, "p2p": {"1": 1e-4, "256": 4e-4}}
+    prof = Profile.load(_fitted_here(tmp_path, probe=ref))
+    same = probe_verdict({k: {n: 1.1 * t for n, t in v.items()} for k, v in ref.items()}, prof, shapes)
+    assert same["agrees"] and same["reason"] is None and "recorded" in same["reference"]
+    slow = probe_verdict({"swiglu": {n: 2 * t for n, t in ref["swiglu"].items()}, "p2p": ref["p2p"]}, prof, shapes)
+    assert not slow["agrees"] and "swiglu" in slow["worst"] and "2.00x" in slow["reason"]
+    # without a recorded probe: the profile's own predictions are the reference
+    cm = CostModel(Profile.load("local"), shapes)
+    pred = probe_verdict({"swiglu": {"256": cm.expert_s(256)}}, Profile.load("local"), shapes)
+    assert pred["agrees"] and pred["ratios"] == {"swiglu 256": pytest.approx(1.0)}
+    with pytest.raises(ValueError, match="tolerance"):
+        probe_verdict(ref, prof, shapes, tolerance=1.0)
+
+
+def test_probe_host_times_the_operators():
+    from asap_comm.sim.probe import probe_host
+
+    m = probe_host(ModelShapes.load("small"), p2p=False, reps=3)
+    assert set(m["swiglu"]) == {"16", "256"} and all(t > 0 for t in m["swiglu"].values())
+    assert m["swiglu"]["256"] > m["swiglu"]["16"]  # 16x the rows: more work, whatever the host
+
+
+def test_validate_refuses_a_host_that_disagrees(tmp_path, monkeypatch):
+    import asap_comm.sim.probe as probe
+    from asap_comm.sim.validate import validate
+
+    ref = {"swiglu": {"16": 1e-4, "256": 2e-3}, "p2p": {"1": 1e-4, "256": 4e-4}}
+    path = _fitted_here(tmp_path, probe=ref)
+    monkeypatch.setattr(probe, "probe_host", lambda shapes, **kw: {
+        "swiglu": {n: 2.5 * t for n, t in ref["swiglu"].items()}, "p2p": ref["p2p"], "wall_s": 0.1})
+    with pytest.raises(ValueError, match="disagrees with the profile.*swiglu.*2.50x"):
+        validate(tmp_path / "v", profile=path, recalibrate=False, progress=False)

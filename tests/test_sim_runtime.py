@@ -1,8 +1,12 @@
 """The simulated runtime: exact accounting on hand-computed cases, the runtime's own policy objects,
-balanced vs skewed loads, and the command line (run, validate, headline) on small configurations."""
+balanced vs skewed loads, every ablation flag's effect (direction and bounds, not this host's timings), the
+placer's weight, and the command line (run and its cluster/local defaults, validate, headline and its search
+breadth) on small configurations."""
+import dataclasses
 import glob
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -18,7 +22,7 @@ from asap_comm.sim.costs import CostModel
 from asap_comm.sim.shapes import ModelShapes
 from asap_comm.sim.simulate import rows_per_rank_fraction, simulate
 
-from sim_fakes import CFG, LINK, SHAPES, ToyCost
+from sim_fakes import CFG, LINK, SHAPES, ToyCost, sim_cli
 
 
 def test_rows_per_rank_fraction():
@@ -250,3 +254,182 @@ def test_in_situ_runtime_factors_apply_where_documented():
     data["runtime"] = {"warp_factor": 1}
     with pytest.raises(ValueError, match="unknown field 'runtime.warp_factor'"):
         CostModel(Profile(data, "x.json"), ModelShapes.preset("small"))
+
+
+# ----------------------------------------------------------------------------- ablations: every optimization flag changes the simulation, in the expected direction
+# a small skewed load on 8 attention + 16 expert 910C dies, deepseek-v3: 80 requests, log-normal lengths (median
+# 4000, sigma 1.2: a few prompts of tens of thousands of tokens), bursty arrivals at 3 req/s (a queue builds)
+# (the four optimizations of the paper, each against all four; the long-prompt lane, off here, has its own tests in
+# test_sim_lane.py: with it on, this load's mean TTFT is 11.0 s with ping-pong and 10.8 s without)
+CLUSTER = RuntimeConfig(num_attention_ranks=8, num_expert_ranks=16, token_budget=16384, chunk_len=16384,
+                        max_prompt_len=131072, expert_token_budget=32768, expert_deadline_s=0.001,
+                        long_prompt_lane=False)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.load("deepseek-v3")
+    trace = synthetic_trace(3.0, num_requests=80, arrival="gamma", cv=2.0,
+                            lengths=LogNormalLengths(4000, 1.2, 1, 131072), seed=1)
+    out = {}
+    for name, kw in (("all", {}), ("barrier_free", {"barrier_free": False}), ("ping_pong", {"ping_pong": False}),
+                     ("load_aware", {"load_aware": False}), ("expert_batching", {"expert_batching": False})):
+        res = simulate("async", trace, cost, shapes, dataclasses.replace(CLUSTER, **kw), spans=True)
+        s = summarize_run(res.records, 1.0).as_dict()
+        assert s["num_failed"] == 0, name
+        ttfts = [r.ttft_s for r in res.records]
+        ex = [r for r in res.ranks if r["role"] == "expert"][0]
+        out[name] = {"mean": sum(ttfts) / len(ttfts), "p90": s["ttft_p90_s"], "makespan": res.makespan_s,
+                     "expert_jobs": ex["jobs"], "expert_busy": ex["busy_s"], "spans": res.spans}
+    return out
+
+
+def test_no_barrier_free_is_a_barrier_and_costs(cluster):
+    on, off = cluster["all"], cluster["barrier_free"]
+    assert off["mean"] > 1.5 * on["mean"] and off["makespan"] > on["makespan"]
+    # the ranks wait at barriers only in the ablation
+    assert any(label == "barrier" for _, label, _, _ in off["spans"])
+    assert not any(label == "barrier" for _, label, _, _ in on["spans"])
+
+
+def test_no_ping_pong_and_no_load_aware_cost(cluster):
+    on = cluster["all"]
+    assert cluster["ping_pong"]["mean"] > on["mean"]
+    assert cluster["load_aware"]["mean"] > on["mean"] and cluster["load_aware"]["p90"] > on["p90"]
+
+
+def test_no_expert_batching_runs_more_smaller_expert_batches():
+    """Many short micro-batches from 32 attention ranks (the regime optimization 4 is for): without it the expert
+    rank computes every arrival on its own (ExpertBatcher(enabled=False) takes one at a time), so it runs more
+    batches, is busier (each batch reads the experts' weights again) and the queue it builds costs TTFT."""
+    cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.load("deepseek-v3")
+    cfg = dataclasses.replace(CLUSTER, num_attention_ranks=32, token_budget=2048, chunk_len=2048)
+    trace = synthetic_trace(50.0, num_requests=150, arrival="poisson", lengths=LogNormalLengths(1000, 0.5, 1, 8192),
+                            seed=1)
+    out = {}
+    for on in (True, False):
+        res = simulate("async", trace, cost, shapes, dataclasses.replace(cfg, expert_batching=on))
+        ex = [r for r in res.ranks if r["role"] == "expert"][0]
+        out[on] = (ex["jobs"], ex["busy_s"], sum(r.ttft_s for r in res.records) / len(res.records))
+    assert out[False][0] > 1.2 * out[True][0] and out[False][1] > 1.2 * out[True][1]
+    assert out[False][2] > 1.5 * out[True][2]
+
+
+def test_lockstep_with_one_attention_rank_is_a_no_op():
+    cost, shapes = CostModel.load("h800-node", "tiny"), ModelShapes.load("tiny")
+    trace = synthetic_trace(50.0, num_requests=30, lengths=LogNormalLengths(200, 1.0, 1, 2048), seed=2)
+    cfg = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=2, max_prompt_len=2048)
+    a = simulate("async", trace, cost, shapes, cfg)
+    b = simulate("async", trace, cost, shapes, dataclasses.replace(cfg, barrier_free=False))
+    assert [r.done_s for r in a.records] == [r.done_s for r in b.records]
+
+
+# ----------------------------------------------------------------------------- the placer's weight: the cost model's, unless the configuration names one
+def test_simulator_passes_the_derived_weight_to_its_placer(monkeypatch):
+    import asap_comm.sim.simulate_async as sa
+
+    seen = []
+    real = sa.Placer
+
+    def spy(*a, **kw):
+        seen.append(kw.get("linear_weight"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sa, "Placer", spy)
+    cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.load("deepseek-v3")
+    trace = synthetic_trace(1.0, num_requests=3, lengths=LogNormalLengths(1000, 0.5, 1, 8192), seed=0)
+    simulate("async", trace, cost, shapes, CLUSTER)
+    simulate("async", trace, cost, shapes, dataclasses.replace(CLUSTER, placer_linear_weight=77.0))
+    assert seen == [pytest.approx(cost.placer_linear_weight()), 77.0]
+
+
+# ----------------------------------------------------------------------------- sim run's defaults: a cluster profile gets cluster defaults (and says so), the local one its own
+def test_run_cluster_defaults_on_a_cluster_profile(tmp_path, capsys):
+    rc, out, err = sim_cli(["run", "--out", str(tmp_path), "--profile", "h800-node", "--model", "tiny",
+                         "--num-requests", "20", "--rate", "1", "--attention-ranks", "4", "--expert-ranks", "4"],
+                        capsys)
+    assert rc == 0, err
+    assert "cluster defaults" in err and "--chunk-len 16384" in err and "--attention-ranks" not in err.split(
+        "cluster defaults")[1].split("\n")[0]
+    c = json.loads((tmp_path / "summary.json").read_text())["config"]
+    rt = c["runtime"]
+    assert (rt["chunk_len"], rt["token_budget"], rt["max_prompt_len"]) == (16384, 16384, 131072)
+    assert (rt["expert_token_budget"], rt["expert_deadline_s"]) == (32768, 0.001)
+    assert (rt["num_attention_ranks"], rt["num_expert_ranks"]) == (4, 4)  # given: kept
+    assert c["defaults"]["kind"] == "cluster" and c["model"] == "tiny"
+    for mode in ("async", "sync"):
+        assert "ttft_p90_s" in json.loads((tmp_path / "summary.json").read_text())[mode]
+
+
+def test_run_local_profile_keeps_its_defaults(tmp_path, capsys):
+    rc, _, err = sim_cli(["run", "--out", str(tmp_path), "--model", "tiny", "--num-requests", "10", "--rate", "5",
+                       "--modes", "async"], capsys)
+    assert rc == 0, err
+    c = json.loads((tmp_path / "summary.json").read_text())["config"]
+    rt = c["runtime"]
+    assert (rt["chunk_len"], rt["token_budget"], rt["max_prompt_len"], rt["num_attention_ranks"]) == (256, 256, 512, 2)
+    assert c["defaults"]["kind"] == "local" and "local defaults" in err
+    rc, _, err = sim_cli(["run", "--out", str(tmp_path), "--profile", "nowhere", "--num-requests", "5"], capsys)
+    assert rc == 2 and "--profile 'nowhere'" in err
+
+
+# ----------------------------------------------------------------------------- headline: ASAP searched as broadly as the baseline, expert deadline and budget included
+def test_headline_searches_asap_as_broadly_as_the_baseline(capsys):
+    from asap_comm.sim.headline import async_grid, main, search_breadth, sync_grid
+
+    # the defaults of `headline` (as its --help gives them)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--cp-threshold", "none,4096,8192,16384,32768"), ("--chunk-len", "4096,8192,16384"),
+                          ("--sync-chunk-len", "4096,8192,16384"), ("--expert-deadline-s", "0.0005,0.002"),
+                          ("--expert-token-budget", "16384,32768"), ("--lane-wait-slo", "none")):
+        assert re.search(rf"{flag} \S+ (?:(?!\(default:).)*\(default: {re.escape(default)}\)", help_text), (flag,
+                                                                                                         default)
+    syncs = sync_grid(64, [1, 2, 4, 8], [None, 4096, 8192, 16384, 32768], [4096, 8192, 16384], 128, [True], [16384])
+    asyncs = async_grid(64, [16, 32], [1, 2, 4, 8], [4096, 8192, 16384], 128, [16384], [0.0005, 0.002],
+                        [16384, 32768])
+    assert len(syncs) == 100 and len(asyncs) == 160
+    labels = [d.label for d in asyncs]
+    assert len(set(labels)) == len(labels)  # every searched dimension shows in the label
+    assert {d.cfg.expert_deadline_s for d in asyncs} == {0.0005, 0.002}
+    assert {d.cfg.expert_token_budget for d in asyncs} == {16384, 32768}
+    assert {(d.cfg.chunk_len, d.cfg.token_budget) for d in asyncs} == {
+        (4096, 4096), (4096, 16384), (8192, 8192), (8192, 16384), (16384, 16384)}
+    # both sides search the same chunk sizes
+    assert {d.cfg.chunk_len for d in asyncs} == {d.cfg.chunk_len for d in syncs}
+    assert all(d.devices == 64 for d in asyncs + syncs)
+    grid = {"experts": [16, 32], "attention_tp": [1, 2, 4, 8], "chunk": [4096, 8192, 16384], "budget": [16384],
+            "expert_deadline": [0.0005, 0.002], "expert_budget": [16384, 32768], "sync_tp": [1, 2, 4, 8],
+            "cp": [None, 4096, 8192, 16384, 32768], "sync_chunk": [4096, 8192, 16384], "sync_budget": [16384],
+            "overlap": [True]}
+    b = search_breadth(syncs, asyncs, grid)
+    assert (b["async"], b["sync"]) == (160, 100) and b["async_dimensions"]["expert_deadline"] == [0.0005, 0.002]
+    assert b["async_dimensions"]["lane_tokens"] == [None]  # the lane's KV pool: the longest prompt by default
+    # --lane-tokens: the lane's KV pool is one more ASAP dimension, shown in the label
+    pools = async_grid(64, [16], [8], [4096], 128, [4096], [0.0005], [16384], [None, 262144])
+    assert [d.cfg.lane_tokens for d in pools] == [None, 262144] and "lane pool 262144" in pools[1].label
+    assert "lane pool" not in pools[0].label
+    # --lane-wait-slo: the lane's wait bound, in SLOs, bound to each search's SLO and re-scaled with it
+    from asap_comm.sim.grids import rebind_lane_wait, with_lane_wait
+
+    waits = with_lane_wait(pools, 4.0, [None, 0.5, 2.0])
+    assert [(d.cfg.lane_tokens, d.cfg.lane_wait_s) for d in waits] == [
+        (None, None), (None, 2.0), (None, 8.0), (262144, None), (262144, 2.0), (262144, 8.0)]
+    assert waits[0] is pools[0] and "lane wait 8 s" in waits[2].label and "lane wait" not in waits[0].label
+    assert len({d.label for d in waits}) == 6
+    assert rebind_lane_wait(waits[2], 4.0, 10.0).cfg.lane_wait_s == pytest.approx(20.0)  # still 2 SLOs
+    assert rebind_lane_wait(waits[0], 4.0, 10.0) is waits[0] and rebind_lane_wait(syncs[0], 4.0, 1.0) is syncs[0]
+    b = search_breadth(syncs, waits, dict(grid, lane_wait_slo=[None, 0.5, 2.0]))
+    assert b["async"] == 6 and b["async_dimensions"]["lane_wait_slo"] == [None, 0.5, 2.0]
+
+
+def test_headline_rejects_bad_search_values(tmp_path, capsys):
+    for bad, msg in ((["--expert-deadline-s", "-1"], "--expert-deadline-s"), (["--expert-token-budget", "0"],
+                                                                          "--expert-token-budget"),
+                     (["--token-budget", "x"], "--token-budget"),
+                     (["--num-requests-sensitivity", "-1"], "--num-requests-sensitivity"),
+                     (["--lane-tokens", "0"], "--lane-tokens"), (["--lane-wait-slo", "-1"], "--lane-wait-slo"),
+                     (["--lane-wait-slo", "x"], "--lane-wait-slo"), (["--lane-wait-slo", ","], "--lane-wait-slo")):
+        rc, _, err = sim_cli(["headline", "--out", str(tmp_path), *bad], capsys)
+        assert rc == 2 and msg in err, (bad, err)
