@@ -266,6 +266,8 @@ class FrontEnd:
             while (m := self.box.poll()) is not None:  # results still arriving make room in no inbox, but are
                 m.release()                             # released so the ranks never wait on this one
             self.watch.check()
+            if self.failover is not None:  # an expert PE that dies while the ranks drain is still replaced
+                self.failover.check()
             time.sleep(0.0005)
 
     @property
