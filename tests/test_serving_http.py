@@ -311,7 +311,9 @@ def _tokenizer(path) -> "object":
 
 def test_sync_service_text_prompts_deadline_and_worker_death(reference, tmp_path):
     tok = _tokenizer(tmp_path / "tokenizer")
-    s = Server("--mode", "sync", "--request-timeout-s", "1.0", "--max-prompt-len", "16384",
+    # the baseline's collectives on shared memory: a dead worker is named by the survivors' waits (over gloo, the
+    # first survivor whose collective breaks is what the service hears of)
+    s = Server("--mode", "sync", "--sync-collectives", "shm", "--request-timeout-s", "1.0", "--max-prompt-len", "16384",
                "--failure-exit-s", "3", "--tokenizer", str(tmp_path / "tokenizer"), "--comm-timeout-s", "2")
     try:
         for i, n in enumerate([3, 50, 600]):
