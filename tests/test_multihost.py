@@ -23,7 +23,7 @@ import torch
 import asap_comm
 from asap_comm.moe import MoEPlan
 from asap_comm.testing.faults import cpu_hogs, rogue_peer, victim
-from asap_comm.testing.netns import Hosts, run_across_hosts, torchrun
+from asap_comm.testing.netns import Hosts, mark_ready, run_across_hosts, torchrun, wait_ready
 from asap_comm.testing.service import host_leftovers, http_in_host, serve_across_hosts, wait_host_health
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]  # simulated hosts in network namespaces, torchrun groups
@@ -436,8 +436,7 @@ def test_a_rogue_network_peer_is_ignored_and_counted(hosts, tmp_path):
 def _through_stops_and_load(comm, marker_dir, rounds):
     sig = comm.signals(1)
     comm.barrier()
-    with open(os.path.join(marker_dir, f"ready-{comm.rank}"), "w") as f:
-        f.write(str(os.getpid()))
+    mark_ready(marker_dir, comm.rank)
     if comm.rank == 0:
         seen = 0
         while seen < rounds:  # PE 1's count, which stops while PE 1 is stopped
@@ -460,11 +459,7 @@ def test_a_busy_or_stopped_peer_is_never_declared_dead(tmp_path):
     out = str(tmp_path)
 
     def load_and_stop(hs, procs):
-        deadline = time.monotonic() + 90
-        while not all(os.path.exists(os.path.join(out, f"ready-{r}")) for r in (0, 1)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the PEs never started"
-            time.sleep(0.05)
-        pid1 = int(open(os.path.join(out, "ready-1")).read())
+        pid1 = wait_ready(out, (0, 1), procs)[1]
         hogs = cpu_hogs(12)
         try:
             time.sleep(2)

@@ -21,7 +21,7 @@ import torch
 
 import asap_comm
 from asap_comm.moe import AttentionEnd, ExpertEnd, MoEPlan
-from asap_comm.testing.netns import Hosts, free_port, run_across_hosts
+from asap_comm.testing.netns import Hosts, free_port, mark_ready, run_across_hosts, wait_ready
 from asap_comm.testing.service import (calls, end_service, host_health, long_clients, serve_across_hosts,
                                        wait_host_health)
 from distributed_utils import run
@@ -173,8 +173,7 @@ def _stream_through_a_stop(comm, marker_dir, n):
     each again after a TimeoutError (as the front end does) while PE 1 is stopped; PE 1 receives them all."""
     box = comm.mailbox(64, 4)
     comm.barrier()
-    with open(os.path.join(marker_dir, f"ready-{comm.rank}"), "w") as f:
-        f.write(str(os.getpid()))
+    mark_ready(marker_dir, comm.rank)
     if comm.rank == 0:
         retries, i = 0, 0
         while i < n:
@@ -210,11 +209,7 @@ def test_a_send_offered_again_to_a_stopped_remote_pe_is_never_placed_twice(tmp_p
     out = str(tmp_path)
 
     def stop_pe1(hs, procs):
-        deadline = time.monotonic() + 90
-        while not all(os.path.exists(os.path.join(out, f"ready-{r}")) for r in (0, 1)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the PEs never started"
-            time.sleep(0.05)
-        pid1 = int(open(os.path.join(out, "ready-1")).read())
+        pid1 = wait_ready(out, (0, 1), procs)[1]
         os.kill(pid1, signal.SIGSTOP)
         try:
             time.sleep(15)

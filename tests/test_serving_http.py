@@ -47,8 +47,9 @@ class Server(Service):
     """The service (``--model tiny --port 0 ARGS``) in a subprocess, with an httpx client and metric reads (the
     harness's ``Service``)."""
 
-    def __init__(self, *args: str, nofile: "int | None" = None) -> None:
-        super().__init__(["--model", "tiny", *args], start_timeout_s=START_TIMEOUT_S, cwd=REPO, nofile=nofile)
+    def __init__(self, *args: str, nofile: "int | None" = None, env: "dict | None" = None) -> None:
+        super().__init__(["--model", "tiny", *args], start_timeout_s=START_TIMEOUT_S, cwd=REPO, nofile=nofile,
+                         env=env)
 
 
 def _prompt(n: int, seed: int) -> list:

@@ -32,16 +32,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def svc():
-    old = os.environ.get("ASAP_API_KEY")
-    os.environ["ASAP_API_KEY"] = KEY  # the environment's key (the flag's path is checked in process)
-    try:
-        s = Server("--max-queued-tokens", str(BOUND), "--request-timeout-s", str(TIMEOUT_S), "--worker-stall-s",
-                   str(STALL_S), "--chunk-len", "256", "--token-budget", "256", "--comm-timeout-s", str(COMM_S))
-    finally:
-        if old is None:
-            del os.environ["ASAP_API_KEY"]
-        else:
-            os.environ["ASAP_API_KEY"] = old
+    # the environment's key (the flag's path is checked in process)
+    s = Server("--max-queued-tokens", str(BOUND), "--request-timeout-s", str(TIMEOUT_S), "--worker-stall-s",
+               str(STALL_S), "--chunk-len", "256", "--token-budget", "256", "--comm-timeout-s", str(COMM_S),
+               env={"ASAP_API_KEY": KEY})
     s.api = httpx.Client(base_url=s.url, timeout=60, headers=AUTH)
     yield s
     if s.proc.poll() is None:

@@ -43,17 +43,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def door():
-    old = os.environ.get("ASAP_API_KEY")
-    os.environ["ASAP_API_KEY"] = KEY + "\n"
-    try:
-        s = Server("--max-queued-tokens", str(BOUND), "--header-timeout-s", str(HEADER_S), "--idle-timeout-s",
-                   str(IDLE_S), "--chunk-len", "256", "--token-budget", "512", "--request-timeout-s", "30",
-                   nofile=NOFILE)
-    finally:
-        if old is None:
-            del os.environ["ASAP_API_KEY"]
-        else:
-            os.environ["ASAP_API_KEY"] = old
+    s = Server("--max-queued-tokens", str(BOUND), "--header-timeout-s", str(HEADER_S), "--idle-timeout-s",
+               str(IDLE_S), "--chunk-len", "256", "--token-budget", "512", "--request-timeout-s", "30",
+               nofile=NOFILE, env={"ASAP_API_KEY": KEY + "\n"})
     s.api = httpx.Client(base_url=s.url, timeout=60, headers=AUTH)
     yield s
     if s.proc.poll() is None:

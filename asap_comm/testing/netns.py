@@ -315,6 +315,30 @@ def run_across_hosts(hosts: Hosts, layout: "list[int]", fn, *args, timeout: floa
         shutil.rmtree(out, ignore_errors=True)
 
 
+def mark_ready(out_dir: str, rank: int) -> None:
+    """On a PE of :func:`run_across_hosts`: say it is ready (``out_dir/ready-RANK`` holds its pid), for a ``during``
+    that waits with :func:`wait_ready`."""
+    tmp = os.path.join(out_dir, f".ready-{rank}")
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, os.path.join(out_dir, f"ready-{rank}"))
+
+
+def wait_ready(out_dir: str, ranks, procs: list, timeout_s: float = 90.0) -> dict:
+    """In a ``during``: wait until every PE of ``ranks`` called :func:`mark_ready`; ``{rank: pid}``. An
+    ``AssertionError`` when one of ``procs`` ended first or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    paths = {r: os.path.join(out_dir, f"ready-{r}") for r in ranks}
+    while not all(os.path.exists(p) for p in paths.values()):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the PEs never started"
+        time.sleep(0.05)
+    out = {}
+    for r, path in paths.items():
+        with open(path) as f:
+            out[r] = int(f.read())
+    return out
+
+
 def with_secret(env: "dict | None") -> dict:
     """``env`` (default: this process's) with a fresh ``ASAP_GROUP_SECRET`` unless it names one: a group across
     hosts needs one, as a user exports it on every host. ``{"ASAP_GROUP_SECRET": None}`` removes it."""

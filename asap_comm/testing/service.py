@@ -84,6 +84,25 @@ def shm_files() -> set:
 
 
 @contextlib.contextmanager
+def environ(values: dict):
+    """This process's environment with ``values`` (None: removed) for the block (a process started in it inherits
+    it); restored after."""
+    def put(vals: dict) -> None:
+        for k, v in vals.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        put(values)
+        yield
+    finally:
+        put(old)
+
+
+@contextlib.contextmanager
 def file_limit(nofile: int):
     """This process's soft RLIMIT_NOFILE at most ``nofile`` for the block (a process started in it inherits it)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -98,12 +117,17 @@ def file_limit(nofile: int):
 class Service(ServiceProcess):
     """``python -m asap_comm.serving.server --port 0 ARGS`` in a subprocess (see ``ServiceProcess``), with
     :attr:`client` (httpx, ``http_timeout_s`` per call), /health and /metrics reads, and the files it added to
-    /dev/shm. ``nofile``: start it with that file limit (:func:`file_limit`)."""
+    /dev/shm. ``nofile``: start it with that file limit (:func:`file_limit`); ``env``: with these environment
+    variables (:func:`environ`; e.g. ``{"ASAP_API_KEY": key}``)."""
 
     def __init__(self, args: list, start_timeout_s: float = 240.0, cwd: "str | None" = None,
-                 http_timeout_s: float = 60.0, nofile: "int | None" = None) -> None:
+                 http_timeout_s: float = 60.0, nofile: "int | None" = None, env: "dict | None" = None) -> None:
         self.segments_before = shm_files()
-        with file_limit(nofile) if nofile is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as started_with:
+            if nofile is not None:
+                started_with.enter_context(file_limit(nofile))
+            if env:
+                started_with.enter_context(environ(env))
             super().__init__(["--port", "0", *args], start_timeout_s=start_timeout_s, cwd=cwd)
         self.client = httpx.Client(base_url=self.url, timeout=http_timeout_s)
         host, _, port = self.url.split("//")[1].partition(":")
