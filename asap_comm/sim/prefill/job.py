@@ -1,6 +1,6 @@
 """The prefill job: the same requests through ASAP (``run_async``) and the synchronous baseline (``run_sync``),
 every output checked against the single-process reference forward, the TTFT SLO, one load or a sweep, and the
-artifacts (``summary.json``, ``ttft.png``, ``timeline_<mode>.json``).
+artifacts (``summary.json``, ``ttft.png``, with a sweep ``slo_throughput.png``, ``timeline_<mode>.json``).
 
 ``examples/prefill.py`` is its command line; benchmarks and tests import these
 pieces. The model comes in as a factory (``asap_comm.serving.plugins
@@ -30,6 +30,7 @@ from ...serving.slo import SLO_MULTIPLIER, auto_slo, p90_prompt_len
 from ...serving.sync import run_sync
 from ...serving.traces import LogNormalLengths, TraceError, resolve_trace, synthetic_trace
 from .. import plots, study
+from ..figures import example_facts, example_figures
 from .deploy import emulated, lane_threshold, lane_wait_s, sync_workers
 
 __all__ = ["SLO_BASIS", "CALIBRATION_REQUESTS", "make_requests", "at_rate", "check", "prompt_p90", "references",
@@ -365,11 +366,10 @@ def run_job(args, modes: list, rates: list, auto_sweep: bool, factory, info, req
                                                  if modelled else 0.0)
             summary[mode]["overrun_calls_fraction"] = over / calls if calls else 0.0
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    if sweep:  # TTFT p50/p90 against offered load, per mode
-        plots.ttft_vs_load(out / "ttft.png", summary["runs"], slo, heading="ASAP (async) vs synchronous DP+EP",
-                           title=f"model {args.model}, trace {Path(args.trace).name}")
+    if sweep:  # slo_throughput.png (served against offered, the SLO-compliant loads) and ttft.png (TTFT vs load)
+        example_figures(out, summary)
     else:  # one load point per mode: the TTFT CDFs and per-rank compute / waiting / idle
-        plots.ttft_cdf_and_ranks(out / "ttft.png", last, slo, cfgs)
+        plots.ttft_cdf_and_ranks(out / "ttft.png", last, slo, cfgs, facts=example_facts(summary))
     return summary, rows
 
 
@@ -407,4 +407,5 @@ def print_report(summary: dict, rows: list, modes: list, out: Path, emulated_run
             print("ASAP / baseline: " + (f"- ({summary['ratio_withheld']})" if r is None else f"{r:.2f}x"))
     if emulated_run:
         print("overruns: " + ", ".join(f"{m} {summary[m]['overrun_fraction']:.2%}" for m in modes))
-    print(f"artifacts in {out}/: summary.json, ttft.png, " + ", ".join(f"timeline_{m}.json" for m in modes))
+    figures = "ttft.png, slo_throughput.png" if len({r["rate_req_s"] for r in summary["runs"]}) > 1 else "ttft.png"
+    print(f"artifacts in {out}/: summary.json, {figures}, " + ", ".join(f"timeline_{m}.json" for m in modes))
