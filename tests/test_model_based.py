@@ -45,7 +45,7 @@ model.
   (fails only when no live producer remains), sends to a full inbox of a gone
   PE, barrier, calls on a closed communicator.
 
-CI: 100 examples of up to 50 steps (about 30-60 s on 2 cores). ``ASAP_SOAK=1``:
+CI: 60 examples of up to 50 steps (about 20-40 s on 2 cores). ``ASAP_SOAK=1``:
 500 examples of up to 100 steps, and a breakdown of the checked operations by
 command and outcome. ``ASAP_MODEL_EXAMPLES`` / ``ASAP_MODEL_STEPS`` override
 the counts. The number of checked operations is printed at the end of the
@@ -75,7 +75,7 @@ from distributed_utils import shm_files
 pytestmark = pytest.mark.slow  # a hypothesis state machine against live PEs (thousands of operations)
 
 SOAK = os.environ.get("ASAP_SOAK", "").strip() not in ("", "0")
-MAX_EXAMPLES = int(os.environ.get("ASAP_MODEL_EXAMPLES", 500 if SOAK else 100))
+MAX_EXAMPLES = int(os.environ.get("ASAP_MODEL_EXAMPLES", 500 if SOAK else 60))
 STEPS = int(os.environ.get("ASAP_MODEL_STEPS", 100 if SOAK else 50))
 SOAK_TIMEOUT = 3600
 

@@ -260,7 +260,7 @@ def test_the_service_across_hosts_outlives_a_stopped_remote_worker(victim, stop_
         try:
             health = wait_host_health(hs[0], port, procs)
             pid = health["workers"][victim]["pid"]
-            load = long_clients(hs[0], port, prompts, stop_s + 30)
+            load = long_clients(hs[0], port, prompts, stop_s + 15)
             time.sleep(6)
             os.kill(pid, signal.SIGSTOP)
             t_stop = time.time()
