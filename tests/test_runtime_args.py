@@ -52,9 +52,14 @@ def test_every_field_has_one_flag_and_every_flag_reaches_its_field():
 
 
 def test_every_command_line_has_the_dataclass_defaults():
-    """One set of defaults: with no flags, each command line's configuration is RuntimeConfig()."""
+    """One set of defaults: with no flags, each command line's configuration is RuntimeConfig(), but for the
+    service's one preset (the baseline's collectives on asap_comm, not gloo's jammable loopback store)."""
+    from asap_comm.serving.server.cli import SERVICE_PRESETS
+
+    assert SERVICE_PRESETS == {"sync_collectives": "shm"}
     for name, p in _parsers().items():
-        assert runtime_config_from_args(p.parse_args([])) == RuntimeConfig(), name
+        want = RuntimeConfig(**SERVICE_PRESETS) if name == "server" else RuntimeConfig()
+        assert runtime_config_from_args(p.parse_args([])) == want, name
     assert (RuntimeConfig.token_budget, RuntimeConfig.chunk_len, RuntimeConfig.max_prompt_len) == (256, 256, 8192)
 
 

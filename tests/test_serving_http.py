@@ -17,7 +17,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from asap_comm.testing.service import Service, alive, wait_dead
+from asap_comm.testing.service import Service, alive, descendants, listening_ports, wait_dead
 from models import preset, random_init
 
 pytestmark = pytest.mark.slow  # starts the HTTP service (a serving group) per module
@@ -312,11 +312,13 @@ def _tokenizer(path) -> "object":
 
 def test_sync_service_text_prompts_deadline_and_worker_death(reference, tmp_path):
     tok = _tokenizer(tmp_path / "tokenizer")
-    # the baseline's collectives on shared memory: a dead worker is named by the survivors' waits (over gloo, the
-    # first survivor whose collective breaks is what the service hears of)
-    s = Server("--mode", "sync", "--sync-collectives", "shm", "--request-timeout-s", "1.0", "--max-prompt-len", "16384",
+    # the baseline's collectives on asap_comm (the service's default, SERVICE_PRESETS): a dead worker is named by
+    # the survivors' waits (over gloo, the first survivor whose collective breaks is what the service hears of)
+    s = Server("--mode", "sync", "--request-timeout-s", "1.0", "--max-prompt-len", "16384",
                "--failure-exit-s", "3", "--tokenizer", str(tmp_path / "tokenizer"), "--comm-timeout-s", "2")
     try:
+        # the baseline's collectives on asap_comm (the service's default): no gloo store, nothing listens but HTTP
+        assert listening_ports(descendants(s.proc.pid)) == {s.addr[1]}
         for i, n in enumerate([3, 50, 600]):
             ids = _prompt(n, 900 + i)
             r = s.client.post("/v1/completions", json={"prompt": ids})

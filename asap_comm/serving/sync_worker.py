@@ -230,12 +230,16 @@ class _Done:
 
 
 def worker_main(comm, cfg: RuntimeConfig, info: ModelInfo, model_factory, store, ch: Channels) -> list:
-    """A baseline worker: build its models, join the workers' gloo group (``store``: see
-    ``exchange.open_gloo_group``), run until the front end stops it; returns its spans."""
+    """A baseline worker: build its models, join the workers' gloo group when the collectives are gloo's
+    (``store``: see ``exchange.open_gloo_group``; with ``sync_collectives="shm"`` no gloo group and no store are
+    used), run until the front end stops it; returns its spans."""
     W = comm.world_size - 1
     worker = _Worker(comm, cfg, info, model_factory, W)
-    open_gloo_group(comm, W, store, cfg.timeout_s)
+    gloo = cfg.sync_collectives == "gloo"
+    if gloo:
+        open_gloo_group(comm, W, store, cfg.timeout_s)
     try:
         return worker.run(ch)
     finally:
-        close_gloo_group()
+        if gloo:
+            close_gloo_group()

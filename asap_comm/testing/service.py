@@ -47,6 +47,32 @@ def wait_dead(pids: list, timeout_s: float = 30.0) -> list:
     return [p for p in pids if alive(p)]
 
 
+def listening_ports(pids: list) -> set:
+    """The TCP ports on which any of ``pids`` holds a listening socket (from /proc: the processes' socket inodes
+    against /proc/net/tcp and tcp6 in state LISTEN)."""
+    inodes = set()
+    for pid in pids:
+        for fd in glob.glob(f"/proc/{pid}/fd/*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def descendants(pid: int) -> list:
     """``pid`` and every process below it (from /proc)."""
     children: dict = {}

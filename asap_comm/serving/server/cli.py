@@ -61,7 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "that is slow or stopped, so it does not limit how long a peer may stall")
     ap.add_argument("--seed", type=int, default=0, help="random weights of a preset model")
     add_runtime_args(ap)  # the runtime's flags, shared with every command line (asap_comm.serving.runtime_args)
+    # The service's one preset (SERVICE_PRESETS): the baseline's collectives on asap_comm's authenticated one-sided
+    # puts, not gloo's loopback TCPStore that another local process could jam; a dead worker is then named by the
+    # survivors' waits. --sync-collectives gloo chooses torch.distributed.
+    ap.set_defaults(**SERVICE_PRESETS)
+    for a in ap._actions:
+        if a.dest in SERVICE_PRESETS:
+            a.help += f" (the service's default: {SERVICE_PRESETS[a.dest]})"
     return ap
+
+
+# RuntimeConfig fields whose default the service changes (the only ones; tests/test_runtime_args.py holds it)
+SERVICE_PRESETS = {"sync_collectives": "shm"}
 
 
 def service_options(args, environ) -> ServiceOptions:

@@ -83,8 +83,10 @@ def _launch_here(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions, 
     else:
         from ...rendezvous import loopback_store
         check_config(factory, cfg)
-        store = loopback_store(cfg.timeout_s)  # the workers' gloo group: on 127.0.0.1 only
-        spec = GroupSpec("sync", cfg, info, factory, front, store.port)
+        # the workers' gloo group meets in a TCPStore on 127.0.0.1; the shm collectives (the service's default)
+        # need none: nothing listens, nothing another local process could jam
+        store = loopback_store(cfg.timeout_s) if cfg.sync_collectives == "gloo" else None
+        spec = GroupSpec("sync", cfg, info, factory, front, None if store is None else store.port)
     world = spec.world_size
     print(f"asap serve: starting {world - 1} {args.mode} workers for {opts.model_name} ...", file=sys.stderr,
           flush=True)
