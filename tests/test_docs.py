@@ -30,9 +30,9 @@ def _rel(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
-def _prose(text: str) -> list:
-    """``(line number, line)`` outside fenced code blocks, with inline code spans blanked out."""
-    out, fence = [], None
+def _outside_fences(text: str):
+    """``(line number, line)`` of the lines outside fenced code blocks."""
+    fence = None
     for n, line in enumerate(text.splitlines(), 1):
         m = FENCE.match(line)
         if fence is None and m:
@@ -42,8 +42,12 @@ def _prose(text: str) -> list:
             if line.strip().startswith(fence):
                 fence = None
             continue
-        out.append((n, re.sub(r"`[^`]*`", "``", line)))
-    return out
+        yield n, line
+
+
+def _prose(text: str) -> list:
+    """``(line number, line)`` outside fenced code blocks, with inline code spans blanked out."""
+    return [(n, re.sub(r"`[^`]*`", "``", line)) for n, line in _outside_fences(text)]
 
 
 def slugify(text: str) -> str:
@@ -57,16 +61,8 @@ def slugify(text: str) -> str:
 
 def anchors(page: Path) -> set:
     """The anchors of a page's headings (a repeated heading gets ``_1``, ``_2``, as the toc extension does)."""
-    seen, out, fence = {}, set(), None
-    for line in page.read_text().splitlines():
-        m = FENCE.match(line)
-        if fence is None and m:
-            fence = m.group(1)[0] * 3
-            continue
-        if fence is not None:
-            if line.strip().startswith(fence):
-                fence = None
-            continue
+    seen, out = {}, set()
+    for _, line in _outside_fences(page.read_text()):
         h = re.match(r"^(#{1,6})\s+(.*?)\s*#*\s*$", line)
         if h:
             slug = slugify(h.group(2))
