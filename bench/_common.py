@@ -325,7 +325,8 @@ COLUMNS = [  # (row key, header, formatter kind)
 ]
 
 
-def _fmt(value, kind: str) -> str:
+def fmt_cell(value, kind: str) -> str:
+    """A table cell: ``kind`` is "num" (3 significant digits), "ratio", "bytes" or "text"; "-" for nothing."""
     if value is None or value == "":
         return "-"
     if kind == "num":
@@ -338,7 +339,7 @@ def _fmt(value, kind: str) -> str:
 
 
 def _cells(rows: Sequence[dict]) -> list[list[str]]:
-    return [[_fmt(r.get(key), kind) for key, _, kind in COLUMNS] for r in rows]
+    return [[fmt_cell(r.get(key), kind) for key, _, kind in COLUMNS] for r in rows]
 
 
 def text_table(rows: Sequence[dict]) -> str:

@@ -3,6 +3,8 @@
 Usage (as root: it builds network namespaces)::
 
     python bench/bench_net.py [--quick] [--out bench/results]
+    python bench/bench_net.py --docs    # also: docs/results/bench/bench_net.json and its table in docs/benchmarks.md
+    python bench/bench_net.py --render-docs [--check]   # no run (no root needed): that table from the committed json
 
 Two "hosts" are network namespaces joined by a veth pair through a bridge, each with a private
 ``/dev/shm`` and its own hostname (``asap_comm.testing.netns``), so ``asap_comm.init()`` (backend "auto") puts the
@@ -12,12 +14,13 @@ network engine between them. Measured in the same run, round by round (``--round
   the tool's median of each run) between the hosts: raw UCX, the floor;
 * ``ucx_put_bw``: ``ucx_perftest -t ucp_put_bw -s 16 MiB`` (GB/s);
 * ``asap_pingpong_prepared`` / ``asap_pingpong_generic_kw``: the 8-byte put_signal + signal_wait_until
-  ping-pong of ``asap_bench.py`` (prepared handles; generic calls with ``op=`` and ``timeout=``), one-way,
+  ping-pong of ``_asap_primitives.py`` (prepared handles; generic calls with ``op=`` and ``timeout=``), one-way,
   each PE pinned to its own CPU; ``asap_pingpong_generic_kw_unpinned``: the same, not pinned;
 * ``gloo_pingpong``: ``torch.distributed`` gloo send/recv of 8 bytes, one-way, between the same processes;
 * ``asap_put_bw``: ``comm.put`` of 16 MiB float32 into the other host's symmetric tensor (GB/s);
 * ``asap_mailbox_rt``: ``box.send``/``recv`` round trip of 64 B between the hosts;
-* ``asap_moe_T128`` / ``gloo_moe_T128`` (and T=1024): ``bench_moe.py``'s dispatch + combine round trip with
+* ``asap_moe_T128`` / ``gloo_moe_T128`` (and T=1024): ``bench_moe.py``'s dispatch + combine round trip
+  (``_moe_workload.py``) with
   the attention ranks (PEs 0-1) on one host and the expert ranks (PEs 2-3) on the other (``asap_comm.moe`` as
   shipped: node-aware, once per expert host, for micro-batches with at least 1 MiB of rows for that host, so
   T=1024 here, and direct below that); the ``_direct`` rows run it again with every expert rank reached
@@ -35,17 +38,18 @@ import argparse
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
-import asap_bench  # bench/ modules beside this script
-import bench_moe
 import torch
-from _common import BatchPlan, git_commit, log, markdown_table, summarize, text_table, time_batches
 
+import asap_comm
+import _moe_workload as moe
+from _asap_primitives import mailbox_pe, pingpong_pe, put_bandwidth_pe
+from _common import BatchPlan, git_commit, log, markdown_table, summarize, text_table
+from _doc_tables import DocLine, add_arguments, check_flags, publish, render_main
 from asap_comm.testing.netns import Hosts, run_across_hosts, unavailable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,6 +60,40 @@ MB_PLAN = {"quick": BatchPlan(100, 10, 100), "full": BatchPlan(200, 20, 200)}
 BW = {"quick": (8, 2), "full": (20, 3)}  # 16 MiB puts: timed iterations, warm-up
 GLOO_ITERS = {"quick": 1000, "full": 3000}
 ROUNDS = {"quick": 1, "full": 3}
+
+# Targets (ratio: how many times better than the baseline; > 1: ASAP better)
+PINGPONG_VS_UCX = (1 / 1.5, "≤ 1.5x UCX put")  # one-way ping-pong against raw UCX put latency
+PINGPONG_VS_GLOO = (3.0, "≥ 3x lower than gloo")
+PUT_VS_UCX = (0.8, "≥ 0.8x UCX put")  # 16 MiB put bandwidth against raw UCX put
+MOE_T128_VS_GLOO = (3.0, "≥ 3x gloo")  # T=1024 is reported
+
+# ---------------------------------------------------------------------------- the docs table
+DOCS_NAME = "bench_net"
+DOCS_COMMAND = "python bench/bench_net.py --docs"
+DOCS_WHAT = "two network namespaces joined by veth, UCX over TCP; medians, every baseline measured in the same run"
+GLOO_A2A = "gloo `all_to_all_single`"
+DOC_LINES = (  # the rows of docs/benchmarks.md's table of this command, each against its baseline and target
+    DocLine("put_signal + wait ping-pong, 8 B, one-way, generic calls with `op=` / `timeout=`",
+            "asap_pingpong_generic_kw", "raw UCX put latency (`ucp_put_lat`)"),
+    DocLine("same, processes not pinned", "asap_pingpong_generic_kw_unpinned", "raw UCX put latency"),
+    DocLine("same, prepared handles", "asap_pingpong_prepared", "raw UCX put latency"),
+    DocLine("same, generic calls, against gloo send/recv", "asap_pingpong_generic_kw_vs_gloo", "gloo"),
+    DocLine("raw UCX active message, 8 B, one-way (what the engine sends)", "ucx_am_lat", target=False),
+    DocLine("put, 16 MiB, to the other host", "asap_put_bw", "raw UCX put (`ucp_put_bw`)"),
+    DocLine("mailbox round trip, 64 B, between hosts", "asap_mailbox_rt", target=False),
+    DocLine("MoE dispatch + identity + combine, T=128, attention PEs on one host, expert PEs on the other",
+            "asap_moe_T128_across_hosts", GLOO_A2A),
+    DocLine("same, T=1024 (node-aware: once per expert host)", "asap_moe_T1024_across_hosts", GLOO_A2A),
+    DocLine("same, every expert rank reached directly (`ASAP_MOE_NODE_AWARE=0`), T=128",
+            "asap_moe_T128_across_hosts_direct", GLOO_A2A),
+    DocLine("same, directly, T=1024", "asap_moe_T1024_across_hosts_direct", GLOO_A2A),
+    DocLine("T=1024, node-aware against direct", "asap_moe_T1024_across_hosts", "direct",
+            base_row="asap_moe_T1024_across_hosts_direct", target=False),
+    DocLine("one host, `backend=\"auto\"`: generic ping-pong", "onehost_auto_pingpong_generic_kw",
+            "`backend=\"shm\"`", target=False),
+    DocLine("one host, `backend=\"auto\"`: mailbox round trip", "onehost_auto_mailbox_rt", "`backend=\"shm\"`",
+            target=False),
+)
 
 
 # --------------------------------------------------------------------------- per PE (on the simulated hosts)
@@ -91,12 +129,12 @@ def net_pe(comm, mode: str) -> dict:
     """Every measurement between the two hosts' PEs (PE 0 on host 0, PE 1 on host 1)."""
     torch.set_num_threads(1)
     plan = PP_PLAN[mode]
-    out = {"pingpong": asap_bench.pingpong_pe(comm, {"prepared": plan, "generic_kw": plan})}
+    out = {"pingpong": pingpong_pe(comm, {"prepared": plan, "generic_kw": plan})}
     # the same generic calls with the processes left where the OS puts them (as a user runs them)
-    out["pingpong"]["generic_kw_unpinned"] = asap_bench._pingpong(comm, plan, asap_bench.PINGPONG_PATHS["generic_kw"])
+    out["pingpong"]["generic_kw_unpinned"] = pingpong_pe(comm, {"generic_kw": plan}, pin=False)["generic_kw"]
     iters, warmup = BW[mode]
-    out["put_bw"] = asap_bench.put_bandwidth_pe(comm, 16 << 20, iters, warmup)[0]
-    out["mailbox"] = asap_bench.mailbox_pe(comm, MB_PLAN[mode], 64, 4)
+    out["put_bw"] = put_bandwidth_pe(comm, 16 << 20, iters, warmup)[0]
+    out["mailbox"] = mailbox_pe(comm, MB_PLAN[mode], 64, 4)
     out["gloo"] = _gloo_pingpong(comm, GLOO_ITERS[mode])
     out["net_stats"] = comm.net_stats()
     return out
@@ -104,8 +142,8 @@ def net_pe(comm, mode: str) -> dict:
 
 def local_pe(comm, mode: str) -> dict:
     """One host: the generic ping-pong and the mailbox round trip (for auto against shm)."""
-    return {"pingpong": asap_bench.pingpong_pe(comm, {"generic_kw": PP_PLAN[mode]}),
-            "mailbox": asap_bench.mailbox_pe(comm, MB_PLAN[mode], 64, 4), "backend": comm.backend}
+    return {"pingpong": pingpong_pe(comm, {"generic_kw": PP_PLAN[mode]}),
+            "mailbox": mailbox_pe(comm, MB_PLAN[mode], 64, 4), "backend": comm.backend}
 
 
 # --------------------------------------------------------------------------- raw UCX
@@ -152,23 +190,27 @@ def _row(name: str, what: str, unit: str, samples: list, bad: int, note: str = "
             "correct": "PASS" if bad == 0 and st else ("SKIP" if bad is None else "FAIL"), "note": note}
 
 
-def _compare(row: dict, base: dict, target: "float | None", higher_is_better: bool, label: str) -> None:
-    """ratio = how many times better the row is than base (>1: better)."""
+def _compare(row: dict, base: dict, target: "tuple | None", higher_is_better: bool) -> None:
+    """ratio = how many times better the row is than base (>1: better); ``target``: (least ratio, its text)."""
     if row["median"] is None or base["median"] is None:
         return
     row["baseline"] = base["name"]
     row["baseline_median"] = base["median"]
     row["ratio"] = row["median"] / base["median"] if higher_is_better else base["median"] / row["median"]
     if target is not None:
-        row["target"] = label
-        row["target_met"] = row["ratio"] >= target
+        row["target_met"] = row["ratio"] >= target[0]
+        row["target"] = target[1]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="asap_comm across hosts against raw UCX and gloo (see bench/README.md)")
     ap.add_argument("--quick", action="store_true", help="one round, fewer iterations")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for net.json / net.md")
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    check_flags(ap, args)
+    if args.render_docs:
+        return render_main(args, DOCS_NAME, DOCS_COMMAND, DOC_LINES, DOCS_WHAT)
     mode = "quick" if args.quick else "full"
     why = unavailable()
     if why is not None:
@@ -200,14 +242,12 @@ def main(argv=None) -> int:
             bad["mailbox"] += r0["mailbox"]["bad"]
             stats += [r["net_stats"] for r in res]
         log("asap_comm.moe across hosts (attention PEs on host 0, expert PEs on host 1) against gloo")
-        cfg = bench_moe.QUICK if args.quick else bench_moe.FULL
-        moe_results = run_across_hosts(hosts, [2, 2], bench_moe.moe_pe, cfg, 1, False, True, timeout=900)
+        cfg = moe.QUICK if args.quick else moe.FULL
+        moe_results = run_across_hosts(hosts, [2, 2], moe.moe_pe, cfg, 1, False, True, timeout=900)
         log("the same with every expert rank reached directly (ASAP_MOE_NODE_AWARE=0)")
-        moe_direct = run_across_hosts(hosts, [2, 2], bench_moe.moe_pe, cfg, 1, False, True, timeout=900,
+        moe_direct = run_across_hosts(hosts, [2, 2], moe.moe_pe, cfg, 1, False, True, timeout=900,
                                       env={"ASAP_MOE_NODE_AWARE": "0"})
     log("one host: backend='auto' against backend='shm'")
-    import asap_comm
-
     local = {}
     for backend in ("shm", "auto", "shm", "auto"):
         os.environ["ASAP_BACKEND"] = backend
@@ -243,19 +283,17 @@ def main(argv=None) -> int:
     }
     for name in ("asap_pingpong_prepared", "asap_pingpong_generic_kw", "asap_pingpong_generic_kw_unpinned"):
         r = dict(rows[name])
-        _compare(r, rows["ucx_put_lat"], 1 / 1.5, False, "<= 1.5x UCX put")
+        _compare(r, rows["ucx_put_lat"], PINGPONG_VS_UCX, False)
         rows[name] = r
         g = dict(r, name=name + "_vs_gloo", what=r["what"] + " (against gloo)", target=None, target_met=None)
-        _compare(g, rows["gloo_pingpong"], 3.0, False, ">= 3x lower than gloo")
+        _compare(g, rows["gloo_pingpong"], PINGPONG_VS_GLOO, False)
         rows[g["name"]] = g
-    _compare(rows["asap_put_bw"], rows["ucx_put_bw"], 0.8, True, ">= 0.8x UCX put")
-    per_rank_bytes = {t: sum(bench_moe.round_trip_bytes(bench_moe.make_routing(t, a))
-                             for a in range(bench_moe.NUM_ATTENTION)) // bench_moe.NUM_ATTENTION
-                      for t in bench_moe.SIZES}
+    _compare(rows["asap_put_bw"], rows["ucx_put_bw"], PUT_VS_UCX, True)
+    per_rank_bytes = moe.mean_round_trip_bytes()
     for results, suffix, how in ((moe_results, "", "node-aware from 1 MiB per host"),
                                  (moe_direct, "_direct", "every expert rank reached directly")):
-        by = {r["name"]: r for r in bench_moe.build_rows(results, "", per_rank_bytes)}
-        for t in bench_moe.SIZES:
+        by = {r["name"]: r for r in moe.build_rows(results, "", per_rank_bytes)}
+        for t in moe.SIZES:
             a, g = by.get(f"asap_moe_T{t}"), by.get(f"gloo_moe_T{t}")
             if a is None or g is None:
                 continue
@@ -265,7 +303,7 @@ def main(argv=None) -> int:
             rg = _row(f"gloo_moe_T{t}_across_hosts{suffix}", f"gloo all_to_all_single dispatch+combine, T={t}"
                       + (" (same processes as the direct run)" if suffix else ""), "us", [], 0)
             rg.update({k: g[k] for k in ("median", "p10", "p90", "samples", "correct")})
-            _compare(ra, rg, 3.0 if t == 128 else None, False, ">= 3x gloo")
+            _compare(ra, rg, MOE_T128_VS_GLOO if t == 128 else None, False)
             rows[ra["name"]], rows[rg["name"]] = ra, rg
     for kind, key, what in (("pp", "pingpong_generic_kw", "generic ping-pong, one-way"),
                             ("mb", "mailbox_rt", "mailbox 64 B round trip")):
@@ -273,7 +311,7 @@ def main(argv=None) -> int:
                  local["shm"]["bad"])
         a = _row(f"onehost_auto_{key}", f"one host, backend='auto': {what}", "us", local["auto"][kind],
                  local["auto"]["bad"])
-        _compare(a, s, None, False, "")
+        _compare(a, s, None, False)
         rows[s["name"]], rows[a["name"]] = s, a
     rows = list(rows.values())
     disorder = sum(s.get("disorder", 0) for s in stats)
@@ -289,6 +327,8 @@ def main(argv=None) -> int:
         f.write(markdown_table(rows) + "\n")
     print(text_table(rows))
     log(f"done in {meta['seconds']} s; wrote {args.out}/net.json and net.md")
+    if args.docs:
+        publish(DOCS_NAME, DOCS_COMMAND, DOC_LINES, DOCS_WHAT, meta, rows)
     failed = [r["name"] for r in rows if r["correct"] == "FAIL"] + (["net_disorder"] if disorder else [])
     if failed:
         log(f"data checks failed: {failed}")

@@ -4,7 +4,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:  # run_all, asap_bench, baselines and _common import each other as top-level modules
+if HERE not in sys.path:  # run_all and the shared _*.py modules are imported as top-level modules
     sys.path.insert(0, HERE)
 
 

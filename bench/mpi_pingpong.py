@@ -11,7 +11,7 @@ into its peer's window with ``Put`` + ``Flush``; rank 1 polls its own window
 memory (``Win.Sync`` between polls, as the unified memory model asks) until
 ``i`` appears, then puts the value it saw back the same way. Rank 0 checks
 that the echo is exactly ``i``. This mirrors the ASAP ping-pong in
-``asap_bench.py`` (data and "signal" are the same 8-byte word here).
+``_asap_primitives.py`` (data and "signal" are the same 8-byte word here).
 
 Prints one JSON line on rank 0's stdout: ``samples_ns`` (round-trip ns per
 iteration, one entry per timed batch), ``bad`` (failed checks, both ranks),

@@ -4,6 +4,8 @@ Usage::
 
     bash bench/setup.sh                 # once: Open MPI + mpi4py for the MPI baseline
     python bench/run_all.py [--quick] [--out bench/results]
+    python bench/run_all.py --docs      # also: docs/results/bench/run_all.json and its table in docs/benchmarks.md
+    python bench/run_all.py --render-docs [--check]   # no run: that table again from the committed json
 
 Progress goes to stderr, the table to stdout. Exit status 1 if any data
 check failed or a benchmark errored (a target that is not met does not fail
@@ -25,10 +27,11 @@ from typing import Callable
 import torch
 
 import asap_comm
-import asap_bench
-import baselines
+import _asap_primitives as primitives
+import _baselines as baselines
 from _common import (GBPS, US, BatchPlan, Measurement, Target, git_commit, log, make_row, markdown_table, notes_of,
                      ns_to_gbps, ns_to_us, text_table)
+from _doc_tables import DocLine, add_arguments, check_flags, publish, render_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAYLOAD_BYTES = 8  # ping-pong payload
@@ -91,10 +94,10 @@ GLOO_PP8 = Measurement("gloo_pingpong_8", "gloo send/recv ping-pong, one-way (12
 GLOO_PP64 = Measurement("gloo_pingpong_64", "gloo send/recv ping-pong, one-way (127.0.0.1)", US, MAILBOX_BYTES)
 GLOO_BW = Measurement("gloo_send_bw", "gloo send of float32 + 8-byte ack (127.0.0.1)", GBPS, BW_BYTES)
 
-PINGPONG_TARGET = Target("<=0.5 us and >=2x vs MPI", max_median=0.5, min_ratio=2.0)
-KEYWORD_TARGET = Target("<=0.5 us and within 1.5x of prepared", max_median=0.5, min_ratio=1 / 1.5)
-PUT_TARGET = Target(">=90% of copy_", min_ratio=0.9)
-MAILBOX_TARGET = Target("<=3 us and >=10x vs Pipe", max_median=3.0, min_ratio=10.0)
+PINGPONG_TARGET = Target("≤ 0.5 µs and ≥ 2x vs MPI", max_median=0.5, min_ratio=2.0)
+KEYWORD_TARGET = Target("≤ 0.5 µs and within 1.5x of prepared", max_median=0.5, min_ratio=1 / 1.5)
+PUT_TARGET = Target("≥ 90% of copy_", min_ratio=0.9)
+MAILBOX_TARGET = Target("≤ 3 µs and ≥ 10x vs Pipe", max_median=3.0, min_ratio=10.0)
 
 
 def measured(spec: Measurement, samples: list, bad: int, note: str = "") -> Measurement:
@@ -106,12 +109,12 @@ def measured(spec: Measurement, samples: list, bad: int, note: str = "") -> Meas
 # ---------------------------------------------------------------------------- benchmark families
 def run_asap_pingpong(cfg: Config) -> list:
     plans = {"prepared": cfg.pingpong, "generic": cfg.pingpong, "generic_kw": cfg.pingpong, "torch_ops": cfg.torch_ops}
-    r0, r1 = asap_bench.launch(asap_bench.pingpong_pe, plans, timeout=GROUP_TIMEOUT_S)
+    r0, r1 = primitives.launch(primitives.pingpong_pe, plans, timeout=GROUP_TIMEOUT_S)
     specs = {"prepared": PP_PREPARED, "generic": PP_GENERIC, "generic_kw": PP_GENERIC_KW, "torch_ops": PP_TORCH_OPS}
     out = [measured(spec, ns_to_us(r0[path]["samples_ns"], 2), r0[path]["bad"] + r1[path]["bad"])
            for path, spec in specs.items()]
     free = {"prepared": cfg.pingpong, "generic_kw": cfg.pingpong}  # as a user runs them: no pinning
-    r0, r1 = asap_bench.launch(asap_bench.pingpong_pe, free, False, timeout=GROUP_TIMEOUT_S)
+    r0, r1 = primitives.launch(primitives.pingpong_pe, free, False, timeout=GROUP_TIMEOUT_S)
     specs = {"prepared": PP_PREPARED_FREE, "generic_kw": PP_GENERIC_KW_FREE}
     return out + [measured(spec, ns_to_us(r0[path]["samples_ns"], 2), r0[path]["bad"] + r1[path]["bad"])
                   for path, spec in specs.items()]
@@ -123,7 +126,7 @@ def run_mpi(cfg: Config) -> list:
 
 
 def run_put_bandwidth(cfg: Config) -> list:
-    pe0_passes, pe1_passes = asap_bench.launch(asap_bench.put_bandwidth_pe, BW_BYTES, cfg.bw_iters,
+    pe0_passes, pe1_passes = primitives.launch(primitives.put_bandwidth_pe, BW_BYTES, cfg.bw_iters,
                                                cfg.bw_warmup, BW_THREADS, timeout=GROUP_TIMEOUT_S)
     out = []
     for (put_spec, copy_spec), r0, r1 in zip(BW_SPECS, pe0_passes, pe1_passes):
@@ -139,7 +142,7 @@ def run_mailbox(cfg: Config) -> list:
     out = []
     for spec, prepared, pin in ((MAILBOX_RT, False, True), (MAILBOX_RT_PREP, True, True),
                                 (MAILBOX_RT_FREE, False, False)):
-        r0, r1 = asap_bench.launch(asap_bench.mailbox_pe, cfg.mailbox, MAILBOX_BYTES, MAILBOX_SLOTS, prepared, pin,
+        r0, r1 = primitives.launch(primitives.mailbox_pe, cfg.mailbox, MAILBOX_BYTES, MAILBOX_SLOTS, prepared, pin,
                                    timeout=GROUP_TIMEOUT_S)
         out.append(measured(spec, ns_to_us(r0["samples_ns"]), r0["bad"] + r1["bad"]))
     return out
@@ -238,6 +241,27 @@ def build_rows(m: dict) -> list:
     ]
 
 
+# ---------------------------------------------------------------------------- the docs table
+DOCS_NAME = "run_all"
+DOCS_COMMAND = "python bench/run_all.py --docs"
+DOCS_WHAT = "two processes on one host, medians, every baseline measured in the same run"
+DOC_LINES = (  # the rows of docs/benchmarks.md's table of this command, each against its baseline and target
+    DocLine("put_signal + wait ping-pong, 8 B, one-way, prepared handles", PP_PREPARED.name,
+            "Open MPI Put+Flush"),
+    DocLine("same, generic `comm.put_signal` / `signal_wait_until`", PP_GENERIC.name, "Open MPI Put+Flush"),
+    DocLine("same, generic calls with `op=` / `timeout=` keywords", PP_GENERIC_KW.name, "prepared handles"),
+    DocLine("same, keywords, processes not pinned", PP_GENERIC_KW_FREE.name, "prepared, not pinned"),
+    DocLine("same, `torch.ops.asap_comm`", PP_TORCH_OPS.name, "gloo send/recv", base_row=GLOO_PP8.name,
+            target=False),
+    DocLine("put, 16 MiB, into a peer's tensor", PUT_BW.name, "local `copy_`"),
+    DocLine("same, `torch.set_num_threads(1)`", PUT_BW_1T.name, "local `copy_`, 1 thread"),
+    DocLine("mailbox round trip, 64 B, `box.send`", MAILBOX_RT.name, "`multiprocessing.Pipe`"),
+    DocLine("same, `box.prepare_send`", MAILBOX_RT_PREP.name, "`multiprocessing.Pipe`"),
+    DocLine("same, `box.send`, processes not pinned", MAILBOX_RT_FREE.name, "`multiprocessing.Pipe`"),
+    DocLine("gloo send/recv, 8 B, one-way (a baseline)", GLOO_PP8.name, target=False),
+)
+
+
 # ---------------------------------------------------------------------------- output
 def metadata(quick: bool, cfg: Config, seconds: float) -> dict:
     """Where and how the numbers were taken."""
@@ -278,7 +302,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Run the ASAP benchmark suite (see bench/README.md).")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and iterations (about a minute)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for results.json/.md")
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    check_flags(ap, args)
+    if args.render_docs:
+        return render_main(args, DOCS_NAME, DOCS_COMMAND, DOC_LINES, DOCS_WHAT)
     cfg = QUICK if args.quick else FULL
     t0 = time.monotonic()
     rows = build_rows(measure_all(cfg))
@@ -288,6 +316,8 @@ def main(argv=None) -> int:
     for note in notes_of(rows):
         print(f"  note: {note}")
     log(f"finished in {meta['seconds']} s; wrote {args.out}/results.json and results.md")
+    if args.docs:
+        publish(DOCS_NAME, DOCS_COMMAND, DOC_LINES, DOCS_WHAT, meta, rows)
     return 1 if any(r["correct"] == "FAIL" for r in rows) else 0
 
 

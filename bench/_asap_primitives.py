@@ -1,4 +1,6 @@
-"""ASAP side of the suite. Each ``*_pe`` function runs on every PE under ``asap_comm.launch`` (2 PEs).
+"""The ASAP primitive benchmarks, shared by ``run_all.py``, ``bench_moe.py`` (its core put bandwidth) and
+``bench_net.py`` (the same loops between two hosts). Each ``*_pe`` function runs on every PE of a 2-PE group
+(``asap_comm.launch``, or ``asap_comm.init`` on simulated hosts).
 
 PE 0 times and checks; PE 1 answers. Every function returns a dict with
 ``samples_ns`` (PE 0: ns per iteration of each timed batch, or per transfer)

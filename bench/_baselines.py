@@ -1,4 +1,5 @@
-"""Baselines measured in the same run as ASAP: Open MPI one-sided (mpi4py), multiprocessing.Pipe, gloo.
+"""The baselines ``run_all.py`` measures in the same run as ASAP: Open MPI one-sided (mpi4py), multiprocessing.Pipe,
+gloo.
 
 Every entry point returns raw results (ns samples plus failed-check counts)
 and is bounded in time: ``mpirun`` runs under a subprocess timeout, the
