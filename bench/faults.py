@@ -22,6 +22,8 @@ Rows (``--only`` names):
 ``stop-worker``    an expert worker SIGSTOPped for 60 s (35 s) under 200 clients
 ``kill-worker``    an expert worker SIGKILLed under load (``kill-worker-spare``: the same with one spare
                    expert rank, in its own service: the spare takes over; dip and recovery measured)
+``kill-attention`` attention worker PE 0 SIGKILLed under load, in its own service with
+                   ``--attention-failover``: its requests re-admitted on PE 1; dip and recovery measured
 ``cpu-hogs``       a busy loop at nice 0 on every core for 30 s (15 s) while serving
 ``link-down``      the service under torchrun on two hosts; node 1's link goes down under load
 ``loss-5``,        5% / 20% of the packets one host sends dropped (nftables, in its namespace) while two
@@ -618,16 +620,16 @@ class Suite:
                        "examples": tally.examples, "log": tail(svc.log())}
 
     # 5b. a worker killed, with a spare ----------------------------------------------
-    def kill_worker_spare(self, row: Row) -> None:
-        """Its own service with one spare expert rank (docs/failover.md): 50 clients; an expert worker SIGKILLed;
-        right answers per second (windows of 1 s or just over, sampled every 0.25 s) 10 s before and 20 s after
-        (15 s quick): the dip (the slowest window within 5 s of the kill against the median before), the time
-        to recover (from the kill to the end of the first window, starting after it, back at 0.9 of before),
-        and the time from the kill until /metrics counted the failover (polled every 50 ms)."""
-        svc = Service(60, ["--spare-expert-ranks", "1"])
+    def _kill_under_load(self, flags: list, role: str, metric: str) -> dict:
+        """Its own service (``flags``): 50 clients; a worker whose role contains ``role`` SIGKILLed; right answers
+        per second (windows of 1 s or just over, sampled every 0.25 s) 10 s before and 20 s after (15 s quick):
+        the dip (the slowest window within 5 s of the kill against the median before), the time to recover (from
+        the kill to the end of the first window, starting after it, back at 0.9 of before), and the time from the
+        kill until ``metric`` counted the failover (polled every 50 ms)."""
+        svc = Service(60, flags)
         after_s = 15.0 if self.mode == "quick" else 20.0
         try:
-            w = svc.pick("expert")
+            w = svc.pick(role)
             series: list = []  # (time, right 200s so far)
             with Load(svc.url, self.small, 50, 0.05, 90) as load:
                 self._warm(load, 50)
@@ -639,19 +641,19 @@ class Suite:
 
                 sample_until(time.monotonic() + 10.0)
                 t_kill = time.monotonic()
-                log(f"  SIGKILL expert worker PE {w['pe']} (pid {w['pid']}) with a spare, "
+                log(f"  SIGKILL {w['role']} PE {w['pe']} (pid {w['pid']}) ({' '.join(flags)}), "
                     f"{load.in_flight} calls in flight ...")
                 os.kill(w["pid"], signal.SIGKILL)
                 seen = None
                 while seen is None and time.monotonic() < t_kill + 30:
                     series.append((time.monotonic(), load.tally.statuses["200"] - load.tally.wrong))
-                    if svc.metric("asap_expert_failovers_total") >= 1:
+                    if svc.metric(metric) >= 1:
                         seen = time.monotonic() - t_kill
                     time.sleep(0.05)
                 sample_until(t_kill + after_s)
                 tally = load.stop()
             status, body = svc.health()
-            failovers = svc.metric("asap_expert_failovers_total")
+            metrics = {name: svc.metric(name) for name in (metric, "asap_attention_readmissions_total")}
         finally:
             code = svc.close()
         rates = []  # (window start, end, right answers per second): the shortest window of >= 1 s ending at each sample
@@ -665,25 +667,54 @@ class Suite:
         low_t, low = min(((t, r) for t, r in during if t <= t_kill + 5), key=lambda x: x[1], default=(t_kill, 0.0))
         back = next((t for t, r in during if r >= 0.9 * base), None)
         after = sorted(r for t, r in during if t >= t_kill + after_s / 2)
-        fo = body.get("failover", {})
-        repl = fo.get("replacements", [])
+        dip = (f"right answers/s: {base:.0f} before (median of 1 s windows), {low:.0f} at the lowest within "
+               f"5 s ({low / base if base else 0:.2f}x, window ending {low_t - t_kill:.1f} s after the kill), "
+               f"{after[len(after) // 2] if after else 0:.0f} in the last {after_s / 2:.0f} s; back at 0.9x "
+               f"{'%.1f s' % (back - t_kill) if back is not None else 'never'} after the kill; "
+               f"a clean stop after: exit status {code}")
+        return {"killed": w, "status": status, "body": body, "metrics": metrics, "seen": seen, "tally": tally,
+                "code": code, "dip": dip,
+                "details": {"killed": w, "health": [status, body], "statuses": dict(tally.statuses),
+                            "examples": tally.examples, "rate_before": base, "rate_lowest": low,
+                            "lowest_after_s": low_t - t_kill,
+                            "recovered_after_s": None if back is None else back - t_kill,
+                            "failover_counted_after_s": seen,
+                            "series": [(round(t - t_kill, 3), n) for t, n in series]}}
+
+    def kill_worker_spare(self, row: Row) -> None:
+        """Its own service with one spare expert rank (docs/failover.md): an expert worker SIGKILLed under load
+        (:meth:`_kill_under_load`)."""
+        k = self._kill_under_load(["--spare-expert-ranks", "1"], "expert", "asap_expert_failovers_total")
+        status, body, tally, seen = k["status"], k["body"], k["tally"], k["seen"]
+        failovers = k["metrics"]["asap_expert_failovers_total"]
+        repl = body.get("failover", {}).get("replacements", [])
         row.observed = (f"spare took over: {[(e['expert_rank'], e['dead_pe'], e['new_pe']) for e in repl]} "
                         f"(rank, dead PE, spare), counted on /metrics "
                         f"{'%.2f s' % seen if seen is not None else 'never'} after the kill; "
-                        f"/health {status}, asap_expert_failovers_total {failovers:g}; "
-                        f"right answers/s: {base:.0f} before (median of 1 s windows), {low:.0f} at the lowest within "
-                        f"5 s ({low / base if base else 0:.2f}x, window ending {low_t - t_kill:.1f} s after the kill), "
-                        f"{after[len(after) // 2] if after else 0:.0f} in the last {after_s / 2:.0f} s; back at 0.9x "
-                        f"{'%.1f s' % (back - t_kill) if back is not None else 'never'} after the kill; "
-                        f"a clean stop after: exit status {code}")
+                        f"/health {status}, asap_expert_failovers_total {failovers:g}; {k['dip']}")
         row.answered, row.wrong = tally.answered(), tally.wrong
         row.passed = (tally.only("200") and tally.lost == 0 and status == 200 and failovers == 1 and len(repl) == 1
-                      and code == 0)
-        row.details = {"killed": w, "health": [status, body], "statuses": dict(tally.statuses),
-                       "examples": tally.examples, "rate_before": base, "rate_lowest": low,
-                       "lowest_after_s": low_t - t_kill, "recovered_after_s": None if back is None else back - t_kill,
-                       "failover_counted_after_s": seen,
-                       "series": [(round(t - t_kill, 3), n) for t, n in series]}
+                      and k["code"] == 0)
+        row.details = k["details"]
+
+    # 5c. an attention worker killed, with attention failover ---------------------------
+    def kill_attention(self, row: Row) -> None:
+        """Its own service with ``--attention-failover`` (docs/failover.md): attention worker PE 0 SIGKILLed under
+        load (:meth:`_kill_under_load`); its requests are re-admitted on the other attention rank."""
+        k = self._kill_under_load(["--attention-failover"], "attention", "asap_attention_failovers_total")
+        status, body, tally, seen = k["status"], k["body"], k["tally"], k["seen"]
+        failovers = k["metrics"]["asap_attention_failovers_total"]
+        readmitted = k["metrics"]["asap_attention_readmissions_total"]
+        losses = body.get("attention_failover", {}).get("losses", [])
+        row.observed = (f"attention PE lost: {[(e['pe'], e['readmitted'], e['survivors']) for e in losses]} (PE, "
+                        f"requests re-admitted, ranks left), counted on /metrics "
+                        f"{'%.2f s' % seen if seen is not None else 'never'} after the kill; /health {status}, "
+                        f"asap_attention_failovers_total {failovers:g}, asap_attention_readmissions_total "
+                        f"{readmitted:g}; {k['dip']}")
+        row.answered, row.wrong = tally.answered(), tally.wrong
+        row.passed = (tally.only("200") and tally.lost == 0 and status == 200 and failovers == 1
+                      and len(losses) == 1 and k["code"] == 0)
+        row.details = k["details"]
 
     # 6. CPU hogs ------------------------------------------------------------------
     def cpu_hogs(self, row: Row) -> None:
@@ -1166,6 +1197,11 @@ FAULTS = {
                           "the spare takes over: every call 200 with the right token, none failed; /health 200 "
                           "showing the replacement, asap_expert_failovers_total 1; a clean stop after (exit 0); "
                           "the throughput dip and the time to recover reported", None, Suite.kill_worker_spare),
+    "kill-attention": ("attention worker SIGKILL under load with --attention-failover",
+                       "its requests re-admitted on the other attention rank: every call 200 with the right token, "
+                       "none failed; /health 200 showing the loss, asap_attention_failovers_total 1; a clean stop "
+                       "after (exit 0); the throughput dip and the time to recover reported", None,
+                       Suite.kill_attention),
     "cpu-hogs": ("CPU hogs at nice 0 on every core",
                  "no failure: every answer 200 with the right token, every worker alive", None,
                  Suite.cpu_hogs),
@@ -1204,7 +1240,7 @@ FAULTS = {
 RUN_ORDER = ["rogue-store", "small-shm", "no-secret", "rogue-peer", "loss-5", "loss-20", "link-down",
              "stop-remote-worker",
              "hostile-bodies", "hog-client", "slowloris", "stalled-uploads", "flood-client", "cpu-hogs",
-             "stop-front-end", "stop-worker", "kill-worker-spare", "kill-worker"]
+             "stop-front-end", "stop-worker", "kill-worker-spare", "kill-attention", "kill-worker"]
 assert sorted(RUN_ORDER) == sorted(FAULTS)
 
 COLUMNS = ("fault", "expected", "observed", "answered", "wrong", "pass")

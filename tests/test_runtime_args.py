@@ -16,6 +16,8 @@ from asap_comm.serving.slo import SLO_MULTIPLIER, auto_slo, p90_prompt_len
 OTHER = {"num_attention_ranks": 3, "num_expert_ranks": 5, "token_budget": 96, "max_prompt_len": 4000,
          "chunk_len": 48, "expert_token_budget": 77, "expert_deadline_s": 0.25, "lane_threshold": 300,
          "lane_groups": 2, "lane_tokens": 1234, "lane_wait_s": 1.5, "spare_expert_ranks": 1, "sync_collectives": "shm"}
+# the switches that are off by default (--<name>: given, the field is True)
+SWITCHES = {"attention_failover"}
 # fields a command sets itself, not a flag of the runtime's (the run's bound and progress line, the placer's weight
 # from a cost model, the baseline's context parallelism that only modelled devices have)
 NOT_FLAGS = {"timeout_s", "progress", "placer_linear_weight", "cp_threshold"}
@@ -42,6 +44,9 @@ def test_every_field_has_one_flag_and_every_flag_reaches_its_field():
         if flag.startswith("--no-"):
             argv, want = [flag], False
             assert getattr(RuntimeConfig(), name) is True, name  # a switch that is on by default
+        elif name in SWITCHES:
+            argv, want = [flag], True
+            assert getattr(RuntimeConfig(), name) is False, name
         else:
             argv, want = [flag, str(OTHER[name])], OTHER[name]
             assert getattr(RuntimeConfig(), name) != want, name

@@ -1,7 +1,9 @@
 """Expert failover (docs/failover.md): with a spare expert PE, an expert worker SIGKILLed under load costs no request
 (every admitted one answered, equal to the reference forward) in run_async and in the HTTP service; /health shows
 the replacement and /metrics counts it; once no spare is left, the next death fails the group as before (the
-service answers 503 naming the PE and exits 3), and nothing is left behind."""
+service answers 503 naming the PE and exits 3), and nothing is left behind. Attention failover
+(--attention-failover): an attention PE SIGKILLed mid-run or under load costs no request either (its requests,
+lane prompts through it among them, are re-admitted on the other attention rank) and is counted."""
 import glob
 import os
 import re
@@ -71,6 +73,52 @@ def test_run_async_loses_nothing_when_an_expert_pe_dies_with_a_spare(tmp_path):
           "the group's shared-memory segments to be removed")
 
 
+class KillFirstAttention:
+    """Builds the tiny model's halves; the attention PE that *first* passes ``after`` attention stages SIGKILLs itself
+    there (a file created with O_EXCL marks it, so the survivor, which then runs its requests, lives)."""
+
+    def __init__(self, after: int, mark: str) -> None:
+        self.after, self.mark, self.inner = after, mark, TinyFactory()
+
+    def __call__(self, role: str, experts: list):
+        model = self.inner(role, experts)
+        if role != "attention":
+            return model
+        calls, inner, after, mark = [0], model.attention_stage, self.after, self.mark
+
+        def attention_stage(layer, hidden, cache=None):
+            calls[0] += 1
+            if calls[0] > after:
+                try:
+                    os.close(os.open(mark, os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    pass
+                else:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return inner(layer, hidden, cache)
+
+        model.attention_stage = attention_stage
+        return model
+
+
+def test_run_async_loses_nothing_when_an_attention_pe_dies(tmp_path, capfd):
+    """Attention failover: a SIGKILLed attention PE's requests (lane prompts through it among them: prompts over
+    16 tokens take the lane) are re-admitted on the other attention rank; every answer equals the reference."""
+    mark = str(tmp_path / "killed")
+    cfg = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=2, attention_failover=True, token_budget=32,
+                        chunk_len=16, max_prompt_len=64, timeout_s=90)
+    requests = make_trace(30, seed=3, spread_s=1.0)
+    result = run_async(KillFirstAttention(40, mark), INFO, requests, cfg)
+    assert os.path.exists(mark), "the attention PE was never killed: the run did not test failover"
+    failed = {rec.request_id: rec.error for rec in result.records if not rec.ok}
+    assert failed == {}, failed
+    assert sorted(result.outputs) == [r.request_id for r in requests]
+    assert check_against_reference(requests, result) == []
+    err = capfd.readouterr().err
+    said = re.findall(r"failover: attention worker PE (\d) died; (\d+) request\(s\) re-admitted", err)
+    assert len(said) == 1 and int(said[0][1]) > 0, err[-3000:]
+
+
 def _prompt(g: torch.Generator) -> list:
     n = int(torch.randint(4, 60, (1,), generator=g))
     return torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
@@ -119,6 +167,22 @@ def _wait(pred, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def _bad_answers(answers: list) -> list:
+    """The answers that are not 200 with the reference's first token and hidden state."""
+    model = random_init(CFG, seed=0)
+    bad = []
+    for ids, code, body in answers:
+        if code != 200:
+            bad.append((code, body))
+            continue
+        out = model.prefill(torch.tensor(ids, dtype=torch.int64))
+        choice = body["choices"][0]
+        if choice["token_ids"] != [int(out.logits[-1].argmax())] or not torch.allclose(
+                torch.tensor(choice["hidden_states"]), out.final_hidden[-1], rtol=1e-4, atol=1e-5):
+            bad.append(("wrong", ids))
+    return bad
+
+
 def test_service_fails_over_under_load_then_fails_when_no_spare_is_left():
     s = Service(["--model", "tiny", "--spare-expert-ranks", "1", "--failure-exit-s", "2", "--chunk-len", "32",
                  "--token-budget", "64"], start_timeout_s=240, cwd=REPO)
@@ -141,17 +205,7 @@ def test_service_fails_over_under_load_then_fails_when_no_spare_is_left():
         finally:
             answers = load.stop()
         # every call answered 200 with the reference's token and hidden state
-        model = random_init(CFG, seed=0)
-        bad = []
-        for ids, code, body in answers:
-            if code != 200:
-                bad.append((code, body))
-                continue
-            out = model.prefill(torch.tensor(ids, dtype=torch.int64))
-            choice = body["choices"][0]
-            if choice["token_ids"] != [int(out.logits[-1].argmax())] or not torch.allclose(
-                    torch.tensor(choice["hidden_states"]), out.final_hidden[-1], rtol=1e-4, atol=1e-5):
-                bad.append(("wrong", ids))
+        bad = _bad_answers(answers)
         assert bad == [] and len(answers) >= 20, (bad[:5], len(answers), s.log()[-3000:])
         # /health: healthy, the dead PE replaced by the spare, which serves its expert rank
         status, health = s.health()
@@ -170,6 +224,45 @@ def test_service_fails_over_under_load_then_fails_when_no_spare_is_left():
         r = s.client.post("/v1/completions", json={"prompt": [1, 2, 3]})
         assert r.status_code == 503 and "PE 4 died" in r.json()["error"]["message"], r.text
         assert s.proc.wait(timeout=60) == 3, s.log()[-3000:]
+        assert wait_dead([x["pid"] for x in workers]) == []
+        assert s.new_segments() == set()
+    finally:
+        s.close()
+
+
+def test_service_survives_an_attention_pe_killed_under_load():
+    """--attention-failover: SIGKILL of attention PE 0 under load; its requests are re-admitted on PE 1, every call
+    is answered 200 with the reference's answer, /health stays 200 and shows the loss, /metrics counts it, and a
+    stop after it is clean (exit 0)."""
+    s = Service(["--model", "tiny", "--attention-failover", "--chunk-len", "32", "--token-budget", "64"],
+                start_timeout_s=240, cwd=REPO)
+    try:
+        status, health = s.health()
+        assert status == 200 and health["attention_failover"]["live"] == [0, 1], health
+        assert s.metric("asap_attention_failovers_total") == 0
+        workers = health["workers"]
+        load = Load(s.url, clients=6)
+        try:
+            _wait(lambda: load.count() >= 8, 60, "the load to be answered")
+            os.kill(workers[0]["pid"], signal.SIGKILL)
+            _wait(lambda: s.metric("asap_attention_failovers_total") == 1, 30, "the attention failover")
+            served = load.count()
+            _wait(lambda: load.count() >= served + 12, 60, "answers after the failover")
+        finally:
+            answers = load.stop()
+        bad = _bad_answers(answers)
+        assert bad == [] and len(answers) >= 20, (bad[:5], len(answers), s.log()[-3000:])
+        status, health = s.health()
+        assert status == 200, health
+        at = health["attention_failover"]
+        assert at["failovers"] == 1 and at["live"] == [1] and [e["pe"] for e in at["losses"]] == [0], at
+        w = {x["pe"]: x for x in health["workers"]}
+        assert w[0]["state"] == "died" and w[0]["failed_over"] and not w[1]["failed_over"], w
+        # 6 clients with a call each in flight on 2 ranks (lane prompts on both): PE 0 held some when it died
+        readmitted = s.metric("asap_attention_readmissions_total")
+        assert readmitted == at["readmissions"] == w[0]["readmitted"] >= 1, (readmitted, at)
+        assert "failover: attention worker PE 0 died" in s.log()
+        assert s.close() == 0, s.log()[-3000:]
         assert wait_dead([x["pid"] for x in workers]) == []
         assert s.new_segments() == set()
     finally:

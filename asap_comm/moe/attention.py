@@ -66,6 +66,9 @@ class AttentionEnd:
         self._counted = [0] * (S * E)  # per word (slot, r): returns expected so far (the words are cumulative)
         self._owner = [A + r for r in range(E)]  # the PE serving expert rank r (a spare once r's PE died)
         self._keep = plan.num_spare_ranks > 0  # keep each handle's inputs until combine_recv, to send a part again
+        # a wait for a part fails only with the PEs that can return it (not with any PE's death): with spares, and
+        # where the caller survives other PEs' deaths (attention failover sets it)
+        self.scoped_waits = self._keep
         self.resent = 0  # parts sent again to a replacement (replace)
         self.lost: set = set()  # with spares: expert PEs found dead by wait_ready, not yet replaced
         self._finished = False
@@ -285,7 +288,7 @@ class AttentionEnd:
                 deadline = time.monotonic() + t
             else:
                 t = max(1e-6, deadline - time.monotonic())
-            if self._keep:  # only the PEs that can return it: another's death is the failover's business
+            if self.scoped_waits:  # only the PEs that can return it: another's death is the failover's business
                 comm.signal_wait_until(done, base + r, ">=", target, timeout=t, peers=self._waited_on(r))
             else:
                 comm.signal_wait_until(done, base + r, ">=", target, timeout=t)

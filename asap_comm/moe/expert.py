@@ -36,6 +36,10 @@ class ExpertEnd:
         # the expert rank this PE serves (0..E-1; its returns count on word (slot, rank)); None: a spare not yet used
         self.expert_rank = comm.rank - plan.num_attention_ranks if comm.rank not in plan.spare_pes else None
         self._finished: set[int] = set()
+        # attention failover: a dead attention PE counts as finished once another attention PE lives or finished,
+        # and rows computed for it are dropped (nobody reads them); off: its death fails the wait (PeerFailure)
+        self.lose_senders = False
+        self.lost: set[int] = set()  # attention PEs counted as finished because they died
         # address of combine[0, 0] on each attention PE, where its transport addresses it directly (this host);
         # None for the others: their rows travel with put_signal
         views = [comm.transport(a).direct_view(self._buf.combine) for a in range(plan.num_attention_ranks)]
@@ -69,7 +73,7 @@ class ExpertEnd:
     @property
     def finished(self) -> bool:
         """True once every attention rank has called ``finish`` and its descriptor was received."""
-        return len(self._finished) == self.plan.num_attention_ranks
+        return len(self._finished | self.lost) == self.plan.num_attention_ranks
 
     def _batch(self, msg) -> "ExpertBatch | None":
         plan = self.plan
@@ -150,13 +154,19 @@ class ExpertEnd:
         return None
 
     def _unfinished(self) -> list:
-        return [a for a in range(self.plan.num_attention_ranks) if a not in self._finished]
+        return [a for a in range(self.plan.num_attention_ranks) if a not in self._finished and a not in self.lost]
 
     def _senders_gone(self):
         """A message that arrived meanwhile, or None while an unfinished attention rank lives; ``PeerFailure`` once
         none does. The states are read before the inbox, so a rank's last messages (placed before it left) are
         seen first."""
         states = {a: self.comm.peer_state(a) for a in self._unfinished()}
+        died = [a for a, s in states.items() if s == "died"]
+        if self.lose_senders and died and (len(died) < len(states) or self._finished or self.lost):
+            self.lost.update(died)  # another attention PE lives or finished: the dead ones count as finished
+            states = {a: s for a, s in states.items() if s != "died"}
+            if not states:
+                return self._buf.inbox.poll()  # (None: finished)
         if any(s == "alive" for s in states.values()):
             return None
         msg = self._buf.inbox.poll()
@@ -245,6 +255,9 @@ class ExpertEnd:
         row_bytes = plan.hidden * out.element_size()
         E, r = plan.num_expert_ranks, self.expert_rank
         for a, slot, off, n, first in batch.parts:
+            if a in self.lost:  # attention failover: its PE died, its requests were re-admitted elsewhere
+                self._host_parts.pop((a, slot), None)
+                continue
             if (a, slot) in self._host_parts:
                 self._combine_host(a, slot, out[first:first + n])
                 continue

@@ -14,6 +14,10 @@ With spare expert PEs (``RuntimeConfig.spare_expert_ranks``), an expert PE's
 death is expert failover's (``failover.py``): the ranks do not fail with it,
 a spare waits in :func:`expert_main` until the front end hands it a dead
 rank's experts, and an attention rank re-routes on the front end's word.
+With attention failover (``RuntimeConfig.attention_failover``), no worker waits
+for a dead attention PE: the expert ranks count it as finished and drop what
+they computed for it (``ExpertEnd.lose_senders``), and an attention rank whose
+lane chunk waits for the dead PE's KV waits for the front end's cancel.
 """
 from __future__ import annotations
 
@@ -108,6 +112,9 @@ class _AttentionRank(ChunkTaker):
         self.lane = None if ch.lane is None else LaneRank(comm, cfg, model, ch.lane, self.cancelled, self.spans)
         A = cfg.num_attention_ranks
         self._expert_pes = range(A, A + cfg.num_expert_ranks + cfg.spare_expert_ranks)
+        self._attention_pes = range(A) if cfg.attention_failover else range(0)  # their deaths are survived
+        if cfg.attention_failover:  # a wait for experts fails with the expert PE it waits on, not another rank
+            self.exchange.end.scoped_waits = True
 
     def _queue_chunk(self, chunk, groups: int) -> None:
         if groups < 0 and self.lane is not None:  # a long-prompt lane's chunk (lane.py)
@@ -253,8 +260,9 @@ class _AttentionRank(ChunkTaker):
                 if isinstance(h, LaneWait):  # a lane chunk waits for earlier chunks' KV
                     try:
                         h.wait(0.0005)
-                    except PeerFailure as e:  # with spares, an expert PE's death (any PE's ends a lane wait)
-                        if not self.failover or e.pe not in self._expert_pes:
+                    except PeerFailure as e:  # with spares, an expert PE's death (any PE's ends a lane wait); with
+                        # attention failover, an attention PE's (the front end cancels the lane: its cancel comes)
+                        if not ((self.failover and e.pe in self._expert_pes) or e.pe in self._attention_pes):
                             raise
                         time.sleep(0.0005)
                     self.watch.check()
@@ -320,6 +328,7 @@ def _expert_loop(comm, cfg, info, model_factory, plan: MoEPlan, ch: Channels):
     batcher = ExpertBatcher(cfg.expert_token_budget, cfg.expert_deadline_s, enabled=cfg.expert_batching)
     spans = []
     watch = DeathWatch(comm, depended_on(comm, cfg, "expert"))
+    ex.lose_senders = cfg.attention_failover  # a dead attention PE counts as finished (attention failover)
     while True:
         stats.publish()
         if model is None and (model := _take_over(comm, ex, ch.box, model_factory, spans)) is not None:

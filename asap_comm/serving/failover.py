@@ -24,6 +24,17 @@ coordinates, and nothing waits on a barrier:
 Messages travel in the group's request mailbox (front end -> worker), tagged
 :data:`TAKEOVER` (payload ``[rank, dead PE]``) and :data:`ROUTE` (``[rank,
 new PE or -1, dead PE]``), int64.
+
+Attention failover (``RuntimeConfig.attention_failover``) needs no spare and no
+message: :class:`FrontAttention` (the front end) looks at the attention PEs'
+states; when one died and another lives, the front end
+(``FrontEnd._attention_check``) takes the results the dead PE sent before it
+died, then re-admits every request it held on the surviving ranks under a new
+wire id (:data:`READMIT_BASE` and up; a long-prompt lane through the dead PE is
+cancelled on its other ranks and the request runs on one rank). The expert
+ranks count a dead attention PE as finished (``ExpertEnd.lose_senders``) and
+drop what they computed for it; no worker waits for it any more
+(:func:`depended_on`).
 """
 from __future__ import annotations
 
@@ -36,11 +47,12 @@ import torch
 
 from ..errors import CommError, PeerFailure
 
-__all__ = ["TAKEOVER", "ROUTE", "encode_takeover", "decode_takeover", "encode_route", "decode_route", "check_route",
-           "Replacement", "FrontFailover", "depended_on"]
+__all__ = ["TAKEOVER", "ROUTE", "READMIT_BASE", "encode_takeover", "decode_takeover", "encode_route", "decode_route",
+           "check_route", "Replacement", "FrontFailover", "AttentionLoss", "FrontAttention", "depended_on"]
 
 TAKEOVER = -4  # tag of the front end's "serve expert rank r" message to a spare (payload [r, dead PE])
 ROUTE = -5  # tag of the front end's "expert rank r is on PE q now" message to attention ranks ([r, q or -1, dead])
+READMIT_BASE = 1 << 60  # the wire ids of re-admitted requests start here (a client's request ids stay below)
 
 
 def encode_takeover(rank: int, dead: int) -> torch.Tensor:
@@ -65,11 +77,15 @@ def decode_route(payload: torch.Tensor) -> tuple:
 
 def depended_on(comm, cfg, role: str) -> list:
     """The PEs a worker of ``role`` ("attention" or "expert") fails with when they die: with spares, not the
-    expert and spare PEs (their deaths are the failover's), otherwise every PE."""
-    if not cfg.spare_expert_ranks:
-        return list(range(comm.world_size))
+    expert and spare PEs (their deaths are the failover's); with attention failover, not the attention PEs (the
+    front end re-admits a dead one's requests); otherwise every PE."""
     A, E, S = cfg.num_attention_ranks, cfg.num_expert_ranks, cfg.spare_expert_ranks
-    return [pe for pe in range(comm.world_size) if not A <= pe < A + E + S]
+    out = list(range(comm.world_size))
+    if S:
+        out = [pe for pe in out if not A <= pe < A + E + S]
+    if getattr(cfg, "attention_failover", False):
+        out = [pe for pe in out if pe >= A]
+    return out
 
 
 def check_route(comm, cfg, src: int, msg: tuple) -> tuple:
@@ -186,3 +202,67 @@ class FrontFailover:
         return {"spare_expert_ranks": len(self.pes) - self.E, "spares_left": list(self.spares),
                 "failovers": self.count, "expert_rank_pes": list(self.owner),
                 "replacements": [asdict(e) for e in self.replacements]}
+
+
+@dataclass
+class AttentionLoss:
+    """One attention PE lost and survived (``/health``'s ``attention_failover.losses``)."""
+
+    pe: int
+    readmitted: int  # requests it held that were re-admitted on the surviving ranks
+    survivors: list  # the attention ranks that serve from now on
+    after_s: float  # seconds from the front end's start to the re-admission
+
+
+class FrontAttention:
+    """The front end's record of attention failover (``FrontEnd._attention_check`` acts on it): which attention PEs
+    died and were survived, how many requests were re-admitted. :meth:`newly_gone` reads the live ranks' states
+    (at most every ``every_s`` unless forced)."""
+
+    def __init__(self, comm, num_ranks: int, every_s: float = 0.01) -> None:
+        self.comm, self.A, self.every_s = comm, num_ranks, every_s
+        self.dead: dict = {}  # PE -> "died": survived
+        self.losses: list = []
+        self.readmissions = 0
+        self.released = False
+        self.started = time.monotonic()
+        self._next = 0.0
+
+    @property
+    def live(self) -> list:
+        return [a for a in range(self.A) if a not in self.dead]
+
+    @property
+    def count(self) -> int:
+        """Attention PEs lost and survived."""
+        return len(self.losses)
+
+    def release(self) -> None:
+        """The front end stops the workers: an attention PE that closes from now on is no failure."""
+        self.released = True
+
+    def newly_gone(self, force: bool = False) -> list:
+        """``[(PE, "died" | "closed")]`` of the live attention ranks that are gone (a closed one only before
+        :meth:`release`)."""
+        now = time.monotonic()
+        if not force and now < self._next:
+            return []
+        self._next = now + self.every_s
+        out = []
+        for a in self.live:
+            state = self.comm.peer_state(a)
+            if state == "died" or (state == "closed" and not self.released):
+                out.append((a, state))
+        return out
+
+    def record(self, pe: int, readmitted: int) -> None:
+        self.dead[pe] = "died"
+        self.readmissions += readmitted
+        self.losses.append(AttentionLoss(pe, readmitted, self.live, round(time.monotonic() - self.started, 3)))
+        print(f"failover: attention worker PE {pe} died; {readmitted} request(s) re-admitted on attention rank(s) "
+              f"{self.live}", file=sys.stderr, flush=True)
+
+    def summary(self) -> dict:
+        """``/health``'s ``attention_failover`` object."""
+        return {"failovers": self.count, "readmissions": self.readmissions, "live": self.live,
+                "losses": [asdict(e) for e in self.losses]}

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
-from .failover import FrontFailover
+from .failover import READMIT_BASE, FrontAttention, FrontFailover
 from .metrics import RequestRecord
 from .lane import FrontLane
 from .patience import DeathWatch
@@ -84,6 +84,9 @@ class _Admitted:
     queue_s: "float | None" = None  # admission until its last chunk entered the inbox
     lane: tuple = ()  # the long-prompt lane's ranks (chunk j on lane[j % len(lane)]; empty: not in the lane)
     waiting: bool = False  # waits for room in the lane (rank -1 until its lane opens)
+    token_ids: "torch.Tensor | None" = None  # its prompt (a reference), kept until its result: re-admission
+    wire: int = -1  # the id its chunks, cancels and result carry now (the request id; a re-admission's: a new one)
+    wires: tuple = ()  # the wire ids of its re-admissions (attention failover), forgotten with it
 
 
 class FrontEnd:
@@ -115,6 +118,13 @@ class FrontEnd:
         if label == "async" and cfg.spare_expert_ranks:
             self.failover = FrontFailover(comm, cfg, box, self.pending)
             watched = [pe for pe in watched if pe not in self.failover.pes]
+        # with attention failover, an attention PE's death is the front end's to survive (_attention_check)
+        self.attention = None
+        if label == "async" and getattr(cfg, "attention_failover", False):
+            self.attention = FrontAttention(comm, num_targets)
+            watched = [pe for pe in watched if pe >= num_targets]
+        self.alias: dict = {}  # wire id of a re-admission -> its request id
+        self._next_wire = READMIT_BASE
         self.watch = DeathWatch(comm, watched, must_stay=watched)
         self._cp = cfg.cp_threshold if label == "sync" else None
         self.lane = FrontLane(cfg, info, num_targets, enabled=label == "async")  # the long-prompt lane (lane.py)
@@ -129,6 +139,9 @@ class FrontEnd:
             raise Rejected("invalid", error)
         if request_id in self.inflight:
             raise Rejected("invalid", f"request id {request_id} is already in flight")
+        if request_id >= READMIT_BASE:
+            raise Rejected("invalid", f"request id {request_id} is in the range of re-admitted requests' wire ids "
+                                      f"(>= {READMIT_BASE})")
         n = int(token_ids.numel())
         bound = self.max_queued_tokens
         if check_bound and bound is not None and self.queued_tokens + n > bound and self.inflight:
@@ -138,7 +151,8 @@ class FrontEnd:
         cp, W = self._cp, self.W
         if self.lane.wants(n, len(chunks)):  # the long-prompt lane, now or once it has room
             now = time.monotonic()
-            self.inflight[request_id] = _Admitted(-1, n, 0, now, len(chunks), len(chunks), waiting=True)
+            self.inflight[request_id] = _Admitted(-1, n, 0, now, len(chunks), len(chunks), waiting=True,
+                                                  token_ids=token_ids, wire=request_id)
             self.queued_tokens += n
             self.lane.waiting.append((request_id, token_ids, chunks))
             self._open_lanes()
@@ -152,15 +166,18 @@ class FrontEnd:
             rank, mask = self.placer.place(request_id, chunks), 0
         now = time.monotonic()
         self._queue_chunks(request_id, token_ids, chunks, rank, mask, now)
-        self.inflight[request_id] = _Admitted(rank, n, mask, now, len(chunks), len(chunks))
+        self.inflight[request_id] = _Admitted(rank, n, mask, now, len(chunks), len(chunks), token_ids=token_ids,
+                                              wire=request_id)
         self.queued_tokens += n
         return rank
 
     def _queue_chunks(self, request_id: int, token_ids: torch.Tensor, chunks: list, rank: int, mask: int,
                       now: float) -> None:
+        """Queue a request's chunks for ``rank`` (each chunk carries its wire id: the request id, or a
+        re-admission's)."""
         for c in chunks:
             self.pending[rank].append((request_id, encode_chunk(c, token_ids[c.start:c.start + c.length], mask),
-                                       request_id, now))
+                                       c.request_id, now))
 
     def _lane_give_up(self, now: "float | None" = None) -> None:
         """``RuntimeConfig.lane_wait_s``: a prompt that has waited that long for room in the lane runs the usual
@@ -206,6 +223,8 @@ class FrontEnd:
 
     def _forget(self, rid: int) -> "_Admitted":
         entry = self.inflight.pop(rid)
+        for w in entry.wires:
+            self.alias.pop(w, None)
         self.queued_tokens -= entry.tokens
         if entry.waiting:  # never placed: it leaves the lane's queue
             self.lane.waiting = deque(w for w in self.lane.waiting if w[0] != rid)
@@ -223,12 +242,16 @@ class FrontEnd:
         workers = [pe for pe in range(self.comm.world_size) if pe != self.comm.rank]
         while True:
             rows = stats.rows()
-            gone = {} if self.failover is None else self.failover.gone
+            gone = {} if self.failover is None else dict(self.failover.gone)
+            if self.attention is not None:
+                gone.update(self.attention.dead)
             if all(rows[pe]["published"] or pe in gone for pe in workers):
                 return time.monotonic() - t0
             self.watch.check()
             if self.failover is not None:
                 self.failover.check()
+            if self.attention is not None:
+                self._attention_check()
             if time.monotonic() - t0 > timeout_s:
                 late = [pe for pe in workers if not rows[pe]["published"]]
                 raise CommTimeoutError(f"front end: workers {late} were not ready within {timeout_s} s")
@@ -244,19 +267,31 @@ class FrontEnd:
             self._forget(request_id)
             return True
         self.lane.close(request_id, cancelled=True)
-        a = self._forget(request_id)
-        for rank in a.lane or (a.rank,):  # a lane request: every rank of its lane
-            self.pending[rank] = deque(e for e in self.pending[rank] if e[0] != request_id)
-            if a.unsent < a.chunks and a.mask == 0:  # some chunks reached the rank
-                self.pending[rank].append((None, encode_cancel(request_id), CANCEL, time.monotonic()))
+        self._drop_attempt(request_id, self._forget(request_id))
         return True
+
+    def _drop_attempt(self, rid: int, a: "_Admitted") -> None:
+        """Take back the request's current attempt: its chunks not yet sent are dropped; if some were sent, each
+        rank that got them gets a cancel message for its wire id (not a context-parallel request of the baseline,
+        whose shared steps run to the end)."""
+        dead = {} if self.attention is None else self.attention.dead
+        for rank in a.lane or (a.rank,):  # a lane request: every rank of its lane
+            if rank in dead:
+                continue
+            self.pending[rank] = deque(e for e in self.pending[rank] if e[0] != rid)
+            if a.unsent < a.chunks and a.mask == 0:  # some chunks reached the rank
+                self.pending[rank].append((None, encode_cancel(a.wire), CANCEL, time.monotonic()))
 
     def stop(self, timeout: float = 5.0) -> None:
         """Send every rank the stop message (after its queued chunks)."""
         self.watch.release()  # the workers may leave from now on
         if self.failover is not None:
             self.failover.release()
+        if self.attention is not None:
+            self.attention.release()
         for w in range(self.W):
+            if self.attention is not None and w in self.attention.dead:
+                continue
             self.pending[w].append((None, torch.zeros(1, dtype=torch.int64), STOP, time.monotonic()))
         deadline = time.monotonic() + timeout
         while True:
@@ -276,7 +311,11 @@ class FrontEnd:
 
     def _flush(self) -> None:
         """Move queued messages into the ranks' inboxes; a full inbox is left for the next pump."""
+        dead = {} if self.attention is None else self.attention.dead
         for rank, q in enumerate(self.pending):
+            if rank in dead:  # nothing reaches a dead rank (its requests were re-admitted elsewhere)
+                q.clear()
+                continue
             while q:
                 rid, payload, tag, _ = q[0]
                 try:
@@ -298,8 +337,11 @@ class FrontEnd:
                 print(f"front end: {failure}", file=sys.stderr, flush=True)
                 raise failure
             token, hidden = decode_result(m.tensor)
+        wire, rid = rid, self.alias.get(rid, rid)
         if rid not in self.inflight:
-            return None  # cancelled meanwhile
+            return None  # cancelled meanwhile (or an attempt of a request another attempt answered)
+        if wire != self.inflight[rid].wire:  # an earlier attempt answered first (a lane rank that had every KV)
+            self._drop_attempt(rid, self.inflight[rid])
         a = self._forget(rid)
         done = time.monotonic() - a.admitted_at
         return Completion(rid, token, hidden, src, done if a.queue_s is None else a.queue_s, done, a.tokens)
@@ -311,8 +353,8 @@ class FrontEnd:
         self._lane_give_up()
         if self.failover is not None:
             self.failover.check()  # before the flush: a route goes out ahead of the chunks
+        out = self._attention_check() if self.attention is not None else []
         self._flush()
-        out = []
         while (m := self.box.poll()) is not None:
             c = self._result(m)
             if c is not None:
@@ -333,6 +375,66 @@ class FrontEnd:
         if not out:
             self.watch.check()
         return out
+
+    def _attention_check(self, force: bool = False) -> list:
+        """Attention failover (``RuntimeConfig.attention_failover``; docs/failover.md): when an attention PE died and
+        another lives, take the results it sent before it died, then re-admit every request it held on the live
+        ranks. Returns the results taken. ``PeerFailure`` when an attention PE closed before it was stopped (it gave
+        up) or the last one died."""
+        gone = self.attention.newly_gone(force)
+        if not gone:
+            return []
+        out = []  # the states were read first: every message a dead PE sent is in the inbox now
+        while (m := self.box.poll()) is not None:
+            c = self._result(m)
+            if c is not None:
+                out.append(c)
+        for pe, state in gone:
+            if state != "died":
+                raise PeerFailure(f"PE {pe} left (closed) before the front end stopped it: it gave up", pe=pe,
+                                  reason=state)
+            if len(self.attention.live) <= 1:
+                raise PeerFailure(f"PE {pe} died and no other attention rank is left", pe=pe, reason="died")
+            self.attention.dead[pe] = state  # live from now on excludes it
+            self.attention.record(pe, self._readmit(pe))
+        return out
+
+    def _readmit(self, dead: int) -> int:
+        """Re-admit the requests attention rank ``dead`` held (one of their chunks was, or was to be, computed
+        there) on the live ranks, least loaded first; returns how many. A lane through ``dead`` is cancelled on
+        its other ranks and its request runs on one rank. Each re-admission gets a new wire id, so no rank can
+        confuse it with what it still holds of the old attempt."""
+        self.pending[dead].clear()
+        self.placer.exclude(dead)
+        live = self.attention.live
+        self.lane.lose_rank(len(live))
+        now = time.monotonic()
+        n = 0
+        for rid, a in list(self.inflight.items()):
+            if a.waiting or dead not in (a.lane or (a.rank,)):
+                continue
+            if a.lane:
+                self.lane.close(rid, cancelled=True)
+            self._drop_attempt(rid, a)
+            self.placer.complete(rid)
+            wire, self._next_wire = self._next_wire, self._next_wire + 1
+            self.alias[wire] = rid
+            chunks = split_prompt(wire, a.tokens, self.cfg.effective_chunk_len)
+            a.rank = self.placer.place(rid, chunks)
+            a.mask, a.lane, a.wire, a.wires = 0, (), wire, a.wires + (wire,)
+            a.unsent = a.chunks = len(chunks)
+            a.queue_s = None
+            self._queue_chunks(rid, a.token_ids, chunks, a.rank, 0, now)
+            n += 1
+        if len(live) < 2:  # no lane opens any more: the prompts waiting for one run the usual way
+            for request_id, token_ids, chunks in self.lane.waiting:
+                a = self.inflight.get(request_id)
+                if a is None:
+                    continue
+                a.rank, a.waiting = self.placer.place(request_id, chunks), False
+                self._queue_chunks(request_id, token_ids, chunks, a.rank, 0, now)
+            self.lane.waiting = deque()
+        return n
 
 
 def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets: int,

@@ -155,8 +155,10 @@ def run_group(spec: GroupSpec, requests: Sequence, report_path: str) -> RunResul
     shared by the host's processes). If a PE dies, the front end's event log
     gives the records anyway and requests left unfinished get the error.
     """
-    # with spare expert PEs the front end leads: an expert PE's death is the failover's, not the end of the run
-    lead = {"leader": spec.world_size - 1} if spec.mode == "async" and spec.cfg.spare_expert_ranks else {}
+    # with spare expert PEs or attention failover the front end leads: a PE's death is the failover's, not the end
+    # of the run
+    failover = spec.cfg.spare_expert_ranks or spec.cfg.attention_failover
+    lead = {"leader": spec.world_size - 1} if spec.mode == "async" and failover else {}
     try:
         results = launch(group_main, spec.world_size, spec, timeout=spec.cfg.timeout_s, **lead)
     except (LaunchError, CommError) as e:

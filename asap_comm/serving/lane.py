@@ -200,8 +200,13 @@ class FrontLane:
         """Whether a prompt of ``n_tokens`` in ``num_chunks`` chunks goes to the lane (now or once there is room):
         two chunks or more, longer than ``lane_threshold`` and no longer than the pool."""
         t = self.cfg.lane_threshold
-        return (self.active and num_chunks >= 2 and n_tokens <= self.pool.rows
+        return (self.active and self.W >= 2 and num_chunks >= 2 and n_tokens <= self.pool.rows
                 and (t is None or n_tokens > t))
+
+    def lose_rank(self, live: int) -> None:
+        """An attention rank died (attention failover): lanes open on the ``live`` ranks left; with fewer than 2,
+        none opens any more."""
+        self.W = live
 
     def groups(self, num_chunks: int) -> int:
         """How many ranks a lane prompt of ``num_chunks`` chunks shares."""

@@ -120,6 +120,20 @@ class Placer:
         self._work = [0.0] * num_ranks
         self._held: dict[int, tuple[list, float]] = {}  # request -> (its ranks, work on each)
         self._next = 0
+        self._out: set = set()  # ranks taken out of placement (exclude)
+
+    def exclude(self, rank: int) -> None:
+        """Place nothing on ``rank`` from now on (its process died: attention failover); at least one rank stays."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
+            raise ValueError(f"Placer.exclude: rank={rank!r} is out of range [0, {self.num_ranks})")
+        if len(self._out | {rank}) >= self.num_ranks:
+            raise ValueError(f"Placer.exclude: rank {rank} is the last one placement may use")
+        self._out.add(rank)
+
+    @property
+    def ranks(self) -> list:
+        """The ranks placement may use."""
+        return [r for r in range(self.num_ranks) if r not in self._out]
 
     @property
     def outstanding(self) -> list[float]:
@@ -131,8 +145,10 @@ class Placer:
         self._check_new("place", request_id)
         work = self._work_of(chunks)
         if self.load_aware:
-            rank = min(range(self.num_ranks), key=lambda r: (self._work[r], r))
+            rank = min(self.ranks, key=lambda r: (self._work[r], r))
         else:
+            while self._next in self._out:
+                self._next = (self._next + 1) % self.num_ranks
             rank = self._next
             self._next = (self._next + 1) % self.num_ranks
         self._work[rank] += work
@@ -145,9 +161,9 @@ class Placer:
         first (the first owns the request's cache and result)."""
         self._check_new("place_group", request_id)
         g = _int("Placer.place_group", "groups", groups, 1)
-        if g > self.num_ranks:
-            raise ValueError(f"Placer.place_group: groups={g} is more than the {self.num_ranks} ranks")
-        ranks = sorted(range(self.num_ranks), key=lambda r: (self._work[r], r))[:g]
+        if g > len(self.ranks):
+            raise ValueError(f"Placer.place_group: groups={g} is more than the {len(self.ranks)} ranks")
+        ranks = sorted(self.ranks, key=lambda r: (self._work[r], r))[:g]
         work = self._work_of(chunks) / g
         for r in ranks:
             self._work[r] += work
@@ -163,9 +179,9 @@ class Placer:
         the ranks, least loaded first."""
         self._check_new("place_lane", request_id)
         g = _int("Placer.place_lane", "groups", groups, 1)
-        if g > self.num_ranks:
-            raise ValueError(f"Placer.place_lane: groups={g} is more than the {self.num_ranks} ranks")
-        ranks = sorted(range(self.num_ranks), key=lambda r: (self._work[r], r))[:g]
+        if g > len(self.ranks):
+            raise ValueError(f"Placer.place_lane: groups={g} is more than the {len(self.ranks)} ranks")
+        ranks = sorted(self.ranks, key=lambda r: (self._work[r], r))[:g]
         works = [0.0] * g
         for j, c in enumerate(chunks):
             works[j % g] += self._work_of([c])

@@ -97,7 +97,7 @@ class ModelInfo:
 # The fields of RuntimeConfig that only one mode reads (the rest, SHARED_FIELDS, both modes read).
 ASYNC_FIELDS = ("barrier_free", "ping_pong", "token_balanced", "expert_batching", "expert_token_budget",
                 "expert_deadline_s", "long_prompt_lane", "lane_threshold", "lane_groups", "lane_tokens", "lane_wait_s",
-                "spare_expert_ranks")
+                "spare_expert_ranks", "attention_failover")
 SYNC_FIELDS = ("sync_collectives", "cp_threshold")
 
 
@@ -162,6 +162,10 @@ class RuntimeConfig:
     # expert failover (docs/failover.md): spare expert PEs, holding no experts until one takes over the experts of
     # an expert rank whose PE died; with none left, a death fails the group as before
     spare_expert_ranks: int = 0
+    # attention failover (docs/failover.md): when an attention PE dies and another one lives, the front end
+    # re-admits the requests it held on the surviving attention ranks (a prefill is recomputed from its prompt);
+    # off: an attention PE's death fails the group. Needs the barrier-free pipeline (barrier_free=True)
+    attention_failover: bool = False
 
     # ---- sync only (the baseline)
     # the baseline's all-to-alls and all-reduces over "gloo" (torch.distributed) or "shm" (asap_comm shared
@@ -212,6 +216,11 @@ class RuntimeConfig:
             raise ValueError(f"RuntimeConfig: lane_wait_s={w!r} must be None (wait for room) or seconds >= 0")
         if not _is_int(self.spare_expert_ranks, 0):
             raise ValueError(f"RuntimeConfig: spare_expert_ranks={self.spare_expert_ranks!r} must be an int >= 0")
+        if not isinstance(self.attention_failover, bool):
+            raise ValueError(f"RuntimeConfig: attention_failover={self.attention_failover!r} must be a bool")
+        if self.attention_failover and not self.barrier_free:
+            raise ValueError("RuntimeConfig: attention_failover=True needs barrier_free=True (the lock-step ablation's "
+                             "every MoE layer waits for every attention rank, a dead one too)")
 
     def _check_sync(self) -> None:
         if self.sync_collectives not in ("gloo", "shm"):

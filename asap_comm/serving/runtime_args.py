@@ -43,7 +43,7 @@ FLAGS = {
     "expert_deadline_s": "--expert-deadline-s",
     "long_prompt_lane": "--no-long-prompt-lane", "lane_threshold": "--lane-threshold", "lane_groups": "--lane-groups",
     "lane_tokens": "--lane-tokens", "lane_wait_s": "--lane-wait-s",
-    "spare_expert_ranks": "--spare-expert-ranks",
+    "spare_expert_ranks": "--spare-expert-ranks", "attention_failover": "--attention-failover",
     "sync_collectives": "--sync-collectives",
 }
 
@@ -60,8 +60,9 @@ def _tokens_or_auto(text: str):
 
 def add_runtime_args(parser: argparse.ArgumentParser, *, simulated: bool = False) -> None:
     """Add the runtime's flags to ``parser``, in three groups (both modes, ASAP only, the baseline only), each
-    with its ``RuntimeConfig`` default. ``simulated=True`` (the simulator) leaves out the two that only real
-    processes have: ``--spare-expert-ranks`` and ``--sync-collectives`` (the simulator models the collectives)."""
+    with its ``RuntimeConfig`` default. ``simulated=True`` (the simulator) leaves out the three that only real
+    processes have: ``--spare-expert-ranks``, ``--attention-failover`` and ``--sync-collectives`` (the simulator
+    models the collectives)."""
     d = _DEFAULTS
     shared = parser.add_argument_group("runtime (both modes)")
     shared.add_argument("--attention-ranks", type=int, default=d["num_attention_ranks"],
@@ -111,6 +112,9 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, simulated: bool = False
         asap.add_argument("--spare-expert-ranks", type=int, default=d["spare_expert_ranks"],
                           help="expert failover: spare expert processes, holding no experts until one takes over "
                                "the experts of an expert rank that died")
+        asap.add_argument("--attention-failover", action="store_true",
+                          help="attention failover: when an attention process dies and another lives, re-admit "
+                               "its requests on the surviving attention ranks instead of failing the group")
     if not simulated:
         sync = parser.add_argument_group("runtime (the baseline only)")
         sync.add_argument("--sync-collectives", choices=("gloo", "shm"), default=d["sync_collectives"],

@@ -238,7 +238,7 @@ class HttpApp:
         from aiohttp import web
 
         svc = self.svc
-        svc.check_failover()  # a dead expert PE a spare replaces is no failure of the service
+        svc.check_failover()  # a dead expert PE a spare replaces (or a dead attention PE survived) is no failure
         workers = svc.workers()
         dead = [w for w in workers if w["state"] == "died" and not w.get("failed_over")]  # replaced: not a failure
         if svc.failure is None and dead:
@@ -259,6 +259,8 @@ class HttpApp:
                 "front_end_pid": os.getpid(), "worker_stall_s": limit, "workers": workers}
         if svc.fe.failover is not None:  # expert failover (docs/failover.md): spares left, each replacement
             body["failover"] = svc.fe.failover.summary()
+        if svc.fe.attention is not None:  # attention failover: attention PEs lost, requests re-admitted
+            body["attention_failover"] = svc.fe.attention.summary()
         if err is not None:
             body["error"] = err.message
         return web.json_response(body, status=200 if err is None else 503)

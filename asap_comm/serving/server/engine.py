@@ -352,22 +352,35 @@ class Engine:
                 w["expert_rank"] = fo.serves(pe)
                 w["replaced_by"] = next((e.new_pe for e in fo.replacements if e.dead_pe == pe), None)
                 w["failed_over"] = pe in fo.gone
+            at = self.fe.attention
+            if at is not None and pe < at.A:  # attention failover: its requests re-admitted on the live ranks
+                loss = next((e for e in at.losses if e.pe == pe), None)
+                w["failed_over"] = loss is not None
+                w["readmitted"] = None if loss is None else loss.readmitted
             out.append(w)
         return out
 
     def check_failover(self) -> None:
-        """Expert failover now (``/health`` asks before it judges the workers): a dead expert PE is replaced
-        first, or fails the service when no spare is left."""
+        """Failover now (``/health`` asks before it judges the workers): a dead expert PE is replaced first, or
+        fails the service when no spare is left; a dead attention PE's requests are re-admitted on the live
+        attention ranks (attention failover), or it fails the service when none is left."""
         fo = self.fe.failover
-        if fo is None or self.failure is not None:
+        if self.failure is not None:
             return
         try:
-            fo.check(force=True)
+            if fo is not None:
+                fo.check(force=True)
+            if self.fe.attention is not None:  # attention failover: a dead attention PE's requests re-admitted
+                for c in self.fe._attention_check(force=True):
+                    self._complete(c)
         except PeerFailure as e:
-            self.fail(f"{self.role_of(e.pe)} PE {e.pe} {e.reason}")
+            pe, reason = self._root_cause(e.pe, e.reason)
+            self.fail(f"{self.role_of(pe)} PE {pe} {reason}")
 
     def _failed_over(self) -> dict:
         """The expert and spare PEs expert failover has handled (``failover.FrontFailover.gone``): their death is
         not the service's."""
-        fo = self.fe.failover
-        return {} if fo is None or self.failure is not None else fo.gone
+        fo, at = self.fe.failover, self.fe.attention
+        if self.failure is not None:
+            return {}
+        return {**({} if fo is None else fo.gone), **({} if at is None else at.dead)}

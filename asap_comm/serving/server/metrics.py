@@ -133,8 +133,10 @@ class LaneCollector:
 
 
 class FailoverCollector:
-    """Prometheus collector of expert failover (``serving.failover.FrontFailover``; docs/failover.md): expert ranks
-    a spare took over (``asap_expert_failovers_total``) and the spares left. Nothing without spare expert ranks."""
+    """Prometheus collector of failover (``serving.failover``; docs/failover.md): expert ranks a spare took over
+    (``asap_expert_failovers_total``) and the spares left, nothing without spare expert ranks; attention PEs lost
+    and survived (``asap_attention_failovers_total``) and requests re-admitted
+    (``asap_attention_readmissions_total``), nothing without ``--attention-failover``."""
 
     def __init__(self, svc) -> None:
         self.svc = svc
@@ -142,6 +144,12 @@ class FailoverCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        at = self.svc.fe.attention
+        if at is not None:  # attention failover (--attention-failover)
+            yield CounterMetricFamily("asap_attention_failovers", "Attention PEs that died while another lived: "
+                                      "their requests were re-admitted (--attention-failover)", value=at.count)
+            yield CounterMetricFamily("asap_attention_readmissions", "Requests re-admitted on the live attention "
+                                      "ranks after their attention PE died", value=at.readmissions)
         fo = self.svc.fe.failover
         if fo is None:
             return

@@ -102,6 +102,10 @@ def _launch_here(args, factory, info, cfg: RuntimeConfig, opts: ServiceOptions, 
         if front.stop_event.clean and args.mode == "async" and A <= e.rank < A + E + cfg.spare_expert_ranks:
             print(f"asap serve: stopped cleanly; an expert PE a spare replaced had ended: {first}", file=sys.stderr)
             return 0
+        if front.stop_event.clean and args.mode == "async" and cfg.attention_failover and e.rank < A:
+            print(f"asap serve: stopped cleanly; an attention PE whose requests were re-admitted had ended: {first}",
+                  file=sys.stderr)
+            return 0
         print(f"asap serve: stopped: {first}", file=sys.stderr)
         return 3
     del store  # the gloo group's store lives until the group ended
