@@ -10,11 +10,16 @@ import re
 import signal
 import threading
 import time
+from collections import deque
 
 import httpx
 import pytest
 import torch
 
+from asap_comm.errors import PeerFailure
+from asap_comm.serving.failover import READMIT_BASE
+from asap_comm.serving.frontend import FrontEnd
+from asap_comm.serving.protocol import CANCEL, decode_cancel, decode_chunk, encode_result
 from asap_comm.serving.runtime import RuntimeConfig, run_async
 from asap_comm.testing.service import Service, wait_dead
 from serving_utils import CFG, INFO, TinyFactory, check_against_reference, make_trace
@@ -99,6 +104,75 @@ class KillFirstAttention:
 
         model.attention_stage = attention_stage
         return model
+
+
+def test_front_end_readmits_a_dead_attention_ranks_requests():
+    """The front end's side of attention failover (no processes: a stub group and mailbox): attention PE 0 dies;
+    its requests, a lane through it among them, are queued again on PE 1 under new wire ids, the lane's other rank
+    gets a cancel for the old one, no lane opens any more, a result under a new id answers its request, and the
+    last attention PE's death fails the group."""
+    class _Comm:
+        world_size, rank, states = 5, 4, {}
+
+        def peer_state(self, pe):
+            return self.states.get(pe, "alive")
+
+    class _Msg:
+        def __init__(self, tag, src, tensor):
+            self.tag, self.src, self.tensor = tag, src, tensor
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class _Box:
+        def __init__(self):
+            self.inbox = deque()
+
+        def poll(self):
+            return self.inbox.popleft() if self.inbox else None
+
+        def send(self, pe, payload, tag, timeout=None):  # every inbox has room
+            pass
+
+    comm, box = _Comm(), _Box()
+    cfg = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=2, attention_failover=True, token_budget=32,
+                        chunk_len=16, max_prompt_len=128, timeout_s=90)
+    fe = FrontEnd(comm, cfg, INFO, box, 2, "async")
+    toks = torch.arange(40) % CFG.vocab_size
+    fe.admit(0, toks)  # 3 chunks: the lane over ranks 0 and 1
+    for rid, n in ((1, 10), (2, 12), (3, 8), (4, 9)):
+        fe.admit(rid, toks[:n])
+    assert fe.inflight[0].lane == (0, 1)
+    on0 = sorted(r for r, a in fe.inflight.items() if not a.lane and a.rank == 0)
+    on1 = sorted(r for r, a in fe.inflight.items() if not a.lane and a.rank == 1)
+    assert on0 and on1, (on0, on1)
+    for q in fe.pending:  # as if every chunk had reached its rank
+        q.clear()
+    for a in fe.inflight.values():
+        a.unsent = 0
+    comm.states[0] = "died"
+    assert fe._attention_check(force=True) == []
+    assert fe.attention.dead == {0: "died"} and fe.attention.readmissions == 1 + len(on0)
+    assert not fe.pending[0] and fe.placer.ranks == [1] and not fe.lane.pool.spans
+    queued = list(fe.pending[1])
+    assert queued[0][2] == CANCEL and decode_cancel(queued[0][1]) == 0  # the lane's old attempt, on its live rank
+    wires = {}
+    for rid, payload, tag, _ in queued[1:]:
+        chunk = decode_chunk(payload)[0]
+        assert chunk.request_id >= READMIT_BASE and fe.alias[chunk.request_id] == rid and fe.inflight[rid].rank == 1
+        wires[rid] = chunk.request_id
+    assert sorted(wires) == [0] + on0 and all(fe.inflight[r].wire == r for r in on1)
+    assert fe.admit(5, toks) == 1 and not fe.inflight[5].lane  # one rank left: no lane
+    box.inbox.append(_Msg(wires[0], 1, encode_result(torch.zeros(CFG.hidden_size), 7)))
+    done = fe.pump()
+    assert [(c.request_id, c.token) for c in done] == [(0, 7)] and 0 not in fe.inflight
+    assert wires[0] not in fe.alias
+    comm.states[1] = "died"
+    with pytest.raises(PeerFailure, match="no other attention rank"):
+        fe._attention_check(force=True)
 
 
 def test_run_async_loses_nothing_when_an_attention_pe_dies(tmp_path, capfd):
