@@ -6,7 +6,8 @@ day would, and leaves the judging to its caller (a test asserts, the fault suite
   given store and exchange a row); :func:`spawn` / :func:`collect` (spawned PEs that each report one message);
 * the network: :data:`ROGUE_PEER` / :func:`rogue_peer` / :func:`victim` (a UCX peer outside the group claiming
   PE 1), :func:`stream_in_order` (messages whose order and completeness the receiver checks, for lossy links);
-* the host: :func:`cpu_hogs` (a busy loop at nice 0 on every core), :func:`in_small_shm` (a private, small
+* the host: :func:`cpu_hogs` (a busy loop at nice 0 on every core, or at a CPU share), :func:`cpu_seconds` (what a
+  process used), :func:`in_small_shm` (a private, small
   ``/dev/shm``). HTTP calls from inside a simulated host: :mod:`asap_comm.testing.service`.
 
 Every wait here is bounded. ``victim`` and ``stream_in_order`` run on PEs of
@@ -258,11 +259,25 @@ def stream_in_order(comm, num_messages: int, num_rows: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- the host
-def cpu_hogs(seconds: float, count: "int | None" = None) -> "list[subprocess.Popen]":
+def cpu_hogs(seconds: float, count: "int | None" = None, duty: float = 1.0) -> "list[subprocess.Popen]":
     """``count`` (default: one per core) busy loops at nice 0 that end by themselves after ``seconds``; the
-    caller waits for (or kills) them."""
-    code = f"import time\nt = time.monotonic() + {seconds}\nwhile time.monotonic() < t: pass"
+    caller waits for (or kills) them. With ``duty`` < 1 each loop is busy that fraction of every 10 ms and sleeps
+    the rest (a hog of a given CPU share)."""
+    if not 0.0 < duty <= 1.0:
+        raise ValueError(f"cpu_hogs: duty={duty!r} must be in (0, 1]")
+    code = (f"import time\nt = time.monotonic() + {seconds}\nbusy, idle = {duty} * 0.01, {1.0 - duty} * 0.01\n"
+            "while time.monotonic() < t:\n"
+            "    u = time.monotonic() + busy\n"
+            "    while time.monotonic() < u: pass\n"
+            "    if idle > 0: time.sleep(idle)\n")
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count or os.cpu_count() or 2)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used so far (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def in_small_shm(size: str, argv: "list[str]", timeout: float, cwd: "str | None" = None) -> subprocess.CompletedProcess:
