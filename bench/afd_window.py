@@ -3,14 +3,14 @@
 vLLM afd-plugin issue 170 (and its stage report) measured the capacity of DeepSeek-V3.2 W8A8 on 32 Ascend A3 dies:
 the highest offered input tokens/s whose TTFT p99 over a 128-request window of the Mooncake trace stays <= 50 s:
 baseline DP4 x TP8 (EP32) about 2,600 tok/s, AFD 2 x TP8 + 16 FFN dies about 4,400 tok/s, **1.68x**. This script
-measures the same in real processes on emulated accelerators (``asap_comm.sim.emulate``), the deployment of
+measures the same in real processes on emulated accelerators (``asap_comm.sim.emulate.emulator``), the deployment of
 ``examples/prefill.py --emulate`` (ASAP 2 x TP8 + 16 expert dies against 4 x TP8 with EP over all 32 dies and
-context parallelism, ``asap_comm.sim.prefill.deploy.EMULATE_DEFAULTS``):
+context parallelism, ``asap_comm.sim.emulate.deploy.EMULATE_DEFAULTS``):
 
 * the devices: the 910C profile with the afd-plugin's software stack (``--stack``, default ``vllm-ascend-eager``:
   the three overrides ``validate --regime published`` fitted to their solo TTFTs; their eager stack is several
   times slower per token than CloudMatrix-Infer's, so the 50-s criterion means what it meant for them);
-* the window: ``asap_comm.sim.published.afd_screening_window`` (the shared trace's 128 requests nearest the
+* the window: ``asap_comm.sim.calibrate.published.afd_screening_window`` (the shared trace's 128 requests nearest the
   published window: its bursts kept, prompts clipped at 63,778 tokens), lengths divided by the token scale;
 * the criterion: TTFT p99 <= 50 modelled seconds (50 x the time scale in wall seconds);
 * the points: the published screening table's offered loads (``--loads``, default 2,185 and 4,371 input tokens/s,
@@ -42,15 +42,16 @@ import torch
 from asap_comm.serving import Request, summarize_run
 from asap_comm.serving.plugins import load_model_factory, model_info_of
 from asap_comm.serving.runtime import PromptRequest
-from asap_comm.sim import study
-from asap_comm.sim.emulate import simulate_emulated
-from asap_comm.sim.prefill import deploy, job  # the example's deployment, reference and checking code
-from asap_comm.sim.published import afd_screening_window, stack_profile
+from asap_comm.sim.calibrate.published import stack_profile
+from asap_comm.sim.calibrate.published_afd import afd_screening_window
+from asap_comm.sim.core import sweep
+from asap_comm.sim.emulate import deploy, job  # the example's deployment, reference and checking code
+from asap_comm.sim.emulate.emulator import simulate_emulated
 
 P99_SLO_S = 50.0  # the study's criterion, modelled seconds
 PUBLISHED = {"baseline_tok_s": 2600.0, "afd_tok_s": 4400.0, "ratio": 1.68,
              "source": "vllm-project/afd-plugin issue 170, stage report section 1 (capacity search)",
-             # (offered tok/s, mode) -> (TTFT p50, p99) s, the screening table (asap_comm.sim.published)
+             # (offered tok/s, mode) -> (TTFT p50, p99) s, the screening table (asap_comm.sim.calibrate.published)
              "points": {"2185": {"sync": [17.85, 46.78], "async": [12.50, 40.21]},
                         "4371": {"sync": [24.03, 52.30], "async": [18.10, 44.08]}}}
 
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
 
     def load_at(tok_s: float) -> list:
         """The window at ``tok_s`` offered modelled input tokens/s, arrivals in wall seconds."""
-        trace = study.at_rate([Request(r.request_id, r.arrival_s, n) for r, n in zip(window, lens)],
+        trace = sweep.at_rate([Request(r.request_id, r.arrival_s, n) for r, n in zip(window, lens)],
                               tok_s / mean_emulated)
         return [PromptRequest(r.request_id, t.arrival_s * K, r.token_ids) for r, t in zip(reqs, trace)]
 

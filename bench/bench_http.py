@@ -69,7 +69,7 @@ from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async
 from asap_comm.serving.runtime_args import runtime_config_from_args
 from asap_comm.serving.sync import run_sync
 from asap_comm.serving.traces import FixedLengths, Request, scale_trace, synthetic_trace
-from asap_comm.sim.prefill import deploy, job  # the example's load, reference and SLO code
+from asap_comm.sim.emulate import deploy, job  # the example's load, reference and SLO code
 from asap_comm.testing.service import hostile_scenario, ids_body
 from asap_models import StageFactory
 

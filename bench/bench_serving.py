@@ -18,7 +18,7 @@ swept over request rates for each variant, in this order, in one run:
 * ``async -barrier_free`` ... ``async -expert_batching``: one optimization off;
 * ``async -long_prompt_lane``: the long-prompt lane off.
 
-The deployment, load and defaults are the example's for the same flags (``asap_comm.sim.prefill``'s
+The deployment, load and defaults are the example's for the same flags (``asap_comm.sim.emulate``'s
 ``deploy.parse_args``; with
 ``--emulate`` its memory check, emulated placer weight and lane threshold too).
 
@@ -46,7 +46,7 @@ from asap_comm.serving import slo_compliant_throughput, summarize_run, throughpu
 from asap_comm.serving.plugins import load_model_factory, model_info_of
 from asap_comm.serving.slo import SLO_MULTIPLIER
 from asap_comm.serving.traces import TraceError
-from asap_comm.sim.prefill import deploy, job  # the example's load, reference and checking code
+from asap_comm.sim.emulate import deploy, job  # the example's load, reference and checking code
 
 VARIANTS = [("sync", "sync", {}), ("async", "async", {})] + [
     (f"async -{opt}", "async", {opt: False})

@@ -7,7 +7,7 @@ Usage::
 
 Per size: ASAP with ``dies / 3`` expert dies and the rest as TP8 attention groups (384 dies: 32 x TP8 + 128)
 against the baseline's ``dies / 8`` TP8 DP groups with context parallelism above 4096 tokens (384 dies: 48 x TP8),
-the headline's runtime settings (``asap_comm.sim.headline.headline_config``) at each chunk size (token budget 16k).
+the headline's runtime settings (``asap_comm.sim.studies.headline.headline_config``) at each chunk size (token budget 16k).
 The trace: the Mooncake conversation trace that ships with the package, repeated end to end until it has
 ``--num-requests`` requests (the file has about 12k), arrivals rescaled to ``--rate-per-die`` x dies requests/s
 (default 8 req/s at 384 dies, the issue's load; the served fraction is printed, since a mode that does not sustain
@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 
 from asap_comm.serving.traces import Request
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.headline import headline_config, mooncake_trace
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.simulate import Parallelism, simulate
-from asap_comm.sim.study import at_rate
+from asap_comm.sim.core.simulate import Parallelism, simulate
+from asap_comm.sim.core.sweep import at_rate
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.studies.grids import headline_config, mooncake_trace
 
 RATE_PER_DIE = 8.0 / 384  # requests/s per die: 8 req/s at 384 dies
 

@@ -22,10 +22,10 @@ from asap_comm.serving.plugins import load_model_factory, model_info_of
 from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async
 from asap_comm.serving.sync import run_sync
 from asap_comm.serving.traces import scale_trace
-from asap_comm.sim.validate_common import validation_trace
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.simulate import simulate
+from asap_comm.sim.calibrate.target import validation_trace
+from asap_comm.sim.core.simulate import simulate
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.shapes import ModelShapes
 
 if __name__ == "__main__":
     mode, rate, prof = sys.argv[1], float(sys.argv[2]), (sys.argv[3] if len(sys.argv) > 3 else "local")

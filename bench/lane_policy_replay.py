@@ -24,8 +24,8 @@ from asap_comm.serving import summarize_run
 from asap_comm.serving.plugins import load_model_factory
 from asap_comm.serving.runtime_args import runtime_config_from_args
 from asap_comm.serving.traces import Request
-from asap_comm.sim.emulate import simulate_emulated
-from asap_comm.sim.prefill import deploy, job  # the example's request windows, deployment flags and rate scaling
+from asap_comm.sim.emulate import deploy, job  # the example's request windows, deployment flags and rate scaling
+from asap_comm.sim.emulate.emulator import simulate_emulated
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@
 The runtime's flags are every command line's (``add_runtime_args``); this benchmark's presets for those not given:
 4 expert ranks, 128-token chunks and micro-batches, prompts up to max(512, --prompt) tokens.
 
-Emulated accelerators (``asap_comm.sim.emulate``): the served ``tiny`` model stands for ``--emulate-model`` on
+Emulated accelerators (``asap_comm.sim.emulate.emulator``): the served ``tiny`` model stands for ``--emulate-model`` on
 ``--profile``, each real token for ``--token-scale`` emulated ones (499 x 128 = 63.9k tokens: the afd-plugin
 study's solo prompt). A short warm-up request runs first; the long prompt arrives after it. Prints the modelled
 TTFT (wall / time scale) of each run, their ratio and the overrun fraction of the held calls.
@@ -22,7 +22,8 @@ import torch
 from asap_comm.serving.plugins import load_model_factory, model_info_of
 from asap_comm.serving.runtime import PromptRequest, run_async
 from asap_comm.serving.runtime_args import add_runtime_args, given_flags, runtime_config_from_args
-from asap_comm.sim.emulate import EmulatedFactory, overrun_summary, read_stats
+from asap_comm.sim.emulate.emulator import EmulatedFactory
+from asap_comm.sim.emulate.stats import overrun_summary, read_stats
 
 PRESETS = {"expert_ranks": 4, "chunk_len": 128, "token_budget": 128}  # for the runtime's flags not given
 

@@ -1,4 +1,4 @@
-"""Record an expert-selection histogram from the reference model's own router (``asap_comm.sim.routing``'s
+"""Record an expert-selection histogram from the reference model's own router (``asap_comm.sim.costmodel.routing``'s
 ``histogram:PATH`` reads it).
 
 Prompts: the Mooncake conversation trace's prompt lengths (first ``--prompts`` requests, divided by
@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from asap_comm.serving.traces import load_trace  # noqa: E402
-from asap_comm.sim.routing import HISTOGRAM_FORMAT  # noqa: E402
-from asap_comm.sim.validate_common import mooncake_path  # noqa: E402
+from asap_comm.sim.calibrate.target import mooncake_path  # noqa: E402
+from asap_comm.sim.costmodel.routing import HISTOGRAM_FORMAT  # noqa: E402
 from models.factory import StageFactory  # noqa: E402
 
 

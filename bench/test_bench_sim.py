@@ -12,10 +12,10 @@ pytest.importorskip("pytest_benchmark")
 
 from bench_sim import deployments, repeated_trace  # noqa: E402  (bench/ is on sys.path: bench/conftest.py)
 
-from asap_comm.sim.costs import CostModel  # noqa: E402
-from asap_comm.sim.shapes import ModelShapes  # noqa: E402
-from asap_comm.sim.simulate import simulate  # noqa: E402
-from asap_comm.sim.study import at_rate  # noqa: E402
+from asap_comm.sim.core.simulate import simulate  # noqa: E402
+from asap_comm.sim.core.sweep import at_rate  # noqa: E402
+from asap_comm.sim.costmodel.costs import CostModel  # noqa: E402
+from asap_comm.sim.costmodel.shapes import ModelShapes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)
 

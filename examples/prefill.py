@@ -28,7 +28,7 @@ whole lines when stderr is a pipe or a file.
 
 Emulated accelerators (``--emulate PROFILE``): the same runtime, processes and
 code, with every rank's compute held (sleeping) for the time a modelled device
-takes (``asap_comm.sim.emulate``): the work of ``--emulate-model`` (default
+takes (``asap_comm.sim.emulate.emulator``): the work of ``--emulate-model`` (default
 deepseek-v3) on the hardware profile, times ``--time-scale``; each real token
 stands for ``--token-scale`` emulated tokens. Unless given, the defaults then
 become: the tiny model; afd-plugin's 32 dies, which hold DeepSeek-V3 on both
@@ -40,7 +40,7 @@ and micro-batches, 240 requests per load, and the baseline's collectives on
 shared memory (``--sync-collectives shm``: gloo's milliseconds would slow the
 baseline below what the modelled collectives take). A deployment whose
 emulated dies cannot hold the model is refused (exit 2, one line naming
-``memory``; ``asap_comm.sim.memory``) unless ``--ignore-memory``.
+``memory``; ``asap_comm.sim.costmodel.memory``) unless ``--ignore-memory``.
 ``summary.json`` then carries ``overrun_fraction`` per mode, the memory table
 (``memory``) and ``ignore_memory``.
 
@@ -49,7 +49,7 @@ emulated dies cannot hold the model is refused (exit 2, one line naming
 The runtime's flags and their defaults are every command line's
 (``asap_comm.serving.runtime_args``); the lane's wait bound is ``--lane-wait-s``
 seconds, or ``--lane-wait-slo`` times the SLO (default 2). This file is the
-command line only: the job is ``asap_comm.sim.prefill`` (``deploy``: flags,
+command line only: the job is ``asap_comm.sim.emulate`` (``deploy``: flags,
 presets, deployment; ``job``: load, reference, SLO, runs, artifacts).
 """
 from __future__ import annotations
@@ -61,10 +61,10 @@ import torch
 
 from asap_comm.serving.plugins import load_model_factory, model_info_of
 from asap_comm.serving.traces import TraceError
-from asap_comm.sim.memory import LANE_POOL_PROMPTS
-from asap_comm.sim.prefill.deploy import (build_parser, check_args, emulated, memory_refusal, parse_args,
+from asap_comm.sim.costmodel.memory import LANE_POOL_PROMPTS
+from asap_comm.sim.emulate.deploy import (build_parser, check_args, emulated, memory_refusal, parse_args,
                                           runtime_configs, size_lane_pool)
-from asap_comm.sim.prefill.job import make_requests, print_report, run_job
+from asap_comm.sim.emulate.job import make_requests, print_report, run_job
 
 
 def main(argv=None) -> int:

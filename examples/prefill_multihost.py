@@ -42,7 +42,7 @@ from asap_comm.serving.plugins import load_model_factory, model_info_of
 from asap_comm.serving.runtime import PromptRequest, RunResult
 from asap_comm.serving.runtime_args import add_runtime_args, given_flags, runtime_config_from_args
 from asap_comm.serving.traces import LogNormalLengths, synthetic_trace
-from asap_comm.sim.prefill.job import check  # the single-host job's reference check
+from asap_comm.sim.emulate.job import check  # the single-host job's reference check
 
 
 def build_parser() -> argparse.ArgumentParser:

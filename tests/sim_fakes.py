@@ -1,6 +1,6 @@
 """One fake cost model for the simulator tests: round numbers, so expected times can be written down by hand.
 
-``ToyCost`` answers every question ``asap_comm.sim.simulate`` asks a cost model (``CostModel``'s methods),
+``ToyCost`` answers every question ``asap_comm.sim.core.simulate`` asks a cost model (``CostModel``'s methods),
 tensor- and context-parallel aware, with the link latency ``LINK``. ``SHAPES`` and ``CFG`` are the small model
 and runtime configuration the hand-computed cases use. ``sim_cli`` runs ``python -m asap_comm.sim ARGV`` in this
 process.
@@ -57,7 +57,7 @@ CFG = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=64, 
 
 def sim_cli(argv, capsys) -> tuple:
     """Run ``python -m asap_comm.sim ARGV`` in this process: (exit code, stdout, stderr)."""
-    from asap_comm.sim.__main__ import main
+    from asap_comm.sim.cli import main
 
     try:
         rc = main(argv)

@@ -1,4 +1,4 @@
-"""Emulated accelerators (asap_comm.sim.emulate): holds, overruns, the layer/token/expert mapping, collectives,
+"""Emulated accelerators (asap_comm.sim.emulate.emulator): holds, overruns, the layer/token/expert mapping, collectives,
 and real runs of both modes whose outputs equal the reference forward."""
 import multiprocessing as mp
 import os
@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.emulate import (EmulatedFactory, EmulatedModel, _Stats, collective_summary, overrun_summary,
-                                   read_stats)
-from asap_comm.sim.shapes import ModelShapes
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.emulate.emulator import EmulatedFactory, EmulatedModel
+from asap_comm.sim.emulate.stats import _Stats, collective_summary, overrun_summary, read_stats
 
 PROFILE, EMU = "ascend-910c-cm384", "deepseek-v3"
 
@@ -124,7 +124,7 @@ def test_expert_calls_stand_for_the_emulated_experts_of_the_rank(tmp_path):
     x = torch.ones(rows, 4)
     assert torch.equal(m.expert(1, 0, x), 2 * x)
     # dispatched rows: token_scale x (chance a token reaches a rank: emulated / real)
-    from asap_comm.sim.simulate import rows_per_rank_fraction
+    from asap_comm.sim.core.common import rows_per_rank_fraction
     ratio = rows_per_rank_fraction(256, 8, 32) / rows_per_rank_fraction(8, 2, 1)
     assert m.emulated_rows(100) == round(100 * 16 * ratio)
 
@@ -141,7 +141,7 @@ def test_an_uneven_split_of_the_served_experts_is_charged_evenly(tmp_path):
         m = EmulatedModel(_FakeStages(), cost, real, "expert", local, 1e-3, S, 6, _Stats(None))
         pairs_per_expert = tokens * real.top_k / real.num_experts  # real (token, expert) pairs per served expert
         work = local * m.expert_work_s(int(pairs_per_expert))
-        from asap_comm.sim.simulate import rows_per_rank_fraction
+        from asap_comm.sim.core.common import rows_per_rank_fraction
         rows = m.emulated_rows(round(tokens * rows_per_rank_fraction(8, 2, local)))
         return m, work, rows
 
@@ -156,7 +156,7 @@ def test_an_uneven_split_of_the_served_experts_is_charged_evenly(tmp_path):
 
 
 def test_collective_hold_and_transport_summary(tmp_path):
-    from asap_comm.sim.emulate import _CollectiveLog
+    from asap_comm.sim.emulate.stats import _CollectiveLog
 
     m, cost, _ = _emu_model(_FakeStages(), tmp_path, time_scale=1.0, token_scale=64)
     m.collectives = _CollectiveLog(tmp_path / "w-1-1.coll")
@@ -261,9 +261,9 @@ def test_emulated_runs_of_both_modes_match_the_reference(tmp_path):
 def test_validate_detects_a_profile_fitted_on_another_host(tmp_path):
     import json
 
-    from asap_comm.sim.calibrate import foreign_profile_reason, host_fingerprint
-    from asap_comm.sim.costs import Profile
-    from asap_comm.sim.validate import validate
+    from asap_comm.sim.calibrate.host import foreign_profile_reason, host_fingerprint
+    from asap_comm.sim.calibrate.validate import validate
+    from asap_comm.sim.costmodel.hardware import Profile
 
     here = host_fingerprint()
     assert set(here) == {"cpu_model", "cores", "torch"} and here["cores"] >= 1
@@ -329,7 +329,7 @@ def test_a_simulated_layer_may_stand_for_several():
     for DeepSeek-V3's 61 give the same unloaded TTFT as the 61 layers, in both modes."""
     from asap_comm.serving.runtime import RuntimeConfig
     from asap_comm.serving.traces import Request
-    from asap_comm.sim.simulate import Parallelism, simulate
+    from asap_comm.sim.core.simulate import Parallelism, simulate
 
     cost, shapes = CostModel.load(PROFILE, EMU), ModelShapes.load(EMU)
     # without the long-prompt lane: its wavefront advances by (weighted) layers, so 3 layers standing for 61 pipeline
@@ -368,7 +368,7 @@ def test_simulate_emulated_is_a_lower_bound_of_the_emulated_run_in_its_units(tmp
     from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async
     from asap_comm.serving.sync import run_sync
     from asap_comm.serving.traces import Request
-    from asap_comm.sim.emulate import simulate_emulated
+    from asap_comm.sim.emulate.emulator import simulate_emulated
 
     base = StageFactory("tiny", 0)
     info = model_info_of(base)
@@ -409,7 +409,7 @@ def test_simulate_emulated_is_a_lower_bound_of_the_emulated_run_in_its_units(tmp
 
 
 def test_crossing_rate_interpolates_on_the_grid():
-    from asap_comm.sim.validate_emulated import crossing_rate
+    from asap_comm.sim.calibrate.emulated import crossing_rate
 
     assert crossing_rate([(3.0, 0.7, 1.0), (1.0, 1.0, 1.0), (2.0, 0.95, 1.0)], 0.9) == pytest.approx(2.2)
     assert crossing_rate([(1.0, 1.0, 1.0), (2.0, 0.95, 1.0)], 0.9) == 2.0  # all meet it: the highest load
@@ -429,7 +429,7 @@ def test_validate_in_the_emulated_regime(tmp_path):
     against simulate_emulated, every metric compared, overruns kept, SLO-compliant throughputs and ratio."""
     import json
 
-    from asap_comm.sim.validate import main
+    from asap_comm.sim.calibrate.validate import main
 
     assert main(["--regime", "emulated", "--configs", "quick", "--repeats", "1", "--num-requests", "8",
                  "--out", str(tmp_path)]) == 0
@@ -485,7 +485,7 @@ def test_emulated_context_parallelism_in_the_baseline(tmp_path):
     from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async
     from asap_comm.serving.sync import run_sync
     from asap_comm.serving.traces import Request
-    from asap_comm.sim.emulate import simulate_emulated
+    from asap_comm.sim.emulate.emulator import simulate_emulated
 
     base = StageFactory("tiny", 0)
     info = model_info_of(base)
@@ -523,8 +523,8 @@ def test_emulated_context_parallelism_in_the_baseline(tmp_path):
 
 # ----------------------------------------------------------------------------- the placer's weight in served tokens
 def test_emulator_sets_the_weight_in_served_tokens():
-    from asap_comm.sim.emulate import EmulatedFactory
-    from asap_comm.sim.shapes import ModelShapes as MS
+    from asap_comm.sim.costmodel.shapes import ModelShapes as MS
+    from asap_comm.sim.emulate.emulator import EmulatedFactory
 
     real = MS.load("tiny")
     f = EmulatedFactory(lambda role, experts: None, "ascend-910c-cm384", "deepseek-v3", token_scale=128,

@@ -1,4 +1,4 @@
-"""The emulation's host overhead and served routing (asap_comm.sim.emulate_fit, simulate_emulated(host_overhead=,
+"""The emulation's host overhead and served routing (asap_comm.sim.emulate.fit, simulate_emulated(host_overhead=,
 expert_skew=)): the least-squares fit, the measurements from a probe's timeline and counters, how the simulator
 charges them in both modes, and their input checks."""
 import math
@@ -8,11 +8,12 @@ import torch
 
 from asap_comm.serving.runtime import RuntimeConfig
 from asap_comm.serving.traces import Request
-from asap_comm.sim.emulate import EmulatedFactory, EmulatedModel, read_stats, simulate_emulated
-from asap_comm.sim.emulate_fit import busy_outside_holds, fit_one, routing_skew
-from asap_comm.sim.emulate_stats import _Stats
-from asap_comm.sim.simulate_common import batch_skew
-from asap_comm.sim.shapes import ModelShapes
+from asap_comm.sim.core.common import batch_skew
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.emulate.emulator import EmulatedFactory, EmulatedModel, simulate_emulated
+from asap_comm.sim.emulate.fit import busy_outside_holds, fit_one, routing_skew
+from asap_comm.sim.emulate.stats import read_stats
+from asap_comm.sim.emulate.stats import _Stats
 
 PROFILE, EMU = "ascend-910c-cm384", "deepseek-v3"
 
@@ -152,7 +153,7 @@ class _Router:
 
 
 def test_an_emulated_router_call_counts_the_rows_of_its_hottest_expert_rank(tmp_path):
-    from asap_comm.sim.costs import CostModel
+    from asap_comm.sim.costmodel.costs import CostModel
 
     cost, tiny = CostModel.load(PROFILE, EMU), ModelShapes.load("tiny")  # 8 experts, top 2
     # 4 ranks of 2 experts (0-1, 2-3, 4-5, 6-7); 4 tokens: every one reaches rank 0 (4 rows), one rank 1, two rank 2

@@ -143,7 +143,7 @@ def test_parse_args_fills_the_emulate_defaults_of_absent_flags_only():
     finally:
         sys.path.pop(0)
     from asap_comm.serving.protocol import RuntimeConfig
-    from asap_comm.sim.prefill import deploy
+    from asap_comm.sim.emulate import deploy
 
     a = deploy.parse_args(["--emulate", "ascend-910c-cm384", "--attention-tp", "4", "--cp-threshold", "0"])
     assert (a.attention_tp, a.cp_threshold, a.sync_tp, a.expert_dies) == (4, 0, 8, 4)
@@ -166,8 +166,8 @@ def test_parse_args_fills_the_emulate_defaults_of_absent_flags_only():
 def test_sweep_auto_halves_no_lower_than_its_floor_and_says_where_it_stopped():
     """--sweep auto on a mode that meets the SLO at no load: halving stops at the rate whose probe would span more
     than SWEEP_MAX_PROBE_S (before: 8 halvings, the last probes minutes each); the search reports that rate."""
-    from asap_comm.sim.prefill import job
-    from asap_comm.sim.study import search_rate
+    from asap_comm.sim.core.sweep import search_rate
+    from asap_comm.sim.emulate import job
 
     floor = job.sweep_floor(240)
     assert floor == pytest.approx(job.SWEEP_MIN_REQUESTS / job.SWEEP_MAX_PROBE_S)
@@ -191,8 +191,8 @@ def test_sweep_auto_counts_only_sustained_loads():
     """--sweep auto bisects on the combined criterion: a load that meets the SLO attainment but is served below 90%
     of offered (the longest requests queued without bound) fails, so the search stops below it; a runner that
     returns the attainment alone is refused."""
-    from asap_comm.sim.prefill import job
-    from asap_comm.sim.study import search_rate
+    from asap_comm.sim.core.sweep import search_rate
+    from asap_comm.sim.emulate import job
 
     seen = search_rate(lambda r: (1.0, 1.0 if r <= 2.0 else 0.5), 1.0, bisections=3)
     passed = [r for r, (a, f) in seen.items() if a >= 0.9 and f >= 0.9]
@@ -215,7 +215,7 @@ def test_bench_serving_takes_the_examples_arguments_and_memory_check(tmp_path):
         sys.path.pop(0)
     from asap_models import StageFactory
 
-    from asap_comm.sim.prefill import deploy
+    from asap_comm.sim.emulate import deploy
 
     def bench_args(*argv):
         return bench_serving.build_parser().parse_args(list(argv))

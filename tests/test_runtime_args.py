@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
 def _parsers() -> dict:
     """Every command line that builds a RuntimeConfig from flags, by name."""
     from asap_comm.serving.server.cli import build_parser as server
-    from asap_comm.sim.prefill.deploy import build_parser as example
+    from asap_comm.sim.emulate.deploy import build_parser as example
 
     return {"add_runtime_args": _parser(), "server": server(), "examples/prefill.py": example()}
 
@@ -74,7 +74,7 @@ def test_the_lane_wait_bound_is_one_name_in_seconds_on_every_command_line():
         assert "--lane-wait-s" in options and "--lane-wait" not in options, name
         assert runtime_config_from_args(p.parse_args(["--lane-wait-s", "2.5"])).lane_wait_s == 2.5, name
     # the multiples of the SLO are their own, clearly named flags: the example's and headline's --lane-wait-slo
-    from asap_comm.sim.prefill.deploy import build_parser, lane_wait_s
+    from asap_comm.sim.emulate.deploy import build_parser, lane_wait_s
 
     a = build_parser().parse_args([])
     assert (a.lane_wait_s, a.lane_wait_slo) == (None, 2.0) and lane_wait_s(a, 3.0) == 6.0
@@ -144,10 +144,10 @@ def test_the_simulators_slo_is_the_same_rule():
     """sim.study.unloaded_slo and the example's resolve_slo go through auto_slo: the p90 prompt it picks (clipped
     at max_prompt_len) is the one simulated, times 3."""
     from asap_comm.serving.traces import Request
-    from asap_comm.sim.costs import CostModel
-    from asap_comm.sim.shapes import ModelShapes
-    from asap_comm.sim.simulate import simulate
-    from asap_comm.sim.study import unloaded_slo
+    from asap_comm.sim.core.simulate import simulate
+    from asap_comm.sim.core.sweep import unloaded_slo
+    from asap_comm.sim.costmodel.costs import CostModel
+    from asap_comm.sim.costmodel.shapes import ModelShapes
 
     cost, shapes = CostModel.load("h800-node", "tiny"), ModelShapes.load("tiny")
     trace = [Request(i, 0.1 * i, n) for i, n in enumerate([40, 80, 120, 160, 200, 240, 280, 320, 360, 900])]

@@ -6,10 +6,11 @@ import pytest
 
 from asap_comm.serving.protocol import RuntimeConfig
 from asap_comm.serving.traces import Request
-from asap_comm.sim import barrier as B
-from asap_comm.sim.costs import CostModel, Profile
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.simulate import simulate
+from asap_comm.sim.core.simulate import simulate
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.hardware import Profile
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.studies import barrier as B
 
 
 def test_expected_max_of_r_standard_normals():

@@ -9,11 +9,12 @@ import pytest
 
 from asap_comm.serving.runtime import RuntimeConfig
 from asap_comm.serving.traces import Request
-from asap_comm.sim.costs import CostModel, Profile
-from asap_comm.sim.headline import async_grid, sync_grid
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.simulate import Parallelism, simulate
-from asap_comm.sim.study import Deployment, search_best, spread_buckets
+from asap_comm.sim.core.simulate import Parallelism, simulate
+from asap_comm.sim.core.sweep import Deployment, search_best, spread_buckets
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.hardware import Profile
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.studies.grids import async_grid, sync_grid
 
 from sim_fakes import CFG, LINK, SHAPES, ToyCost, sim_cli
 from test_sim_costs import ROUND, close
@@ -146,10 +147,10 @@ def test_context_parallel_owners_propose_one_chunk_per_step(monkeypatch):
     the next chunk of its oldest CP request only. The simulator used to let every CP request join a step, so
     several requests of one owner filled groups that the runtime leaves to short prompts (seen in the emulated
     validation: the simulated baseline kept short prompts waiting behind long ones)."""
-    from asap_comm.sim import simulate_sync
+    from asap_comm.sim.core import sync_mode
 
     steps = []
-    batches = simulate_sync._SyncSim._batches
+    batches = sync_mode._SyncSim._batches
 
     def record(self):
         out = batches(self)
@@ -157,7 +158,7 @@ def test_context_parallel_owners_propose_one_chunk_per_step(monkeypatch):
             steps.append([(req.request_id, req.groups[0]) for sh in out[1] for req, _c, _n, i in sh if i == 0])
         return out
 
-    monkeypatch.setattr(simulate_sync._SyncSim, "_batches", record)
+    monkeypatch.setattr(sync_mode._SyncSim, "_batches", record)
     # long prompts on 3 or 4 of 4 groups arriving together: the least-loaded rule gives some owners two of them
     lens = [165, 229, 136, 256, 203, 256]
     reqs = [Request(i, 1e-4 * i, n) for i, n in enumerate(lens)] + [Request(6 + i, 0.003 + 1e-4 * i, 8)
@@ -257,7 +258,7 @@ def test_search_best_picks_the_best_by_construction():
 
 
 def _fake_run_point(knee_rate: float, served_above: float):
-    """A stand-in for study.run_point: every load meets the SLO (attainment 1), but above ``knee_rate`` only
+    """A stand-in for sweep.run_point: every load meets the SLO (attainment 1), but above ``knee_rate`` only
     ``served_above`` of the offered tokens/s is served (the longest requests queue without bound)."""
     def run_point(mode, trace, rate, cost, shapes, cfg, slo, *, sync_ranks=None, spans=False, par=None):
         served = 1.0 if rate <= knee_rate else served_above
@@ -272,18 +273,18 @@ def test_the_load_search_finds_the_highest_sustained_compliant_load(monkeypatch)
     """find_slo_throughput bisects on the combined criterion: attainment 1 at every load, served 50% of offered
     above 3 req/s: the SLO-compliant throughput is the highest tested load <= 300 tok/s (before: the attainment
     alone, every doubling passed and the result was the highest load tried, unsaturated)."""
-    from asap_comm.sim import study
+    from asap_comm.sim.core import sweep
 
-    monkeypatch.setattr(study, "run_point", _fake_run_point(3.0, 0.5))
-    r = study.find_slo_throughput("sync", [Request(i, float(i), 100) for i in range(20)], None, None, CFG, 1.0,
+    monkeypatch.setattr(sweep, "run_point", _fake_run_point(3.0, 0.5))
+    r = sweep.find_slo_throughput("sync", [Request(i, float(i), 100) for i in range(20)], None, None, CFG, 1.0,
                                   start_rate=1.0, bisections=4)
     assert r["saturated"] and 2.0 * 100 <= r["slo_compliant_throughput"] <= 300.0
     assert r["served_fraction"] == 1.0 and r["withheld"] is None
     failed = [p for p in r["points"] if p["served_fraction"] < 0.9]
     assert failed and min(p["rate_req_s"] for p in failed) < 4.0  # bisected between 2 and 4 req/s
     # a mode that never sustains: None, the reason, and search_best carries both
-    monkeypatch.setattr(study, "run_point", _fake_run_point(0.0, 0.09))
-    r = study.find_slo_throughput("sync", [Request(i, float(i), 100) for i in range(20)], None, None, CFG, 1.0,
+    monkeypatch.setattr(sweep, "run_point", _fake_run_point(0.0, 0.09))
+    r = sweep.find_slo_throughput("sync", [Request(i, float(i), 100) for i in range(20)], None, None, CFG, 1.0,
                                   start_rate=1.0, bisections=2)
     assert r["slo_compliant_throughput"] is None and r["served_fraction"] is None
     assert r["withheld"] == "sustains no tested load (served 9% of offered at the lowest)"
@@ -292,7 +293,7 @@ def test_the_load_search_finds_the_highest_sustained_compliant_load(monkeypatch)
     best = search_best([d], [Request(i, float(i), 100) for i in range(20)], None, None, 1.0, start_rate=1.0)
     assert best["slo_compliant_throughput"] is None and best["served_fraction"] is None
     assert "sustains no tested load" in best["withheld"]
-    monkeypatch.setattr(study, "run_point", _fake_run_point(3.0, 0.5))
+    monkeypatch.setattr(sweep, "run_point", _fake_run_point(3.0, 0.5))
     best = search_best([d], [Request(i, float(i), 100) for i in range(20)], None, None, 1.0, start_rate=1.0)
     assert best["slo_compliant_throughput"] == best["best_sweep"]["slo_compliant_throughput"] <= 300.0
     assert best["served_fraction"] == 1.0 and best["withheld"] is None
@@ -301,7 +302,7 @@ def test_the_load_search_finds_the_highest_sustained_compliant_load(monkeypatch)
 def test_search_best_breaks_coarse_ties_by_the_next_load_then_the_targets_percentile():
     """Equal coarse throughputs (the coarse grid of loads ties often): the candidate that came closest to passing
     the next load tested goes first, then the lower TTFT at the target's percentile (p99 for a p99 SLO)."""
-    from asap_comm.sim.study import tail_key
+    from asap_comm.sim.core.sweep import tail_key
 
     cfg = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=1)
     cands = [Deployment("sync", cfg, Parallelism(sync_tp=t), sync_ranks=8 // t) for t in (1, 2, 4, 8)]

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from asap_comm.serving.policies import LINEAR_WEIGHT
-from asap_comm.sim.costs import COMPUTE_OPS, CostModel, Profile, known_profiles
-from asap_comm.sim.shapes import ModelShapes, known_presets
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.hardware import COMPUTE_OPS, Profile, known_profiles
+from asap_comm.sim.costmodel.shapes import ModelShapes, known_presets
 
 SIM = Path(__file__).resolve().parent.parent / "asap_comm" / "sim"
 
@@ -286,7 +287,7 @@ def test_deepseek_v3_numbers_are_plausible(name, gemm_peak, core_peak, hbm):
 # ----------------------------------------------------------------------------------------- calibrate
 @pytest.mark.slow
 def test_calibrate_quick_tiny(tmp_path):
-    from asap_comm.sim.calibrate import calibrate
+    from asap_comm.sim.calibrate.host import calibrate
 
     before, t = set(glob.glob("/dev/shm/asap-*")), time.time()
     prof = calibrate(tmp_path, "tiny", quick=True, progress=False)
@@ -316,7 +317,7 @@ def test_sim_cost_modules_import_no_models():
     import subprocess
     import sys
 
-    code = ("import sys, asap_comm.sim.shapes, asap_comm.sim.costs, asap_comm.sim.calibrate; "
+    code = ("import sys, asap_comm.sim.costmodel.shapes, asap_comm.sim.costmodel.costs, asap_comm.sim.calibrate.host; "
             "bad = [m for m in sys.modules if m == 'models' or m.startswith(('models.', 'asap_models'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -341,8 +342,8 @@ def test_placer_linear_weight_from_the_cost_model():
 # ----------------------------------------------------------------------------- the host probe (local regime): a host that disagrees with its profile is refused
 def _fitted_here(tmp_path, probe=None):
     """The committed local profile, marked as fitted on this host (its fingerprint matches)."""
-    from asap_comm.sim.calibrate import host_fingerprint
-    from asap_comm.sim.costs import Profile
+    from asap_comm.sim.calibrate.host import host_fingerprint
+    from asap_comm.sim.costmodel.hardware import Profile
 
     data = dict(Profile.load("local").data)
     data["fit"] = {**(data.get("fit") or {}), "host_fingerprint": host_fingerprint()}
@@ -354,8 +355,8 @@ def _fitted_here(tmp_path, probe=None):
 
 
 def test_probe_verdict_catches_a_host_twice_as_slow(tmp_path):
-    from asap_comm.sim.costs import Profile
-    from asap_comm.sim.probe import probe_verdict
+    from asap_comm.sim.calibrate.probe import probe_verdict
+    from asap_comm.sim.costmodel.hardware import Profile
 
     shapes = ModelShapes.load("small")
     ref = {"swiglu": {"16": 1e-4, "256": 2e-3}, "p2p": {"1": 1e-4, "256": 4e-4}}
@@ -373,7 +374,7 @@ def test_probe_verdict_catches_a_host_twice_as_slow(tmp_path):
 
 
 def test_probe_host_times_the_operators():
-    from asap_comm.sim.probe import probe_host
+    from asap_comm.sim.calibrate.probe import probe_host
 
     m = probe_host(ModelShapes.load("small"), p2p=False, reps=3)
     assert set(m["swiglu"]) == {"16", "256"} and all(t > 0 for t in m["swiglu"].values())
@@ -381,8 +382,8 @@ def test_probe_host_times_the_operators():
 
 
 def test_validate_refuses_a_host_that_disagrees(tmp_path, monkeypatch):
-    import asap_comm.sim.probe as probe
-    from asap_comm.sim.validate import validate
+    import asap_comm.sim.calibrate.probe as probe
+    from asap_comm.sim.calibrate.validate import validate
 
     ref = {"swiglu": {"16": 1e-4, "256": 2e-3}, "p2p": {"1": 1e-4, "256": 4e-4}}
     path = _fitted_here(tmp_path, probe=ref)

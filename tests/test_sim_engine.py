@@ -1,7 +1,7 @@
 """The simulator's event engine: time order, FIFO ties, cancellation, processor sharing, serial ranks."""
 import pytest
 
-from asap_comm.sim.engine import Engine, Host, Rank, ps_makespan
+from asap_comm.sim.core.engine import Engine, Host, Rank, ps_makespan
 
 
 def test_events_run_in_time_order_and_ties_in_scheduling_order():

@@ -1,4 +1,4 @@
-"""ASAP's long-prompt lane and token-balanced micro-batch pairs in the simulator (asap_comm/sim/lane.py).
+"""ASAP's long-prompt lane and token-balanced micro-batch pairs in the simulator (asap_comm/sim/core/lane.py).
 
 ``sim_lane_golden.json`` holds the completion times of a ToyCost run simulated by the code before the lane
 existed (commit 6cea818); with the lane and the balancing off the simulator must reproduce them exactly.
@@ -14,10 +14,10 @@ import pytest
 
 from asap_comm.serving.protocol import RuntimeConfig
 from asap_comm.serving.traces import Request
-from asap_comm.sim import lane
-from asap_comm.sim.lane import kv_put_s
-from asap_comm.sim.simulate import simulate
-from asap_comm.sim.simulate_async import _AsyncSim
+from asap_comm.sim.core import lane
+from asap_comm.sim.core.async_mode import _AsyncSim
+from asap_comm.sim.core.lane import kv_put_s
+from asap_comm.sim.core.simulate import simulate
 from sim_fakes import SHAPES, ToyCost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,9 +63,9 @@ def test_lane_shortens_a_solo_long_prompt_by_about_the_groups(A):
 
 
 def test_lane_on_the_910c_profile_shortens_a_63k_prompt():
-    from asap_comm.sim.costs import CostModel
-    from asap_comm.sim.shapes import ModelShapes
-    from asap_comm.sim.simulate import Parallelism
+    from asap_comm.sim.core.simulate import Parallelism
+    from asap_comm.sim.costmodel.costs import CostModel
+    from asap_comm.sim.costmodel.shapes import ModelShapes
 
     cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.load("deepseek-v3")
     cfg = RuntimeConfig(num_attention_ranks=4, num_expert_ranks=32, token_budget=16384, chunk_len=8192,
@@ -160,8 +160,8 @@ def test_token_balanced_micro_batches_in_the_simulator(monkeypatch):
 
 
 def test_kv_put_scales_with_tokens_and_receivers():
-    from asap_comm.sim.costs import CostModel
-    from asap_comm.sim.shapes import ModelShapes
+    from asap_comm.sim.costmodel.costs import CostModel
+    from asap_comm.sim.costmodel.shapes import ModelShapes
 
     cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.load("deepseek-v3")
     lat = cost.profile.p2p["latency_s"]
@@ -191,7 +191,7 @@ def test_sim_run_lane_flags(tmp_path):
 
 
 def test_lane_study_sweep_shares_points_between_percentiles():
-    from asap_comm.sim.lane_study import _Sweep
+    from asap_comm.sim.studies.lane_study import _Sweep
 
     calls = []
 
@@ -339,9 +339,9 @@ def test_the_wait_bound_keeps_the_64_die_lane_from_starving_in_the_emulated_repl
     finally:
         sys.path.pop(0)
     from asap_comm.serving import summarize_run
-    from asap_comm.sim.emulate import simulate_emulated
-    from asap_comm.sim.lane import LANE_WAIT_SLO
-    from asap_comm.sim.prefill import job
+    from asap_comm.sim.core.lane import LANE_WAIT_SLO
+    from asap_comm.sim.emulate import job
+    from asap_comm.sim.emulate.emulator import simulate_emulated
 
     host, skew = lpr.measured_overheads()
     out = {}

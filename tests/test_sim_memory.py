@@ -1,4 +1,4 @@
-"""The per-die memory model (asap_comm.sim.memory), its refusals and the --weights transform."""
+"""The per-die memory model (asap_comm.sim.costmodel.memory), its refusals and the --weights transform."""
 import copy
 import json
 import os
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.hardware import Profile
-from asap_comm.sim.memory import (GB, deployment_memory, memory_problems, profile_hbm, weight_params,
-                                  with_weights)
-from asap_comm.sim.shapes import ModelShapes
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.hardware import Profile
+from asap_comm.sim.costmodel.memory import (GB, deployment_memory, memory_problems, profile_hbm, weight_params,
+                                            with_weights)
+from asap_comm.sim.costmodel.shapes import ModelShapes
 
 ROOT = Path(__file__).resolve().parents[1]
 DSV3 = ModelShapes.preset("deepseek-v3")
@@ -145,8 +145,8 @@ def test_sim_memory_cli(tmp_path):
 
 
 def test_headline_keeps_only_feasible_candidates(capsys):
-    from asap_comm.sim.headline import async_grid, sync_grid
-    from asap_comm.sim.memory import headline_memory
+    from asap_comm.sim.costmodel.memory import headline_memory
+    from asap_comm.sim.studies.grids import async_grid, sync_grid
 
     cost = CostModel.load(CM, "deepseek-v3")
     syncs = sync_grid(32, (4, 8), (None,), (16384,), DSV3.heads)
@@ -170,7 +170,7 @@ def test_headline_keeps_only_feasible_candidates(capsys):
 def test_emulated_factory_check_and_per_die_transfer_rows():
     from asap_models import StageFactory
 
-    from asap_comm.sim.emulate import EmulatedFactory
+    from asap_comm.sim.emulate.emulator import EmulatedFactory
 
     base = StageFactory("tiny", 0)
     with pytest.raises(ValueError, match="memory: 6 devices hold deepseek-v3's routed experts at 109.8 GB"):
@@ -195,7 +195,7 @@ def _example(*args, timeout=120):
 
 
 def test_example_emulated_default_is_feasible_and_an_infeasible_one_is_refused(tmp_path):
-    from asap_comm.sim.prefill import deploy
+    from asap_comm.sim.emulate import deploy
 
     p = deploy.build_parser()
     args = p.parse_args(["--emulate", CM])
@@ -216,9 +216,9 @@ def test_example_sizes_an_expert_die_by_the_runtimes_expert_batch():
     is refused when expert batching is off (every arrival computed as it comes: the in-flight bound)."""
     from asap_models import StageFactory
 
-    from asap_comm.sim.prefill import deploy
+    from asap_comm.sim.emulate import deploy
 
-    from asap_comm.sim.emulate import rows_per_real_row
+    from asap_comm.sim.emulate.emulator import rows_per_real_row
 
     split = ["--emulate", CM, "--attention-ranks", "12", "--attention-tp", "4", "--expert-ranks", "4",
              "--expert-dies", "4", "--sync-tp", "8", "--cp-threshold", "128", "--chunk-len", "64"]
@@ -246,7 +246,7 @@ def test_simulate_emulated_runs_the_dies_an_expert_rank_stands_for():
 
     from asap_comm.serving.runtime import RuntimeConfig
     from asap_comm.serving.traces import Request
-    from asap_comm.sim.emulate import EmulatedFactory, simulate_emulated
+    from asap_comm.sim.emulate.emulator import EmulatedFactory, simulate_emulated
 
     base = StageFactory("tiny", 0)
     cfg = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=4, token_budget=128, chunk_len=128, max_prompt_len=512)
@@ -288,8 +288,8 @@ def test_the_simulator_and_sim_run_charge_the_lane_pool_and_refuse_one_that_does
     import sys
 
     from asap_comm.serving.runtime import RuntimeConfig
-    from asap_comm.sim.memory import memory_of
-    from asap_comm.sim.simulate import Parallelism
+    from asap_comm.sim.core.simulate import Parallelism
+    from asap_comm.sim.costmodel.memory import memory_of
 
     prof, shapes = Profile.load(CM), ModelShapes.load("deepseek-v3")
     cfg = RuntimeConfig(num_attention_ranks=6, num_expert_ranks=16, token_budget=16384, chunk_len=4096,
@@ -315,8 +315,8 @@ def test_fitting_lane_tokens_takes_the_most_longest_prompts_the_attention_dies_h
     """The deployment tools' default lane KV pool: up to LANE_POOL_PROMPTS longest prompts, fewer when the
     attention die cannot hold them (only the attention dies are asked), one when even that does not fit."""
     from asap_comm.serving.runtime import RuntimeConfig
-    from asap_comm.sim.memory import LANE_POOL_PROMPTS, fitting_lane_tokens, memory_of
-    from asap_comm.sim.simulate import Parallelism
+    from asap_comm.sim.core.simulate import Parallelism
+    from asap_comm.sim.costmodel.memory import LANE_POOL_PROMPTS, fitting_lane_tokens, memory_of
 
     prof, shapes = Profile.load(CM), ModelShapes.load("deepseek-v3")
     cfg = RuntimeConfig(num_attention_ranks=6, num_expert_ranks=16, token_budget=16384, chunk_len=4096,
@@ -373,7 +373,7 @@ def test_lane_tokens_auto_sizes_the_pool_to_what_memory_holds_in_sim_run_and_the
         r = subprocess.run(base + [flag, value, "--out", str(tmp_path / "bad")], capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 2 and flag in r.stderr, r.stderr[-2000:]
-    from asap_comm.sim.prefill import deploy
+    from asap_comm.sim.emulate import deploy
 
     args = deploy.parse_args(["--emulate", CM])
     assert args.lane_tokens is None and args.lane_wait_s is None and args.lane_wait_slo == 2.0

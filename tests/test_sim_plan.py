@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from asap_comm.sim.__main__ import main as sim_main
-from asap_comm.sim.plan import SEEDS, recommend, spread_summary
+from asap_comm.sim.cli import main as sim_main
+from asap_comm.sim.studies.plan import SEEDS, recommend, spread_summary
 
 BASE = ["plan", "--profile", "ascend-910c-cm384", "--model", "deepseek-v3"]
 

@@ -1,4 +1,4 @@
-"""The figures (asap_comm.sim.plots, sim.figures, serving.plotting, the load client's CDF), built from small
+"""The figures (asap_comm.sim.studies.plots, sim.figures, serving.plotting, the load client's CDF), built from small
 synthetic study results and checked on the matplotlib objects: the plotted percentile is the study's, axis
 labels match the series, the title states what was run and fits inside the figure, no probe load is on the
 axes, tick labels are plain, the SLO and the sustained-load cut are drawn."""
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from asap_comm.serving import plotting  # noqa: E402
-from asap_comm.sim import figures, plots  # noqa: E402
+from asap_comm.sim.studies import figures, plots  # noqa: E402
 
 SLO = 10.0
 
@@ -256,7 +256,7 @@ def test_client_cdf_has_plain_ticks_and_a_fitted_title(tmp_path, monkeypatch):
 
 
 def test_replot_redraws_from_json_and_lists_what_it_cannot(tmp_path, capsys):
-    from asap_comm.sim.__main__ import main
+    from asap_comm.sim.cli import main
 
     (tmp_path / "summary.json").write_text(json.dumps(_headline()))
     assert main(["replot", str(tmp_path)]) == 0
@@ -271,11 +271,11 @@ def test_replot_redraws_from_json_and_lists_what_it_cannot(tmp_path, capsys):
 def test_rerun_rebuilds_the_winners_and_refuses_a_json_it_does_not_reproduce():
     """replot --rerun-points: the winners rebuilt from their describe() records, checked against the JSON's
     numbers at the base load before anything is drawn from a re-run."""
-    from asap_comm.sim.costs import CostModel
-    from asap_comm.sim.grids import headline_config, mooncake_trace
-    from asap_comm.sim.shapes import ModelShapes
-    from asap_comm.sim.simulate import Parallelism
-    from asap_comm.sim.study import Deployment, run_point
+    from asap_comm.sim.core.simulate import Parallelism
+    from asap_comm.sim.core.sweep import Deployment, run_point
+    from asap_comm.sim.costmodel.costs import CostModel
+    from asap_comm.sim.costmodel.shapes import ModelShapes
+    from asap_comm.sim.studies.grids import headline_config, mooncake_trace
 
     slo, n, rate = 15.0, 30, 0.3
     a = Deployment("async", dataclasses.replace(headline_config(6, 16, 8192, 8192, 16384, 0.0005, 262144),

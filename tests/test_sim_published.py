@@ -4,11 +4,14 @@ import json
 import pytest
 
 from asap_comm.serving.traces import Request
-from asap_comm.sim import published as P
-from asap_comm.sim import published_afd as PA
-from asap_comm.sim.costs import CostModel, Profile
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.validate import main as validate_main
+from asap_comm.sim.calibrate import published as P
+from asap_comm.sim.calibrate import published_afd as PA
+from asap_comm.sim.calibrate.target import TARGET
+from asap_comm.sim.calibrate.validate import main as validate_main
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.hardware import Profile
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.studies.grids import mooncake_path
 
 
 def test_every_figure_has_a_source_a_deployment_and_a_value():
@@ -98,11 +101,11 @@ def test_cli(tmp_path, capsys):
 
 
 def test_the_capacity_window_matches_the_published_screening_window():
-    assert P.mooncake_path() is not None, "the Mooncake trace ships with the package"
+    assert mooncake_path() is not None, "the Mooncake trace ships with the package"
     import collections
     import statistics
 
-    t = P.afd_screening_window(128)
+    t = PA.afd_screening_window(128)
     assert len(t) == 128 and t[0].arrival_s == 0.0
     assert abs(sum(r.prompt_len for r in t) / 1340915 - 1) < 0.05
     assert abs(statistics.median(r.prompt_len for r in t) / 6702.5 - 1) < 0.05
@@ -176,10 +179,10 @@ def test_afd_async_rows_simulate_with_fits_and_reasons(tmp_path):
             rows[f.key] = (f, P.relative_error(v, f.value))
     for key in ("v4flash_afd_served_1x", "v32r_median_baseline_12rps"):
         f, err = rows[key]
-        assert f.fitted and abs(err) <= P.TARGET, (key, err)
+        assert f.fitted and abs(err) <= TARGET, (key, err)
     notes = PA.async_notes(cache)
     for key, (f, err) in rows.items():
-        assert abs(err) <= P.TARGET or key in notes or ("note", key) in cache, key
+        assert abs(err) <= TARGET or key in notes or ("note", key) in cache, key
     for load in (1.0, 1.25, 1.5):
         pt = cache[("v4", load)]
         names = PA.V4B.split(" vs ")

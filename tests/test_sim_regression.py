@@ -13,10 +13,10 @@ import pytest
 
 from asap_comm.serving.protocol import RuntimeConfig
 from asap_comm.serving.traces import Request
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.hardware import Profile
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.simulate import Parallelism, simulate
+from asap_comm.sim.core.simulate import Parallelism, simulate
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.hardware import Profile
+from asap_comm.sim.costmodel.shapes import ModelShapes
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sim_regression.json"
 DATA = json.loads(FIXTURE.read_text())

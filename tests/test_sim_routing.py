@@ -1,4 +1,4 @@
-"""Routing skew (asap_comm.sim.routing): the distributions, their per-rank shares, the simulator and the emulator
+"""Routing skew (asap_comm.sim.costmodel.routing): the distributions, their per-rank shares, the simulator and the emulator
 charging them, the command line and the histogram files."""
 import json
 import random
@@ -7,12 +7,14 @@ import pytest
 
 from asap_comm.serving.protocol import RuntimeConfig
 from asap_comm.serving.traces import Request
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.emulate import EmulatedFactory, EmulatedModel, _Stats
-from asap_comm.sim.routing import (BALANCED, HISTOGRAM_FORMAT, Routing, block_placement, emulated_scales,
-                                   known_histograms, parse_routing, rank_of_experts, routed_cost)
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.simulate import Parallelism, rows_per_rank_fraction, simulate
+from asap_comm.sim.core.common import rows_per_rank_fraction
+from asap_comm.sim.core.simulate import Parallelism, simulate
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.routing import (BALANCED, HISTOGRAM_FORMAT, Routing, block_placement, emulated_scales,
+                                             known_histograms, parse_routing, rank_of_experts, routed_cost)
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.emulate.emulator import EmulatedFactory, EmulatedModel
+from asap_comm.sim.emulate.stats import _Stats
 
 PROFILE, EMU = "ascend-910c-cm384", "deepseek-v3"
 
@@ -180,7 +182,7 @@ def test_skew_slows_the_baseline_step_and_loads_the_hot_expert_rank(cost):
 
 
 def test_sim_run_records_the_routing_and_rejects_a_bad_one(tmp_path, capsys):
-    from asap_comm.sim.__main__ import main
+    from asap_comm.sim.cli import main
     out = tmp_path / "run"
     assert main(["run", "--out", str(out), "--num-requests", "20", "--routing", "zipf:1.0", "--modes", "async"]) == 0
     s = json.loads((out / "summary.json").read_text())
@@ -221,8 +223,8 @@ def test_the_emulated_expert_time_follows_the_ranks_share(cost):
 
 
 def test_skew_study_rows_follow_the_routing(cost):
-    from asap_comm.sim.headline import skew_trace
-    from asap_comm.sim.skew import deployments, skew_study, table
+    from asap_comm.sim.studies.grids import skew_trace
+    from asap_comm.sim.studies.skew import deployments, skew_study, table
     a, s = deployments(6, 8, 16, 8, 8, 16384, True)
     res = skew_study(["balanced", "zipf:1.5"], a, s, skew_trace(24, 1.0, 6000.0), cost, cost.shapes, bisections=1,
                      progress=False)
@@ -244,7 +246,7 @@ def test_skew_study_rows_follow_the_routing(cost):
 def test_the_memoised_expert_cost_tells_lists_with_the_same_ends_apart(cost):
     """Balanced pair lists [b+1]*x + [b]*(L-x) share their ends and length for every x; the memo once keyed them
     by those alone and charged the first x's cost to all (up to 0.25% of a TTFT on the local profile)."""
-    from asap_comm.sim.simulate_common import _Memo
+    from asap_comm.sim.core.common import _Memo
     memo = _Memo(cost)
     for pairs in ([9, 8, 8, 8], [9, 9, 9, 8], [9, 9, 8, 8], [40, 3, 9, 1], [3, 40, 9, 1]):
         assert memo.experts_s(pairs) == cost.experts_s(pairs)

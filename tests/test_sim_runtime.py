@@ -14,13 +14,15 @@ import pytest
 
 import asap_comm.serving.frontend as frontend
 import asap_comm.serving.policies as policies
-import asap_comm.sim.simulate as simulate_mod
+import asap_comm.sim.core.async_mode as async_mode
+import asap_comm.sim.core.sync_mode as sync_mode
 from asap_comm.serving.metrics import summarize_run
 from asap_comm.serving.runtime import RuntimeConfig
 from asap_comm.serving.traces import FixedLengths, LogNormalLengths, Request, synthetic_trace
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.simulate import rows_per_rank_fraction, simulate
+from asap_comm.sim.core.common import rows_per_rank_fraction
+from asap_comm.sim.core.simulate import simulate
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.shapes import ModelShapes
 
 from sim_fakes import CFG, LINK, SHAPES, ToyCost, sim_cli
 
@@ -66,8 +68,9 @@ def test_sync_single_request_time_is_the_hand_computed_lockstep_path():
 
 def test_the_simulator_makes_its_decisions_with_the_runtimes_policy_objects(monkeypatch):
     # the very classes the runtime's front end and workers use
-    assert simulate_mod.Placer is frontend.Placer is policies.Placer
-    assert simulate_mod.MicroBatcher is policies.MicroBatcher and simulate_mod.ExpertBatcher is policies.ExpertBatcher
+    assert async_mode.Placer is sync_mode.Placer is frontend.Placer is policies.Placer
+    assert async_mode.MicroBatcher is sync_mode.MicroBatcher is policies.MicroBatcher
+    assert async_mode.ExpertBatcher is policies.ExpertBatcher
     trace = synthetic_trace(600, num_requests=60, lengths=FixedLengths(20), seed=3)  # busy enough to queue
     cfg = RuntimeConfig(num_attention_ranks=3, num_expert_ranks=1, token_budget=64, chunk_len=64, max_prompt_len=64)
     before = simulate("async", trace, ToyCost(), SHAPES, cfg)
@@ -230,7 +233,7 @@ def test_validate_command_on_a_small_configuration(tmp_path):
 
 
 def test_in_situ_runtime_factors_apply_where_documented():
-    from asap_comm.sim.costs import RUNTIME_FACTORS, Profile
+    from asap_comm.sim.costmodel.hardware import RUNTIME_FACTORS, Profile
 
     base = {m: simulate(m, [Request(0, 0.0, 10)], ToyCost(), SHAPES, CFG, sync_ranks=2).records[0].ttft_s
             for m in ("async", "sync")}
@@ -326,7 +329,7 @@ def test_lockstep_with_one_attention_rank_is_a_no_op():
 
 # ----------------------------------------------------------------------------- the placer's weight: the cost model's, unless the configuration names one
 def test_simulator_passes_the_derived_weight_to_its_placer(monkeypatch):
-    import asap_comm.sim.simulate_async as sa
+    import asap_comm.sim.core.async_mode as sa
 
     seen = []
     real = sa.Placer
@@ -375,7 +378,8 @@ def test_run_local_profile_keeps_its_defaults(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- headline: ASAP searched as broadly as the baseline, expert deadline and budget included
 def test_headline_searches_asap_as_broadly_as_the_baseline(capsys):
-    from asap_comm.sim.headline import async_grid, main, search_breadth, sync_grid
+    from asap_comm.sim.studies.grids import async_grid, search_breadth, sync_grid
+    from asap_comm.sim.studies.headline import main
 
     # the defaults of `headline` (as its --help gives them)
     with pytest.raises(SystemExit):
@@ -411,7 +415,7 @@ def test_headline_searches_asap_as_broadly_as_the_baseline(capsys):
     assert [d.cfg.lane_tokens for d in pools] == [None, 262144] and "lane pool 262144" in pools[1].label
     assert "lane pool" not in pools[0].label
     # --lane-wait-slo: the lane's wait bound, in SLOs, bound to each search's SLO and re-scaled with it
-    from asap_comm.sim.grids import rebind_lane_wait, with_lane_wait
+    from asap_comm.sim.studies.grids import rebind_lane_wait, with_lane_wait
 
     waits = with_lane_wait(pools, 4.0, [None, 0.5, 2.0])
     assert [(d.cfg.lane_tokens, d.cfg.lane_wait_s) for d in waits] == [

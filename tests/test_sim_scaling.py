@@ -8,12 +8,12 @@ import pytest
 from asap_comm.serving.metrics import sustains_slo
 from asap_comm.serving.slo import SLO_MULTIPLIER
 from asap_comm.serving.traces import Request
-from asap_comm.sim import search_space as ss
-from asap_comm.sim.__main__ import main as sim_main
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.scaling import asap_wins, crossover_dies, make_row
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.study import Deployment, run_point
+from asap_comm.sim.cli import main as sim_main
+from asap_comm.sim.core.sweep import Deployment, run_point
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.studies import search_space as ss
+from asap_comm.sim.studies.scaling import asap_wins, crossover_dies, make_row
 
 
 def entry(sct, why=None):
@@ -129,7 +129,7 @@ def test_one_slo_per_trace_at_every_size(v3):
     ref = ss.reference_deployment(shapes)
     assert ref.devices == ss.REFERENCE_DIES and ref.par.cp_threshold is None
     lens = sorted(r.prompt_len for r in tw.requests)
-    from asap_comm.sim.simulate import simulate
+    from asap_comm.sim.core.simulate import simulate
     one = simulate("sync", [Request(0, 0.0, lens[int(0.9 * len(lens))])], cost, shapes, ref.cfg,
                    sync_ranks=ref.sync_ranks, par=ref.par).records[0].ttft_s
     assert slo == pytest.approx(SLO_MULTIPLIER * one) and "p90 prompt" in rule

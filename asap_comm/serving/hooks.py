@@ -1,7 +1,7 @@
 """The hooks a served model may offer the runtime beyond its stage methods: an explicit interface.
 
 A real model (``models.DeepseekV3``'s stage methods, built by a plug-in's
-factory) needs none of them. An emulated device (``asap_comm.sim.emulate``)
+factory) needs none of them. An emulated device (``asap_comm.sim.emulate.emulator``)
 holds the runtime's communication for its modelled time and emulates the
 baseline's context parallelism; its model and factory subclass these classes,
 and the runtime calls the hooks through :func:`model_hooks` /

@@ -132,7 +132,7 @@ def chunk_may_start(index: int, ranks: list, me: int, has_put) -> bool:
     """The lane's start rule for chunk ``index`` of a prompt whose chunk ``k`` runs on ``ranks[k % len(ranks)]``, on
     rank ``me``: every earlier chunk another rank computes has put its layer 0 (``has_put(k)``), down to the last
     one ``me`` ran (it started, and so had every chunk before it). ``LaneRank.can_start`` and the simulator's lane
-    (``asap_comm.sim.lane``) both decide with it."""
+    (``asap_comm.sim.core.lane``) both decide with it."""
     g = len(ranks)
     for k in range(index - 1, -1, -1):
         if ranks[k % g] == me:

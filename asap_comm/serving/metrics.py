@@ -212,7 +212,7 @@ def _point(point) -> tuple[float, float, float]:
 def sustains_slo(attainment: float, served: float, target: float = 0.9, *, min_served: float = MIN_SERVED) -> bool:
     """Whether one load counts: the SLO attainment meets ``target`` AND the mode sustains the load (served
     tokens/s >= ``min_served`` of offered over the window, :func:`served_fraction`). The load searches
-    (``asap_comm.sim.study``, ``examples/prefill.py --sweep auto``) bisect on this."""
+    (``asap_comm.sim.core.sweep``, ``examples/prefill.py --sweep auto``) bisect on this."""
     return attainment >= target and served >= min_served
 
 

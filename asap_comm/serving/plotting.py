@@ -10,7 +10,7 @@
   check), to be left out of a figure's axes.
 * :func:`save`: ``savefig`` with ``bbox_inches="tight"`` (nothing cut at the edges), then close.
 
-``asap_comm.sim.plots`` (studies) and ``asap_comm.serving.client`` (the HTTP load client) draw with these.
+``asap_comm.sim.studies.plots`` (studies) and ``asap_comm.serving.client`` (the HTTP load client) draw with these.
 """
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def plain_ticks(ax, which: str = "both") -> None:
 def probe_loads(loads, gap: float = PROBE_GAP) -> set:
     """The loads (of ``loads``, any order) that are probes: from the highest down, the first load more than
     ``gap`` times below the next higher one, and every load below it. A load search's "requests alone" check
-    (``asap_comm.sim.study.find_slo_throughput``: the start rate / 4**10) is one; drawn on the main axes it
+    (``asap_comm.sim.core.sweep.find_slo_throughput``: the start rate / 4**10) is one; drawn on the main axes it
     would stretch a log axis over six decades, so figures leave such points out and say so."""
     xs = sorted({float(x) for x in loads if x is not None and x > 0}, reverse=True)
     for hi, lo in zip(xs, xs[1:]):

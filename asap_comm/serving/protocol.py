@@ -171,7 +171,7 @@ class RuntimeConfig:
     # the baseline's all-to-alls and all-reduces over "gloo" (torch.distributed) or "shm" (asap_comm shared
     # memory, what NCCL/HCCL are to devices: microseconds instead of gloo's milliseconds)
     sync_collectives: str = "gloo"
-    # on emulated devices (asap_comm.sim.emulate): prompts longer than this many tokens run with context
+    # on emulated devices (asap_comm.sim.emulate.emulator): prompts longer than this many tokens run with context
     # parallelism over ceil(prompt / cp_threshold) DP groups (None: never; see sync.py)
     cp_threshold: "int | None" = None
 

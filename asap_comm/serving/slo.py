@@ -6,8 +6,8 @@ served system itself keeps it meaningful on any host or modelled cluster. What
 "unloaded TTFT" is measured on is the caller's: the real processes, one
 prompt at a time (``examples/prefill.py``), the service over HTTP
 (``asap_comm.serving.client``), the simulator on the deployment being measured
-(``asap_comm.sim.study.unloaded_slo``) or on one reference deployment for a
-whole scaling curve (``asap_comm.sim.search_space.slo_rule``). The rule itself,
+(``asap_comm.sim.core.sweep.unloaded_slo``) or on one reference deployment for a
+whole scaling curve (``asap_comm.sim.studies.search_space.slo_rule``). The rule itself,
 which prompt and which multiple, is :func:`auto_slo`.
 """
 from __future__ import annotations

@@ -76,7 +76,7 @@ def check_config(model_factory, cfg: RuntimeConfig) -> None:
     W = cfg.num_attention_ranks + cfg.num_expert_ranks
     if cfg.cp_threshold is not None and not emulates_context_parallelism(model_factory):
         raise ValueError(f"run_sync: cp_threshold={cfg.cp_threshold} needs emulated devices (a model factory with "
-                         "emulates_context_parallelism, such as asap_comm.sim.emulate.EmulatedFactory): context "
+                         "emulates_context_parallelism, such as asap_comm.sim.emulate.emulator.EmulatedFactory): context "
                          "parallelism is emulated (the owner computes a shared chunk; the devices hold their "
                          "shares), and on this model factory the workers would have to split the chunk for real")
     if cfg.cp_threshold is not None and W > 62:

@@ -7,11 +7,11 @@ over CP {none, 16k, 32k} only (H800, 32 dies) stand. From the repository root:
 5.77`` (a few minutes each); logs ``baseline_cp-*.log`` beside it.
 """
 import sys
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.headline import mooncake_trace, sync_grid
-from asap_comm.sim.memory import deployment_problems
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.study import capacity_rate, search_best
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.studies.grids import mooncake_trace, sync_grid
+from asap_comm.sim.costmodel.memory import deployment_problems
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.core.sweep import capacity_rate, search_best
 
 profile, D, target, slo = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
 cost, shapes = CostModel.load(profile, "deepseek-v3"), ModelShapes.load("deepseek-v3")

@@ -10,11 +10,11 @@ headline's SLOs; logs in docs/results/headline-h800/lane_pool-*).
 """
 import sys
 
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.headline import async_grid, mooncake_trace, sync_grid
-from asap_comm.sim.memory import deployment_problems
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.study import capacity_rate, search_best
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.studies.grids import async_grid, mooncake_trace, sync_grid
+from asap_comm.sim.costmodel.memory import deployment_problems
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.core.sweep import capacity_rate, search_best
 
 target, slo = float(sys.argv[1]), float(sys.argv[2])
 pools = [None if x == "none" else int(x) for x in sys.argv[3].split(",")]

@@ -3,11 +3,11 @@
 Every one meets p99 at no load (baseline_2k_chunks.log): smaller chunks only add steps to the baseline.
 Run from the repository root: ``PYTHONPATH=. python docs/results/headline384/baseline_2k_chunks.py`` (5 min).
 """
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.headline import mooncake_trace, sync_grid
-from asap_comm.sim.memory import deployment_problems
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.study import capacity_rate, search_best
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.studies.grids import mooncake_trace, sync_grid
+from asap_comm.sim.costmodel.memory import deployment_problems
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.core.sweep import capacity_rate, search_best
 
 cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.load("deepseek-v3")
 trace, _desc = mooncake_trace(3000)

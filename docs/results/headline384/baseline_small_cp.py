@@ -5,11 +5,11 @@ baseline grid; this searches the baseline alone with smaller CP thresholds at th
 (the same trace, coarse 1500 requests, the best two confirmed on 3000).
 Run from the repository root: ``PYTHONPATH=. python docs/results/headline384/baseline_small_cp.py``.
 """
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.headline import sync_grid, mooncake_trace
-from asap_comm.sim.memory import deployment_problems
-from asap_comm.sim.study import capacity_rate, search_best
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.studies.grids import sync_grid, mooncake_trace
+from asap_comm.sim.costmodel.memory import deployment_problems
+from asap_comm.sim.core.sweep import capacity_rate, search_best
 cost, shapes = CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.load("deepseek-v3")
 trace, _desc = mooncake_trace(3000)
 probe = trace[:1500]

@@ -16,11 +16,11 @@ Run from the repository root (about 35 min each on 2 busy cores):
 """
 import sys
 
-from asap_comm.sim.costs import CostModel
-from asap_comm.sim.headline import async_grid, mooncake_trace, sync_grid
-from asap_comm.sim.memory import deployment_problems
-from asap_comm.sim.shapes import ModelShapes
-from asap_comm.sim.study import capacity_rate, search_best
+from asap_comm.sim.costmodel.costs import CostModel
+from asap_comm.sim.studies.grids import async_grid, mooncake_trace, sync_grid
+from asap_comm.sim.costmodel.memory import deployment_problems
+from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.core.sweep import capacity_rate, search_best
 
 target = float(sys.argv[1])
 chunks = [int(x) for x in sys.argv[2].split(",")]
