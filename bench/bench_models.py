@@ -22,11 +22,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from models import load_checkpoint, preset, random_init, save_checkpoint  # noqa: E402
+from asap_models import load_checkpoint, preset, random_init, save_checkpoint
 
 
 def _time(fn, ids: torch.Tensor) -> tuple[float, torch.Tensor]:

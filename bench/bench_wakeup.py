@@ -24,12 +24,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-
-import asap_comm  # noqa: E402
-from _common import pinned  # noqa: E402
+import asap_comm
+from _common import pinned
 
 
 def _quantiles(xs: list) -> dict:

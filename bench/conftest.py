@@ -1,11 +1,7 @@
 """pytest configuration of the benchmarks (``pytest bench/ --benchmark-only``); the suite's own report stays
 ``python bench/run_all.py``. The root's ``python -m pytest`` does not come here (pyproject's ``testpaths``)."""
-import os
-import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:  # run_all and the shared _*.py modules are imported as top-level modules
-    sys.path.insert(0, HERE)
+# bench/ has no __init__.py: pytest (its default "prepend" import mode) puts this directory first on the path of the
+# test modules here, so they import run_all and the shared _*.py modules as top-level modules without a path edit.
 
 
 def pytest_addoption(parser):

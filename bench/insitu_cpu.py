@@ -15,7 +15,6 @@ profile; stage / non-stage CPU s: 3 req/s attention 1.58 / 0.58, expert 1.55 / 1
 operators, which the simulator's processor sharing does not charge.
 """
 import glob, json, os, shutil, sys, tempfile
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from insitu_cpu_wrap import CpuFactory
 from asap_comm.serving.plugins import load_model_factory, model_info_of

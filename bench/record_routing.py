@@ -25,15 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from asap_comm.serving.traces import load_trace  # noqa: E402
-from asap_comm.sim.calibrate.target import mooncake_path  # noqa: E402
-from asap_comm.sim.costmodel.routing import HISTOGRAM_FORMAT  # noqa: E402
-from models.factory import StageFactory  # noqa: E402
+from asap_comm.serving.traces import load_trace
+from asap_comm.sim.calibrate.target import mooncake_path
+from asap_comm.sim.costmodel.routing import HISTOGRAM_FORMAT
+from asap_models.factory import StageFactory
 
 
 def text_like_ids(n: int, vocab: int, rng: random.Random, order: list) -> list:

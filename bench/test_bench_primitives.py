@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("pytest_benchmark")
 
-import run_all  # noqa: E402  (bench/ is on sys.path: bench/conftest.py)
+import run_all  # noqa: E402  (pytest puts bench/ on the path: bench/conftest.py)
 from _common import GBPS  # noqa: E402
 
 # the whole suite runs in the first test's set-up (about 1.5 minutes on an idle 2-core machine, far more on a

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("pytest_benchmark")
 
-from bench_sim import deployments, repeated_trace  # noqa: E402  (bench/ is on sys.path: bench/conftest.py)
+from bench_sim import deployments, repeated_trace  # noqa: E402  (pytest puts bench/ on the path: bench/conftest.py)
 
 from asap_comm.sim.core.simulate import simulate  # noqa: E402
 from asap_comm.sim.core.sweep import at_rate  # noqa: E402

@@ -1,9 +1,13 @@
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 import asap_comm
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 @pytest.fixture
@@ -12,6 +16,18 @@ def comm1():
     c = asap_comm.init(0, 1, master_addr="127.0.0.1", master_port=0, timeout=5.0)
     yield c
     c.close()
+
+
+@pytest.fixture
+def bench_script():
+    """``bench_script(name)``: the command ``bench/NAME.py`` loaded as a module from its path (the scripts are
+    commands, not a package), for the tests of what a script builds; nothing is added to ``sys.path``."""
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"bench_script_{name}", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load
 
 
 @pytest.fixture(autouse=True)

@@ -133,15 +133,11 @@ def test_prefill_example_user_errors_exit_2_with_one_line(tmp_path, case):
     assert not (tmp_path / "o").exists(), "the run started"
 
 
-def test_parse_args_fills_the_emulate_defaults_of_absent_flags_only():
+def test_parse_args_fills_the_emulate_defaults_of_absent_flags_only(bench_script):
     """deploy.parse_args (what the example and bench/afd_window.py build their arguments with): with --emulate, every
     flag not given takes EMULATE_DEFAULTS, a given one keeps its value; afd_window's --cp-threshold reaches the
     baseline and a bad one exits 2."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import afd_window
-    finally:
-        sys.path.pop(0)
+    afd_window = bench_script("afd_window")
     from asap_comm.serving.protocol import RuntimeConfig
     from asap_comm.sim.emulate import deploy
 
@@ -203,16 +199,12 @@ def test_sweep_auto_counts_only_sustained_loads():
         search_rate(lambda r: 1.0, 8.0)
 
 
-def test_bench_serving_takes_the_examples_arguments_and_memory_check(tmp_path):
+def test_bench_serving_takes_the_examples_arguments_and_memory_check(tmp_path, bench_script):
     """bench/bench_serving.py builds its deployment with the example's own parser (before: a hand-built namespace
     that lacked flags the example added later, such as --routing, so --emulate failed with an AttributeError):
     the emulated defaults are the example's, every attribute the example's helpers read is there, and a deployment
     the emulated dies cannot hold exits 2 with one line naming memory."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import bench_serving
-    finally:
-        sys.path.pop(0)
+    bench_serving = bench_script("bench_serving")
     from asap_models import StageFactory
 
     from asap_comm.sim.emulate import deploy

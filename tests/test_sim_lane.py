@@ -329,15 +329,11 @@ def test_the_exclusive_admission_stays_for_studies_and_differs():
             pass
 
 
-def test_the_wait_bound_keeps_the_64_die_lane_from_starving_in_the_emulated_replay():
+def test_the_wait_bound_keeps_the_64_die_lane_from_starving_in_the_emulated_replay(bench_script):
     """bench/lane_policy_replay.py's 64-die case at 12 req/s: with a one-prompt pool and no bound the lane serves
     long prompts one at a time (served far below offered, p99 past 30 s); the example's default bound (2 SLOs)
     serves more with a lower p99; the 32-die default keeps its attainment at 3.77 req/s with the bound."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import lane_policy_replay as lpr
-    finally:
-        sys.path.pop(0)
+    lpr = bench_script("lane_policy_replay")
     from asap_comm.serving import summarize_run
     from asap_comm.sim.core.lane import LANE_WAIT_SLO
     from asap_comm.sim.emulate import job
