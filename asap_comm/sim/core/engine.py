@@ -72,6 +72,11 @@ class Engine:
             fn(*args)
         return self.now
 
+    def cancel_all(self) -> None:
+        """Cancel every scheduled event: ``run`` then returns at the current time (a failed group stops)."""
+        for entry in self._heap:
+            entry[2] = None
+
     @property
     def pending(self) -> int:
         return sum(1 for e in self._heap if e[2] is not None)

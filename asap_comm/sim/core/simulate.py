@@ -76,16 +76,22 @@ simplification):
   overlap in prefill): a MoE layer takes ``max(compute, all_to_alls)``
   instead of their sum, an optimistic bound for the baseline (the halves'
   smaller kernels and the pipeline's fill are not charged).
+* **Expert failover** (``failures=``, ``failover.py``): an expert rank's death loses the rows not yet combined
+  there; a spare (``cfg.spare_expert_ranks``) serves it after detection and its load time and gets them again,
+  with none left the group fails; the baseline's run ends at a death. Without ``failures`` the run is untouched.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 from ...serving.protocol import RuntimeConfig
+from ..costmodel.failover import DETECT_S, spare_load_s as _spare_load_s
 from ..costmodel.routing import routed_cost
 from .async_mode import _AsyncSim
 from .common import Parallelism
+from .failover import _AsyncFailoverSim, check_failures, failover_summary, schedule_sync_failures
 from .sync_mode import _SyncSim
 
 __all__ = ["SimResult", "simulate"]
@@ -103,11 +109,13 @@ class SimResult:
     wall_s: float
     spans: list = field(default_factory=list)  # (rank name, label, start_s, dur_s) when asked for
     lane: dict = field(default_factory=dict)  # the long-prompt lane's counts (serving.lane.LaneCounts; {}: none)
+    failover: dict = field(default_factory=dict)  # deaths and failover (failover.failover_summary; {}: no failures)
 
 
 def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConfig(), *,
              sync_ranks: int | None = None, spans: bool = False, par: Parallelism | None = None,
-             layers=None, routing=None, slo_s: "float | None" = None) -> SimResult:
+             layers=None, routing=None, slo_s: "float | None" = None, failures=None,
+             spare_load_s: "float | None" = None) -> SimResult:
     """Simulate ``requests`` (``asap_comm.serving.traces.Request``: id, arrival, prompt length).
 
     ``mode``: ``"async"`` (``cfg.num_attention_ranks`` attention ranks of ``par.attention_tp`` devices each +
@@ -121,6 +129,11 @@ def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConf
     ``Routing``); None: the one the cost model carries (``routing.routed_cost``), balanced by default.
     ``slo_s``: the run's TTFT SLO, when known: ASAP's long-prompt lane takes a prompt whose predicted TTFT
     exceeds a fraction of it (``lane.py``; ``cfg.lane_threshold`` overrides).
+    ``failures``: expert deaths, ``[(time_s, rank)]`` (``failover.py``): ASAP: ``rank`` is an expert rank in
+    ``[0, cfg.num_expert_ranks)``, replaced by one of ``cfg.spare_expert_ranks`` spares ``spare_load_s`` (default:
+    ``costmodel.failover.spare_load_s`` of the cost model's profile and shapes) plus 10 ms of detection after the
+    death, or failing the group with none left; the baseline: a device in ``[0, sync_ranks * sync_tp)``, whose
+    death ends the run. ``SimResult.failover`` then says what happened; None or ``[]``: the run is not touched.
     Returns records with the runtime's fields, so ``summarize_run`` applies.
     """
     if mode not in ("async", "sync"):
@@ -137,20 +150,43 @@ def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConf
     if tp > 1 and cost.cores is not None:
         raise ValueError(f"simulate: tensor parallelism (tp={tp}) needs a profile of dedicated devices; "
                          f"{cost.name!r} shares {cost.cores} CPU cores between its ranks")
+    if mode == "async":
+        failures = check_failures(failures, cfg.num_expert_ranks, "expert_rank")
+    else:
+        W = cfg.num_attention_ranks + cfg.num_expert_ranks if sync_ranks is None else sync_ranks
+        if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+            raise ValueError(f"simulate: sync_ranks={sync_ranks!r} must be an int >= 1")
+        failures = check_failures(failures, W * par.sync_tp, "rank")
+    load_s = 0.0
+    if failures and mode == "async":
+        if spare_load_s is None:
+            profile = getattr(cost, "profile", None)
+            if profile is None:
+                raise ValueError(f"simulate: spare_load_s must be given for a cost model without a profile "
+                                 f"({getattr(cost, 'name', type(cost).__name__)!r})")
+            load_s = _spare_load_s(profile, shapes, cfg.num_expert_ranks)
+        elif (isinstance(spare_load_s, bool) or not isinstance(spare_load_s, (int, float))
+              or not math.isfinite(spare_load_s) or spare_load_s < 0):
+            raise ValueError(f"simulate: spare_load_s={spare_load_s!r} must be None or a finite number of seconds >= 0")
+        else:
+            load_s = float(spare_load_s)
     if routing is not None:
         cost = routed_cost(cost, routing)
     t0 = time.perf_counter()
     if mode == "async":
-        sim = _AsyncSim(cost, shapes, cfg, requests, spans, par, layers)
+        if failures:
+            sim = _AsyncFailoverSim(cost, shapes, cfg, requests, spans, par, layers, failures=failures,
+                                    detect_s=DETECT_S, load_s=load_s)
+        else:
+            sim = _AsyncSim(cost, shapes, cfg, requests, spans, par, layers)
         if slo_s is not None:
             if not (isinstance(slo_s, (int, float)) and not isinstance(slo_s, bool) and slo_s > 0):
                 raise ValueError(f"simulate: slo_s={slo_s!r} must be None or a number of seconds > 0")
             sim.slo_s = float(slo_s)
     else:
-        W = cfg.num_attention_ranks + cfg.num_expert_ranks if sync_ranks is None else sync_ranks
-        if isinstance(W, bool) or not isinstance(W, int) or W < 1:
-            raise ValueError(f"simulate: sync_ranks={sync_ranks!r} must be an int >= 1")
         sim = _SyncSim(cost, shapes, cfg, requests, spans, W, par, layers)
+        if failures:
+            schedule_sync_failures(sim, failures)
     end, ranks = sim.run()
     records = sim._finish_records()
     span = max(end, 1e-12)
@@ -158,5 +194,7 @@ def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConf
               "utilisation": min(1.0, rk.busy_s / span), "jobs": rk.jobs, "stands_for": n}
              for name, role, rk, n in ranks]
     lane = getattr(sim, "lane", None)
+    fo = {} if not failures else failover_summary(sim, mode, records, end, cfg.spare_expert_ranks,
+                                                  DETECT_S if mode == "async" else 0.0, load_s)
     return SimResult(mode, records, stats, end, sim.engine.events, time.perf_counter() - t0,
-                     sim.spans or [], {} if lane is None else lane.counts.as_dict())
+                     sim.spans or [], {} if lane is None else lane.counts.as_dict(), fo)

@@ -16,7 +16,13 @@ for the spread. It writes ``DIR/plan.json`` and prints one screen:
 * ``ratio`` (ASAP / baseline on seed 0; null with ``ratio_withheld`` where either is withheld);
 * ``memory``: the per-die memory of the two chosen deployments (``memory_table``: the same as text);
 * ``spread``: both figures and the ratio on each of the 3 seeds, the ratio's min / median / max, and how many
-  seeds agree with the recommendation.
+  seeds agree with the recommendation;
+* ``failover`` (only with ``--spare-expert-ranks N``, N in 0..2): for the chosen ASAP deployment at its planned load,
+  one expert death in the middle of the window simulated with 0..N spares (the dip, the time to replace and to
+  recover, requests failed, whether the SLO held), what the spares cost (dies that do no work until needed, and
+  their memory) and ``recommended_spares`` with its ``reason`` (``spares.py``; ``--die-failures-per-day R`` and
+  ``--repair-hours H`` size it against a death rate). Null figures with ``withheld`` where ASAP has no planned
+  load.
 
 A cluster too small to hold the model in either mode exits 2 with one line naming memory.
 """
@@ -38,6 +44,7 @@ from ..costmodel.shapes import ModelShapes
 from .scaling import QUICK_GRID, QUICK_REQUESTS, FULL_REQUESTS, mode_entry
 from .search_space import (STEPS_PER_DOUBLING, Evaluator, load_search, load_windows, search_size, slo_rule,
                            structures)
+from .spares import MAX_SPARES, spare_plan
 
 __all__ = ["SEEDS", "recommend", "spread_summary", "memory_refusal", "main"]
 
@@ -113,6 +120,30 @@ def _percentile(p: argparse.ArgumentParser, value: str) -> int:
     return int(v)
 
 
+def _print_failover(fo: dict) -> None:
+    """The spares' lines of the screen."""
+    if fo.get("withheld"):
+        print(f"\nspares: not sized: {fo['withheld']}")
+        return
+    print(f"\nspares: one expert rank dies at {fo['failure']['time_s']:.3g} s at the planned load; a spare serves it "
+          f"after {fo['detect_s'] + fo['load_s']:.3g} s (its {fo['expert_rank_gb']:.3g} GB of experts at "
+          f"{fo['checkpoint_read_gbps']:g} GB/s + {fo['spare_startup_s']:g} s)")
+    for r in fo["runs"]:
+        if r["group_failed"]:
+            what = f"the group fails, {r['requests_failed']} requests failed"
+        else:
+            tp = r["served_tokens_per_s"]
+            dip = "-" if r["dip"] is None else f"{r['dip']:.0%}"
+            rec = "-" if r["recovered_after_s"] is None else f"{r['recovered_after_s']:.3g} s"
+            off = r["offered_tokens_per_s"]["after"]
+            after = "-" if not off or tp["after"] is None else f"{tp['after'] / off:.0%}"
+            what = (f"served {dip} of before while replacing, the delayed requests done {rec} after the death, "
+                    f"then {after} of offered; {r['requests_failed']} failed")
+        print(f"  {r['spares']} spare(s) (+{r['extra_die_fraction']:.1%} dies): {what}; SLO "
+              f"{'held' if r['slo_held'] else 'missed'} ({r['slo_attainment']:.1%} within it)")
+    print(f"  recommended: {fo['recommended_spares']} spare(s): {fo['reason']}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m asap_comm.sim plan", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -130,6 +161,13 @@ def main(argv=None) -> int:
                    help="weight dtype, overriding the profile's (int8: W8A8)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: TP8 only, CP none/8k, 16k chunks, the middle ASAP knobs, few requests")
+    p.add_argument("--spare-expert-ranks", default=None, metavar="N",
+                   help=f"size spare expert dies: simulate one expert death with 0..N spares (N <= {MAX_SPARES}) "
+                        "on the chosen ASAP deployment at its planned load (plan.json 'failover')")
+    p.add_argument("--die-failures-per-day", default=None, metavar="R",
+                   help="deaths per die per day, to size the spares against (with --spare-expert-ranks)")
+    p.add_argument("--repair-hours", default="24", metavar="H",
+                   help="hours until a used spare is replaced (with --die-failures-per-day)")
     args = p.parse_args(argv)
     try:
         dies = int(args.dies)
@@ -138,6 +176,29 @@ def main(argv=None) -> int:
     if dies < 2:
         p.error(f"--dies {args.dies!r}: expected an int >= 2")
     pct = _percentile(p, args.slo_percentile)
+    spares = per_day = None
+    if args.spare_expert_ranks is not None:
+        try:
+            spares = int(args.spare_expert_ranks)
+        except ValueError:
+            spares = -1
+        if not 0 <= spares <= MAX_SPARES:
+            p.error(f"--spare-expert-ranks {args.spare_expert_ranks!r}: expected an int in 0..{MAX_SPARES}")
+    if args.die_failures_per_day is not None:
+        if spares is None:
+            p.error("--die-failures-per-day needs --spare-expert-ranks")
+        try:
+            per_day = float(args.die_failures_per_day)
+        except ValueError:
+            per_day = float("nan")
+        if not (per_day >= 0 and math.isfinite(per_day)):
+            p.error(f"--die-failures-per-day {args.die_failures_per_day!r}: expected a number >= 0")
+    try:
+        repair_hours = float(args.repair_hours)
+    except ValueError:
+        repair_hours = float("nan")
+    if not (repair_hours > 0 and math.isfinite(repair_hours)):
+        p.error(f"--repair-hours {args.repair_hours!r}: expected a positive number of hours")
     slo_given = None
     if args.slo is not None:
         try:
@@ -215,6 +276,18 @@ def main(argv=None) -> int:
         else:
             memory[m] = None
     table = memory_table(dies_by_mode) if dies_by_mode else "(no deployment chosen)"
+    failover = None
+    if spares is not None:
+        sct = entries["async"]["slo_compliant_throughput"]
+        if f["async"]["best"] is None or sct is None:
+            failover = {"withheld": f"ASAP has no planned load ({entries['async']['withheld']})",
+                        "recommended_spares": None}
+        else:
+            mean = sum(r.prompt_len for r in tw.window(0, n_min)) / n_min
+            failover = spare_plan(f["async"]["best"], tw, cost, shapes, slo_s, target, sct,
+                                  ev0.requests_at(sct / mean), dies, spares, memory["async"], per_day=per_day,
+                                  repair_hours=repair_hours,
+                                  log=lambda m: print(f"  [plan] {m}", file=sys.stderr, flush=True))
     wall = time.perf_counter() - t0
     plan = {"recommended": rec, "reason": why, "profile": cost.name, "model": shapes.name, "dies": dies,
             "trace": tw.note, "slo_s": slo_s, "slo_rule": rule, "slo_percentile": pct, "weights": args.weights,
@@ -224,6 +297,8 @@ def main(argv=None) -> int:
                        "sync": {"searched": entries["sync"]["searched"], "infeasible": entries["sync"]["infeasible"]},
                        "requests_per_point": [n_min, n_max], **ev0.stats},
             "wall_s": wall}
+    if failover is not None:
+        plan["failover"] = failover
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(plan, indent=2, default=str))
@@ -246,6 +321,8 @@ def main(argv=None) -> int:
               + (f" ({e['withheld']})" if e["slo_compliant_throughput"] is None else "") + f"; seeds {seeds}")
     print("\nmemory per die (GB) of the chosen deployments:")
     print(table)
+    if failover is not None:
+        _print_failover(failover)
     st = plan["search"]
     print(f"\nsearched {st['sync']['searched']} baseline and {st['async']['searched']} ASAP configurations "
           f"({st['sync']['infeasible'] + st['async']['infeasible']} left out for memory); {st['simulated']} runs "
