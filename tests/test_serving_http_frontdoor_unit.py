@@ -1,5 +1,5 @@
 """The front door's parts without a service (the cheap tier of tests/test_serving_http_frontdoor.py): the fair
-waiting room, the body budget's reserve and per-client cap, the connection guard's timeouts and limit, the
+waiting room, the front end's per-client turns past admission, the body budget's reserve and per-client cap, the connection guard's timeouts and limit, the
 accept-error log filter, the stale-segment sweep, and the API key's whitespace."""
 import argparse
 import logging
@@ -8,13 +8,18 @@ import resource
 import time
 
 import pytest
+import torch
 
+from asap_comm.serving.frontend import FrontEnd
+from asap_comm.serving.runtime import RuntimeConfig
 from asap_comm.serving.server import build_parser, service_options
 from asap_comm.serving.server.fairness import FairRoom, FairWaiter
 from asap_comm.serving.server.frontdoor import (AcceptErrorFilter, ConnectionGuard, check_connection_limit,
                                                 default_max_connections, remove_stale_segments)
 from asap_comm.serving.server.options import ServiceOptions
 from asap_comm.serving.server.request import BodyBudget
+
+from serving_utils import CFG, INFO
 
 
 # ----------------------------------------------------------------------------- fairness
@@ -70,6 +75,80 @@ def test_fair_room_remove_and_take_all_keep_the_counts():
 
 
 # ----------------------------------------------------------------------------- the body budget
+class _Comm:
+    world_size, rank = 3, 2
+
+    def peer_state(self, pe):
+        return "alive"
+
+
+class _Box:
+    """A request mailbox whose inboxes always have room: records ``(rank, tag)`` of every message sent."""
+
+    def __init__(self) -> None:
+        self.sent = []
+
+    def send(self, pe, payload, tag, timeout=None):
+        self.sent.append((pe, tag))
+
+    def poll(self):
+        return None
+
+
+def _front_end(max_rank_calls):
+    cfg = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=64, chunk_len=16,
+                        max_prompt_len=128, timeout_s=90)
+    box = _Box()
+    return FrontEnd(_Comm(), cfg, INFO, box, 1, "async", max_rank_calls=max_rank_calls), box
+
+
+def _ids(n: int) -> torch.Tensor:
+    return torch.arange(n) % CFG.vocab_size
+
+
+@pytest.mark.parametrize("clients", [True, False])
+def test_front_end_serves_the_light_clients_chunk_ahead_of_a_flooders_held_ones(clients):
+    """The rank holds at most 2 requests; A's others wait in the front end. B's request, admitted after A's six,
+    goes to the rank as soon as one of A's answers: ahead of A's four held ones (with clients; without, the
+    replay's first come first served: after them)."""
+    fe, box = _front_end(max_rank_calls=2)
+    for rid in range(1, 7):
+        fe.admit(rid, _ids(8), client="A" if clients else None)
+    fe._flush()
+    assert [tag for _, tag in box.sent] == [1, 2] and fe.rank_calls == [2] and fe.has_unsent
+    fe.admit(7, _ids(8), client="B" if clients else None)
+    fe._flush()
+    assert len(box.sent) == 2  # the rank is full: B waits too
+    order = [1, 2]
+    while fe.inflight:
+        done = min(r for r, a in fe.inflight.items() if a.started)  # the oldest request on the rank answers
+        fe._forget(done)
+        fe._flush()
+        order = [tag for _, tag in box.sent]
+        assert fe.rank_calls == [sum(1 for a in fe.inflight.values() if a.started)] and fe.rank_calls[0] <= 2
+    assert order == ([1, 2, 7, 3, 4, 5, 6] if clients else [1, 2, 3, 4, 5, 6, 7])
+
+
+def test_front_end_clients_take_turns_and_a_started_request_is_never_held():
+    """Without a bound, the client with the fewest requests in flight goes first, clients with as many take turns,
+    one chunk each, first come first served within a client; with a bound of 1, a request's further chunks still go
+    (only a request's first chunk on a rank waits)."""
+    fe, box = _front_end(max_rank_calls=None)
+    for rid, client in ((1, "A"), (2, "A"), (3, "B"), (4, "B"), (5, "C")):
+        fe.admit(rid, _ids(8), client=client)
+    assert fe.client_calls == {"A": 2, "B": 2, "C": 1}
+    fe._flush()
+    assert [tag for _, tag in box.sent] == [5, 1, 3, 2, 4]
+    fe, box = _front_end(max_rank_calls=1)
+    fe.admit(1, _ids(40), client="A")  # 3 chunks of 16, 16, 8
+    fe.admit(2, _ids(8), client="B")
+    fe._flush()
+    assert [tag for _, tag in box.sent] == [1, 1, 1] and fe.rank_calls == [1] and len(fe.pending[0]) == 1
+    assert fe.cancel(2) and not fe.pending[0] and fe.rank_calls == [1]  # a held request leaves without a trace
+    with pytest.raises(ValueError, match="max_rank_calls=0"):
+        _front_end(max_rank_calls=0)
+
+
 def test_body_budget_keeps_a_reserve_for_small_bodies_and_caps_a_client():
     b = BodyBudget(total=8000, reserve=1000, per_client=2000, small=100)
     big = [b.lease("A") for _ in range(3)]

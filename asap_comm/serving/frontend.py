@@ -29,8 +29,8 @@ from .protocol import CANCEL, HDR, STOP, PromptRequest, decode_result, encode_ca
 from .worker import FAILED, decode_failure
 from .worker import ChunkTaker, layer_loop  # noqa: F401  (moved to worker.py; the README names them here)
 
-__all__ = ["STOP", "HDR", "request_mailbox", "FrontEnd", "Rejected", "Completion", "run_front_end", "replay_report",
-           "validate", "Replay"]
+__all__ = ["STOP", "HDR", "request_mailbox", "FrontEnd", "RankQueue", "Rejected", "Completion", "run_front_end",
+           "replay_report", "validate", "Replay"]
 
 
 def validate(req, info, cfg) -> "str | None":
@@ -87,6 +87,129 @@ class _Admitted:
     token_ids: "torch.Tensor | None" = None  # its prompt (a reference), kept until its result: re-admission
     wire: int = -1  # the id its chunks, cancels and result carry now (the request id; a re-admission's: a new one)
     wires: tuple = ()  # the wire ids of its re-admissions (attention failover), forgotten with it
+    client: "str | None" = None  # who sent it (the HTTP service's fairness key; None: the trace replay)
+    started: tuple = ()  # the ranks that have a chunk of its current attempt (counted in FrontEnd.rank_calls)
+
+
+class RankQueue:
+    """One attention rank's messages not yet in its inbox (``FrontEnd.pending[rank]``): entries ``(request id or
+    None, payload, tag, queued at)``.
+
+    Control messages (request id None) go first: one put with :meth:`appendleft` (expert failover's routes) ahead
+    of those appended (cancels); :data:`STOP` goes last, once no chunk is left. Chunks queue by *key* (the
+    request's client; None: no client, a long-prompt lane's or a context-parallel chunk), first come first served
+    within a key; the next chunk is the head of the key with the fewest requests in flight (``standing``), the
+    keys taking turns among equals, one chunk each (:meth:`peek`). With one key (the trace replay: no client)
+    that is first come first served, as one queue. Iteration: the control messages, then the chunks in the order
+    they were queued, then the stop message."""
+
+    def __init__(self) -> None:
+        self.head: deque = deque()  # control messages
+        self.tail: deque = deque()  # the stop message
+        self.queues: dict = {}  # key -> deque of (seq, entry)
+        self.turn: deque = deque()  # keys with chunks, the next to be served first
+        self.chunks = 0
+        self._seq = 0
+        self._chosen = None  # what peek returned: ("head", None) or ("chunk", key)
+
+    def __len__(self) -> int:
+        return len(self.head) + self.chunks + len(self.tail)
+
+    def __iter__(self):
+        yield from self.head
+        yield from (e for _, e in sorted(x for q in self.queues.values() for x in q))
+        yield from self.tail
+
+    def append(self, entry: tuple, key=None) -> None:
+        """Queue a message: a chunk (request id not None) last among ``key``'s; a control message after the
+        others (the stop message after everything)."""
+        if entry[0] is None:
+            (self.tail if entry[2] == STOP else self.head).append(entry)
+            return
+        q = self.queues.get(key)
+        if q is None:
+            q = self.queues[key] = deque()
+            self.turn.append(key)
+        self._seq += 1
+        q.append((self._seq, entry))
+        self.chunks += 1
+
+    def appendleft(self, entry: tuple) -> None:
+        """Queue a control message ahead of every other message."""
+        if entry[0] is not None:
+            raise ValueError(f"RankQueue.appendleft: request {entry[0]}'s chunk; only control messages go first")
+        self.head.appendleft(entry)
+
+    def clear(self) -> None:
+        self.head.clear()
+        self.tail.clear()
+        self.queues.clear()
+        self.turn.clear()
+        self.chunks = 0
+
+    def drop(self, rid: int) -> None:
+        """Take out every chunk of request ``rid``."""
+        for key in list(self.queues):
+            q = self.queues[key]
+            kept = deque(x for x in q if x[1][0] != rid)
+            if len(kept) != len(q):
+                self.chunks -= len(q) - len(kept)
+                self._set(key, kept)
+
+    def _set(self, key, q: deque) -> None:
+        if q:
+            self.queues[key] = q
+        else:
+            del self.queues[key]
+            self.turn.remove(key)
+
+    def peek(self, may_start=None, standing=None) -> "tuple | None":
+        """The next message to send, or None: a control message first; else the chunk at the head of the key with
+        the least ``standing(key)`` (first in turn among equals; every key 0 without ``standing``) among those
+        for which ``may_start(entry, key)`` is true (all of them without ``may_start``); else the stop message
+        once no chunk is left. :meth:`pop` takes out what this returned."""
+        if self.head:
+            self._chosen = ("head", None)
+            return self.head[0]
+        found, best, best_standing = False, None, 0  # (a key may be None)
+        for key in self.turn:
+            entry = self.queues[key][0][1]
+            if may_start is not None and not may_start(entry, key):
+                continue  # not now
+            st = 0 if standing is None else standing(key, 0)
+            if not found or st < best_standing:
+                found, best, best_standing = True, key, st
+                if standing is None:
+                    break
+        if found:
+            self._chosen = ("chunk", best)
+            return self.queues[best][0][1]
+        if self.tail and not self.chunks:
+            self._chosen = ("tail", None)
+            return self.tail[0]
+        self._chosen = None
+        return None
+
+    def pop(self) -> None:
+        """Take out the message :meth:`peek` returned last; a chunk's key's turn is over."""
+        where, key = self._chosen
+        self._chosen = None
+        if where == "head":
+            self.head.popleft()
+        elif where == "tail":
+            self.tail.popleft()
+        else:
+            q = self.queues[key]
+            q.popleft()
+            self.chunks -= 1
+            if self.turn[0] == key:
+                self.turn.popleft()
+            else:
+                self.turn.remove(key)
+            if q:
+                self.turn.append(key)  # its turn is over
+            else:
+                del self.queues[key]
 
 
 class FrontEnd:
@@ -101,14 +224,26 @@ class FrontEnd:
     it raises ``PeerFailure`` when a PE the group needs died. :meth:`cancel`
     forgets a request, drops its chunks not yet sent and tells its rank to
     drop the rest. :meth:`stop` sends every rank the stop message.
+
+    Per client (the HTTP service names each request's ``client`` in :meth:`admit`): each rank's queue
+    (:class:`RankQueue`) sends first the chunk of the client with the fewest requests in flight (the clients
+    taking turns among equals), not first come first served; and
+    with ``max_rank_calls`` a rank holds at most that many requests with a chunk sent and no result yet (a
+    request's further chunks always go: only its first chunk on a rank waits). The rank takes every chunk in its
+    inbox into its micro-batcher at once, first come first served, so the turns decide the order only for what
+    the front end holds back: the bound keeps what waits in the front end, where the turns apply.
     """
 
     def __init__(self, comm, cfg, info, box, num_targets: int, label: str,
-                 max_queued_tokens: "int | None" = None) -> None:
+                 max_queued_tokens: "int | None" = None, max_rank_calls: "int | None" = None) -> None:
         self.comm, self.cfg, self.info, self.box, self.W, self.label = comm, cfg, info, box, num_targets, label
-        self.max_queued_tokens = max_queued_tokens
+        if max_rank_calls is not None and not (isinstance(max_rank_calls, int) and max_rank_calls >= 1):
+            raise ValueError(f"FrontEnd: max_rank_calls={max_rank_calls!r} must be an int >= 1 or None")
+        self.max_queued_tokens, self.max_rank_calls = max_queued_tokens, max_rank_calls
         self.placer = Placer(num_targets, load_aware=cfg.load_aware, linear_weight=cfg.placer_linear_weight)
-        self.pending = [deque() for _ in range(num_targets)]  # per rank: [request id, payload, tag, queued at]
+        self.pending = [RankQueue() for _ in range(num_targets)]  # per rank: [request id, payload, tag, queued at]
+        self.rank_calls = [0] * num_targets  # per rank: requests with a chunk sent there and no result yet
+        self.client_calls: dict = {}  # client (None: none given) -> its requests in flight
         self.inflight: dict = {}  # request -> _Admitted
         self.queued_tokens = 0
         # a worker that dies, or leaves before stop() told it to (it gave up), fails the group; with spare expert
@@ -129,11 +264,13 @@ class FrontEnd:
         self._cp = cfg.cp_threshold if label == "sync" else None
         self.lane = FrontLane(cfg, info, num_targets, enabled=label == "async")  # the long-prompt lane (lane.py)
 
-    def admit(self, request_id: int, token_ids: torch.Tensor, check_bound: bool = True) -> int:
+    def admit(self, request_id: int, token_ids: torch.Tensor, check_bound: bool = True,
+              client: "str | None" = None) -> int:
         """Admit a request or raise :class:`Rejected`; returns the rank it was placed on (-1: it waits for room in
         the long-prompt lane, placed when a lane closes). A request is over
         the bound only if others are in flight (a lone one always fits); ``check_bound=False``: the caller
-        has decided already (the HTTP service admits a batch whole or not at all)."""
+        has decided already (the HTTP service admits a batch whole or not at all). ``client``: who sent it (its
+        chunks take turns with other clients' on their rank; None: first come first served)."""
         error = validate(PromptRequest(request_id, 0.0, token_ids), self.info, self.cfg)
         if error is not None:
             raise Rejected("invalid", error)
@@ -152,7 +289,8 @@ class FrontEnd:
         if self.lane.wants(n, len(chunks)):  # the long-prompt lane, now or once it has room
             now = time.monotonic()
             self.inflight[request_id] = _Admitted(-1, n, 0, now, len(chunks), len(chunks), waiting=True,
-                                                  token_ids=token_ids, wire=request_id)
+                                                  token_ids=token_ids, wire=request_id, client=client)
+            self.client_calls[client] = self.client_calls.get(client, 0) + 1
             self.queued_tokens += n
             self.lane.waiting.append((request_id, token_ids, chunks))
             self._open_lanes()
@@ -165,19 +303,22 @@ class FrontEnd:
         else:
             rank, mask = self.placer.place(request_id, chunks), 0
         now = time.monotonic()
-        self._queue_chunks(request_id, token_ids, chunks, rank, mask, now)
         self.inflight[request_id] = _Admitted(rank, n, mask, now, len(chunks), len(chunks), token_ids=token_ids,
-                                              wire=request_id)
+                                              wire=request_id, client=client)
+        self.client_calls[client] = self.client_calls.get(client, 0) + 1
+        self._queue_chunks(request_id, token_ids, chunks, rank, mask, now)
         self.queued_tokens += n
         return rank
 
     def _queue_chunks(self, request_id: int, token_ids: torch.Tensor, chunks: list, rank: int, mask: int,
                       now: float) -> None:
         """Queue a request's chunks for ``rank`` (each chunk carries its wire id: the request id, or a
-        re-admission's)."""
+        re-admission's), in turn with other clients' (a context-parallel request's: first come first served)."""
+        a = self.inflight.get(request_id)
+        key = a.client if a is not None and mask == 0 else None
         for c in chunks:
             self.pending[rank].append((request_id, encode_chunk(c, token_ids[c.start:c.start + c.length], mask),
-                                       c.request_id, now))
+                                       c.request_id, now), key)
 
     def _lane_give_up(self, now: "float | None" = None) -> None:
         """``RuntimeConfig.lane_wait_s``: a prompt that has waited that long for room in the lane runs the usual
@@ -221,8 +362,31 @@ class FrontEnd:
             a.rank, a.lane, a.waiting = ranks[(len(chunks) - 1) % g], tuple(ranks), False
             self.lane.counts.open(now - a.admitted_at)
 
+    def _unstart(self, a: "_Admitted") -> None:
+        """``a``'s current attempt holds no rank any more (its result came, or it was taken back)."""
+        for rank in a.started:
+            self.rank_calls[rank] -= 1
+        a.started = ()
+
+    def _may_start(self, rank: int):
+        """Whether a chunk may go to ``rank`` now (``max_rank_calls``): a request's first chunk there only while
+        the rank holds fewer requests than the bound; every other chunk always (a request's further chunks, a
+        lane's or a context-parallel request's, which other ranks' steps wait for)."""
+        def ok(entry: tuple, key) -> bool:
+            if self.max_rank_calls is None or self.rank_calls[rank] < self.max_rank_calls:
+                return True
+            a = self.inflight.get(entry[0])
+            return a is None or rank in a.started or bool(a.lane) or a.mask != 0
+        return ok
+
     def _forget(self, rid: int) -> "_Admitted":
         entry = self.inflight.pop(rid)
+        self._unstart(entry)
+        left = self.client_calls.get(entry.client, 0) - 1
+        if left > 0:
+            self.client_calls[entry.client] = left
+        else:
+            self.client_calls.pop(entry.client, None)
         for w in entry.wires:
             self.alias.pop(w, None)
         self.queued_tokens -= entry.tokens
@@ -275,16 +439,18 @@ class FrontEnd:
         rank that got them gets a cancel message for its wire id (not a context-parallel request of the baseline,
         whose shared steps run to the end)."""
         dead = {} if self.attention is None else self.attention.dead
+        self._unstart(a)
         for rank in a.lane or (a.rank,):  # a lane request: every rank of its lane
             if rank in dead:
                 continue
-            self.pending[rank] = deque(e for e in self.pending[rank] if e[0] != rid)
+            self.pending[rank].drop(rid)
             if a.unsent < a.chunks and a.mask == 0:  # some chunks reached the rank
                 self.pending[rank].append((None, encode_cancel(a.wire), CANCEL, time.monotonic()))
 
     def stop(self, timeout: float = 5.0) -> None:
         """Send every rank the stop message (after its queued chunks)."""
         self.watch.release()  # the workers may leave from now on
+        self.max_rank_calls = None  # nothing is held back from now on: the stop message goes after every chunk
         if self.failover is not None:
             self.failover.release()
         if self.attention is not None:
@@ -316,15 +482,19 @@ class FrontEnd:
             if rank in dead:  # nothing reaches a dead rank (its requests were re-admitted elsewhere)
                 q.clear()
                 continue
-            while q:
-                rid, payload, tag, _ = q[0]
+            may_start, standing = self._may_start(rank), self.client_calls.get
+            while (e := q.peek(may_start, standing)) is not None:
+                rid, payload, tag, _ = e
                 try:
                     self.box.send(rank, payload, tag, timeout=1e-4)
                 except CommTimeoutError:
                     break  # a live rank's full inbox is waited out (a dead rank: DeathWatch, in pump)
-                q.popleft()
+                q.pop()
                 entry = self.inflight.get(rid) if rid is not None else None
                 if entry is not None:
+                    if rank not in entry.started:
+                        entry.started += (rank,)
+                        self.rank_calls[rank] += 1
                     entry.unsent -= 1
                     if entry.unsent == 0:
                         entry.queue_s = time.monotonic() - entry.admitted_at

@@ -75,8 +75,11 @@ Behaviour (statuses of ``/v1/completions``):
   and 1024 calls; a call that finds it full gets 429 with ``Retry-After``
   (seconds, from the recent token throughput), unless its client holds less
   than its share of the room: then the newest calls of the client holding
-  the most get the 429. Memory: admitted + waiting prompt tokens, plus the body
-  bound above; the HTTP layer holds nothing else per request.
+  the most get the 429. Past admission, each attention rank holds at most
+  ``--max-rank-calls`` requests (8; 0: no bound) and the front end sends the
+  next one from the client with the fewest requests in flight
+  (``frontend.RankQueue``). Memory: admitted + waiting prompt tokens, plus the
+  body bound above; the HTTP layer holds nothing else per request.
 * **Deadlines.** Every request has a deadline (``--request-timeout-s`` from
   its arrival); past it the answer is 504, never 200: a result that
   arrives late (the front end itself stalled, say) is checked when it

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-body-bytes", type=int, default=None,
                     help="the largest request body read (413 past it); unset: 1 MiB + 16 bytes per token of "
                          "--max-queued-tokens")
+    ap.add_argument("--max-rank-calls", type=int, default=8,
+                    help="requests an attention rank holds at once (the others wait in the front end, where the "
+                         "clients' chunks take turns); 0: no bound")
     ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on every path but /health and /metrics; unset: "
                          "the environment variable ASAP_API_KEY (preferred: a command line is visible to ps)")
@@ -94,7 +97,8 @@ def service_options(args, environ) -> ServiceOptions:
                           tokenizer=args.tokenizer, max_body_bytes=args.max_body_bytes,
                           max_waiting_tokens=args.max_waiting_tokens, worker_stall_s=args.worker_stall_s,
                           header_timeout_s=args.header_timeout_s, idle_timeout_s=args.idle_timeout_s,
-                          max_connections=args.max_connections, min_body_rate=args.min_body_rate, api_key=api_key)
+                          max_connections=args.max_connections, min_body_rate=args.min_body_rate, api_key=api_key,
+                          max_rank_calls=args.max_rank_calls or None)
 
 
 def main(argv=None) -> int:

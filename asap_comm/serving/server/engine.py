@@ -44,7 +44,8 @@ class Engine:
                  stop_event) -> None:
         self.comm, self.cfg, self.info, self.opts, self.stop_event = comm, cfg, info, opts, stop_event
         self.role_of, self.stats = role_of, ch.stats
-        self.fe = FrontEnd(comm, cfg, info, ch.box, num_targets, label, max_queued_tokens=opts.max_queued_tokens)
+        self.fe = FrontEnd(comm, cfg, info, ch.box, num_targets, label, max_queued_tokens=opts.max_queued_tokens,
+                           max_rank_calls=opts.max_rank_calls)  # the clients' chunks take turns per rank
         self.futures: dict = {}  # request id -> asyncio future of its Completion
         self.deadline_of: dict = {}  # request id -> its deadline (time.monotonic())
         self.deadlines: list = []  # heap of (deadline, request id)
@@ -280,7 +281,7 @@ class Engine:
             rid = self.next_id
             self.next_id += 1
             try:
-                self.fe.admit(rid, p, check_bound=False)  # the whole call was checked against the bound
+                self.fe.admit(rid, p, check_bound=False, client=client)  # the call was checked against the bound
             except Rejected as e:  # validated already: not expected
                 self.cancel(rids)
                 raise HttpError(400, e.reason, "prompt") from None

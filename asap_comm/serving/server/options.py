@@ -17,7 +17,9 @@ class ServiceOptions:
     must send a request's headers within ``header_timeout_s`` of its first byte, an idle one is closed after
     ``idle_timeout_s``, at most ``max_connections`` are open (None: the file limit less 128, see
     :func:`~.frontdoor.default_max_connections`), and a body must arrive at ``min_body_rate`` bytes/s or more
-    (averaged over every ``request.BODY_RATE_WINDOW_S``; 408 otherwise)."""
+    (averaged over every ``request.BODY_RATE_WINDOW_S``; 408 otherwise). ``max_rank_calls``: the requests an
+    attention rank holds at once (a chunk sent, no result yet; the others wait in the front end, where the
+    clients' chunks take turns: ``frontend.FrontEnd``); None: no bound."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -35,12 +37,14 @@ class ServiceOptions:
     idle_timeout_s: float = 60.0
     max_connections: "int | None" = None
     min_body_rate: int = 16384
+    max_rank_calls: "int | None" = 8
     api_key: "str | None" = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.port, int) and 0 <= self.port < 65536):
             raise ValueError(f"ServiceOptions: port={self.port!r} must be in [0, 65536)")
-        for name in ("max_queued_tokens", "max_body_bytes", "max_waiting_tokens", "max_connections", "min_body_rate"):
+        for name in ("max_queued_tokens", "max_body_bytes", "max_waiting_tokens", "max_connections", "min_body_rate",
+                     "max_rank_calls"):
             v = getattr(self, name)
             required = name in ("max_queued_tokens", "min_body_rate")
             if (v is not None or required) and not (isinstance(v, int) and v >= 1):
