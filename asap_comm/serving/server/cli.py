@@ -36,9 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-body-bytes", type=int, default=None,
                     help="the largest request body read (413 past it); unset: 1 MiB + 16 bytes per token of "
                          "--max-queued-tokens")
-    ap.add_argument("--max-rank-calls", type=int, default=8,
+    ap.add_argument("--max-rank-calls", type=int, default=0,
                     help="requests an attention rank holds at once (the others wait in the front end, where the "
-                         "clients' chunks take turns); 0: no bound")
+                         "clients' chunks take turns); 0 (default): no bound")
     ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on every path but /health and /metrics; unset: "
                          "the environment variable ASAP_API_KEY (preferred: a command line is visible to ps)")

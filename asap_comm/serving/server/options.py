@@ -37,7 +37,7 @@ class ServiceOptions:
     idle_timeout_s: float = 60.0
     max_connections: "int | None" = None
     min_body_rate: int = 16384
-    max_rank_calls: "int | None" = 8
+    max_rank_calls: "int | None" = None
     api_key: "str | None" = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
