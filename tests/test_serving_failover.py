@@ -175,6 +175,56 @@ def test_front_end_readmits_a_dead_attention_ranks_requests():
         fe._attention_check(force=True)
 
 
+def test_a_request_in_flight_at_a_second_attention_death_fails_alone():
+    """A request is re-admitted at most READMIT_LIMIT (1) time: one that was on the attention PE that died first
+    and again on the next one to die fails alone (an error result, 503 in the service: it may be what kills the
+    PEs), while the second PE's own requests are re-admitted and the group goes on with its last PE."""
+    class _Comm:
+        world_size, rank, states = 6, 5, {}
+
+        def peer_state(self, pe):
+            return self.states.get(pe, "alive")
+
+    class _Box:
+        def poll(self):
+            return None
+
+        def send(self, pe, payload, tag, timeout=None):
+            pass
+
+    comm = _Comm()
+    cfg = RuntimeConfig(num_attention_ranks=3, num_expert_ranks=2, attention_failover=True, token_budget=32,
+                        chunk_len=16, max_prompt_len=128, timeout_s=90)
+    fe = FrontEnd(comm, cfg, INFO, _Box(), 3, "async")
+    toks = torch.arange(12) % CFG.vocab_size
+    for rid in range(9):
+        fe.admit(rid, toks[:6 + rid % 5])
+    assert all(not a.lane for a in fe.inflight.values())
+    for q in fe.pending:
+        q.clear()
+    for a in fe.inflight.values():
+        a.unsent = 0
+    on = {pe: sorted(r for r, a in fe.inflight.items() if a.rank == pe) for pe in range(3)}
+    assert all(on.values()), on
+    comm.states[0] = "died"
+    assert fe._attention_check(force=True) == []
+    moved = {r: fe.inflight[r].rank for r in on[0]}  # re-admitted once, on PE 1 or 2
+    second = moved[on[0][0]]
+    twice = sorted(r for r, pe in moved.items() if pe == second)
+    for q in fe.pending:
+        q.clear()
+    for a in fe.inflight.values():
+        a.unsent = 0
+    comm.states[second] = "died"
+    failed = fe._attention_check(force=True)
+    assert sorted(c.request_id for c in failed) == twice
+    assert all(c.error and "not re-admitted again" in c.error and c.token == -1 for c in failed)
+    assert not any(r in fe.inflight for r in twice)
+    last = ({1, 2} - {second}).pop()
+    assert all(fe.inflight[r].rank == last for r in on[second])  # the second PE's own: re-admitted once
+    assert fe.attention.readmissions == len(on[0]) + len(on[second])
+
+
 def test_run_async_loses_nothing_when_an_attention_pe_dies(tmp_path, capfd):
     """Attention failover: a SIGKILLed attention PE's requests (lane prompts through it among them: prompts over
     16 tokens take the lane) are re-admitted on the other attention rank; every answer equals the reference."""

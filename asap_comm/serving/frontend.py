@@ -69,6 +69,10 @@ class Completion:
     queue_s: float  # admission to its last chunk entering the rank's inbox
     done_s: float  # admission to the result's arrival (server-side TTFT)
     tokens: int = 0  # its prompt tokens
+    error: "str | None" = None  # set: the request failed alone (no token, an empty hidden state), for this reason
+
+
+READMIT_LIMIT = 1  # attention failover: re-admissions of one request; a request in flight at a further death fails
 
 
 @dataclass
@@ -259,6 +263,7 @@ class FrontEnd:
             self.attention = FrontAttention(comm, num_targets)
             watched = [pe for pe in watched if pe >= num_targets]
         self.alias: dict = {}  # wire id of a re-admission -> its request id
+        self.poisoned: list = []  # Completions with an error: requests over READMIT_LIMIT, for the next pump
         self._next_wire = READMIT_BASE
         self.watch = DeathWatch(comm, watched, must_stay=watched)
         self._cp = cfg.cp_threshold if label == "sync" else None
@@ -567,6 +572,8 @@ class FrontEnd:
                 raise PeerFailure(f"PE {pe} died and no other attention rank is left", pe=pe, reason="died")
             self.attention.dead[pe] = state  # live from now on excludes it
             self.attention.record(pe, self._readmit(pe))
+        out.extend(self.poisoned)
+        self.poisoned.clear()
         return out
 
     def _readmit(self, dead: int) -> int:
@@ -586,6 +593,14 @@ class FrontEnd:
             if a.lane:
                 self.lane.close(rid, cancelled=True)
             self._drop_attempt(rid, a)
+            if len(a.wires) >= READMIT_LIMIT:  # in flight at every death so far: it may be what kills the PEs
+                self._forget(rid)
+                self.poisoned.append(Completion(
+                    rid, -1, torch.empty(0), dead, -1.0, time.monotonic() - a.admitted_at, a.tokens,
+                    error=f"the attention PEs running it died {len(a.wires) + 1} times (PE {dead} last); it is not "
+                          f"re-admitted again (attention failover re-admits a request at most {READMIT_LIMIT} "
+                          f"time(s))"))
+                continue
             self.placer.complete(rid)
             wire, self._next_wire = self._next_wire, self._next_wire + 1
             self.alias[wire] = rid
@@ -669,6 +684,10 @@ def run_front_end(comm, cfg, info, requests, report_path: str, box, num_targets:
             for c in fe.pump(max(1e-4, min(0.05, next_arrival))):
                 rec = records[c.request_id]
                 rec.done_s = time.monotonic() - t0
+                if c.error is not None:  # it failed alone (attention failover's limit): recorded, not answered
+                    rec.done_s, rec.error = None, c.error
+                    log(("failed", c.request_id, c.error))
+                    continue
                 outputs[c.request_id] = (c.token, c.hidden)
                 log(("done", c.request_id, rec.done_s, c.token, c.hidden))
     except PeerFailure as e:
@@ -724,4 +743,6 @@ def replay_report(path: str, requests: Sequence) -> tuple:
             elif kind == "done":
                 rec.done_s = payload[1]
                 outputs[payload[0]] = (payload[2], payload[3])
+            elif kind == "failed":
+                rec.error = payload[1]
     return [records[r.request_id] for r in requests], outputs

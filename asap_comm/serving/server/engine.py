@@ -142,6 +142,10 @@ class Engine:
         return max(1, self.opts.max_queued_tokens // max(1, len(active)))
 
     def _complete(self, c) -> None:
+        if c.error is not None:  # the request failed alone (attention failover's limit); the service goes on
+            self._reject(c.request_id, HttpError(503, f"request {c.request_id}: {c.error}"))
+            self.metrics.count("unavailable")
+            return
         self._release(c.request_id)
         fut = self.futures.pop(c.request_id, None)
         deadline = self.deadline_of.pop(c.request_id, math.inf)
