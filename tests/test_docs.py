@@ -288,7 +288,7 @@ def _slo_compliant(summary: dict, mode: str) -> float:
 
 def _results_rows() -> dict:
     lines = (REPO / "README.md").read_text().splitlines()
-    start = lines.index("## Results")
+    start = lines.index("### Studies at fixed sizes")
     rows = {}
     for line in lines[start + 1:]:
         if line.startswith("#"):
