@@ -203,7 +203,8 @@ class Communicator:
 
     def net_stats(self) -> dict:
         """Counters of the network engine (``{}`` on one host): messages sent and received, heart-beats,
-        ``disorder`` (messages applied out of send order: must stay 0) and ``bad_messages``."""
+        ``disorder`` (messages applied out of send order: must stay 0), ``bad_messages`` and ``fenced`` (messages
+        dropped because their sender is dead to this PE: :meth:`fence_peer`)."""
         return {} if self._net is None else dict(self._net.stats())
 
     # ------------------------------------------------------------ checks
@@ -547,6 +548,23 @@ class Communicator:
         pe = self._check_pe("peer_state", pe)
         bad = self._group.check(pe)
         return "alive" if bad is None else ("closed" if bad[1].startswith("closed") else "died")
+
+    def fence_peer(self, pe: int) -> bool:
+        """Declare PE ``pe``, on another host, dead (the group decided so: the front end's failover, before this
+        PE's own liveness line to it may have failed): from now on it counts as ``"died"`` here, every wait on it
+        fails, and nothing it sends is applied (dropped and counted: ``net_stats()["fenced"]``), so a PE cut off
+        and later back on the network cannot write into memory its replacement owns. The PE is not told (a PE
+        cut off learns it from its own liveness lines, which fail). True when this call gave the verdict;
+        False, and nothing done, for a PE on this host (a dead process there writes nothing) or one that is
+        dead or closed already."""
+        self._check_open("fence_peer")
+        pe = self._check_pe("fence_peer", pe)
+        if pe == self.rank:
+            raise ValueError(f"fence_peer: pe={pe} is this PE")
+        if self._net is None or not self.is_remote(pe) or self.peer_state(pe) != "alive":
+            return False
+        self._net.fence(pe)
+        return True
 
 
 def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_addr: "str | None" = None,

@@ -26,6 +26,8 @@ Rows (``--only`` names):
                    ``--attention-failover``: its requests re-admitted on PE 1; dip and recovery measured
 ``cpu-hogs``       a busy loop at nice 0 on every core for 30 s (15 s) while serving
 ``link-down``      the service under torchrun on two hosts; node 1's link goes down under load
+``host-lost-spare`` the service under torchrun on three hosts (front end + attention, experts, two spare
+                   expert ranks); the experts' host loses its link under load (the spares take over)
 ``loss-5``,        5% / 20% of the packets one host sends dropped (nftables, in its namespace) while two
 ``loss-20``        PEs across the hosts stream mailbox messages and put_signal rows both ways
 ``small-shm``      the service started with a 700 kB ``/dev/shm`` (a tmpfs in a private mount namespace)
@@ -875,6 +877,94 @@ class Suite:
         row.details = {"statuses": dict(tally.statuses), "examples": tally.examples, "log_node0": tail(logs[0]),
                        "log_node1": tail(logs[1])}
 
+    # 7c. a host lost, its expert PEs replaced by spares on the other hosts -------------
+    def host_lost_spare(self, row: Row) -> None:
+        """The service under torchrun on three hosts with two spare expert ranks (docs/failover.md, "Across
+        hosts"): the front end (PE 5, node 0's first process) and attention PE 0 on host 0, expert PEs 1, 2 on
+        host 1, spare PEs 3, 4 on host 2. Under load from four clients in host 0, host 1's link goes down; the
+        spares take over both expert ranks. Right answers per second before (the 6 s before the loss) and after
+        (from the failover to the end of the load), the time from the loss to /health showing both replacements,
+        and the slowest call."""
+        load_s = 30.0 if self.mode == "quick" else 40.0
+        prompts = [p for p, _ in self.ref.pool(6, (5, 60), seed=7)]
+        want = [self.ref.token(p) for p in prompts]
+        with Hosts(3) as hs:
+            front = hs[0]  # the front end and its HTTP server
+            procs = serve_across_hosts(hs, HOST_PORT, ["--attention-ranks", "1", "--expert-ranks", "2",
+                                                       "--spare-expert-ranks", "2", "--failure-exit-s",
+                                                       str(FAILURE_EXIT_S), "--comm-timeout-s", "10",
+                                                       "--worker-stall-s", "5", "--request-timeout-s", "120"],
+                                       layout=[2, 2, 2])
+            logs = ["", "", ""]
+            try:
+                log("  the service under torchrun: front end + attention PE 0 on host 0, expert PEs 1, 2 on host 1, "
+                    "spares 3, 4 on host 2 ...")
+                try:
+                    wait_host_health(front, HOST_PORT, procs, 300)
+                except RuntimeError as e:
+                    row.observed, row.details, row.passed = "the service did not start", {"logs": tail(str(e))}, False
+                    return
+                load = long_clients(front, HOST_PORT, prompts, load_s)
+                time.sleep(10)
+                log("  host 1's link goes down under load ...")
+                hs[1].link_down()
+                t_loss = time.monotonic()
+                seen, body = None, {}
+                while seen is None and time.monotonic() - t_loss < 60:
+                    status, body = host_health(front, HOST_PORT)
+                    if status == 200 and (body or {}).get("failover", {}).get("failovers") == 2:
+                        seen = time.monotonic() - t_loss
+                    else:
+                        time.sleep(0.2)
+                lines = calls(load, load_s + 200)
+                after = host_health(front, HOST_PORT)
+                metrics = front.popen([sys.executable, "-c", "import sys, urllib.request; sys.stdout.write("
+                                       "urllib.request.urlopen(sys.argv[1], timeout=60).read().decode())",
+                                       f"http://127.0.0.1:{HOST_PORT}/metrics"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True).communicate(timeout=90)[0]
+                hs[1].kill_all()  # the lost host's processes
+                procs[0].send_signal(signal.SIGTERM)  # the front end stops the workers that are left
+                for i in (0, 2, 1):
+                    try:
+                        logs[i] = procs[i].communicate(timeout=120)[0] or ""
+                    except subprocess.TimeoutExpired:
+                        for h in hs.hosts:
+                            h.kill_all()
+                        logs[i] = procs[i].communicate(timeout=30)[0] or ""
+            finally:
+                for h in hs.hosts:
+                    h.kill_all()
+        tally = Tally()
+        for status, j, token, start, end in lines:
+            if status == 200:
+                ok = token == want[j]
+                tally.wrong += not ok
+                tally.add("200", None if ok else f"wrong token for prompt {j}", end - start)
+            else:
+                tally.add(str(status), str(token), end - start)
+        ok_ends = sorted(x[4] for x in lines if x[0] == 200)
+        before = sum(1 for e in ok_ends if t_loss - 6 <= e < t_loss) / 6
+        t_back = t_loss + (seen or 0.0)
+        t_end = max(ok_ends) if ok_ends else t_back
+        after_rate = sum(1 for e in ok_ends if e >= t_back) / max(1e-9, t_end - t_back)
+        across = sum(1 for x in lines if x[3] < t_loss < x[4])
+        repl = (body or {}).get("failover", {}).get("replacements", [])
+        failovers = next((float(x.split()[-1]) for x in metrics.splitlines()
+                          if x.startswith("asap_expert_failovers_total")), 0.0)
+        clean = "stopped cleanly" in logs[0] and "worker failure" not in logs[0]
+        row.observed = (f"spares took over: {[(e['expert_rank'], e['dead_pe'], e['new_pe']) for e in repl]} (rank, "
+                        f"dead PE, spare), both on /health {'%.1f s' % seen if seen is not None else 'never'} after "
+                        f"the link went down (ASAP_NET_PEER_TIMEOUT_S 3); asap_expert_failovers_total {failovers:g}; "
+                        f"right answers/s {before:.0f} before, {after_rate:.0f} after the failover; {across} calls "
+                        f"in flight across the loss, slowest 200 {tally.max_latency_s:.1f} s; /health after "
+                        f"{after[0]}; then SIGTERM: {'stopped cleanly' if clean else 'NOT clean'}")
+        row.answered, row.wrong = tally.answered(), tally.wrong
+        row.passed = (tally.only("200") and tally.admitted > 0 and tally.wrong == 0 and seen is not None
+                      and len(repl) == 2 and failovers == 2 and after[0] == 200 and across > 0 and clean)
+        row.details = {"statuses": dict(tally.statuses), "examples": tally.examples, "health": body,
+                       "failover_seen_after_s": seen, "rate_before": before, "rate_after": after_rate,
+                       "log_node0": tail(logs[0]), "log_host1": tail(logs[1]), "log_host2": tail(logs[2])}
+
     @staticmethod
     def _wait_host_health(row: Row, hs, procs) -> "dict | None":
         """/health's body once the service across ``hs`` answers 200; None (the row failed, with the launchers'
@@ -1227,6 +1317,10 @@ FAULTS = {
     "link-down": ("link down across hosts (service under torchrun)",
                   "node 1's workers died in /health, 503 with the reason, front end exits 3, nothing left on "
                   "node 0; every answer right or 503", why_no_hosts, Suite.link_down),
+    "host-lost-spare": ("a host lost (link down) with spares on the other hosts (service under torchrun, 3 hosts)",
+                        "the spares take over both expert ranks of the lost host: every call 200 with the right "
+                        "token, none failed; /health 200 showing the replacements, asap_expert_failovers_total 2; a "
+                        "clean stop after", why_no_hosts, Suite.host_lost_spare),
     "stop-remote-worker": ("a remote worker stopped 60 s (expert PE on node 1, service under torchrun)",
                            "/health 503 stalled meanwhile (never died, no failure), 200 after; every call 200 with "
                            "the right token, calls in flight across the stop answered; a clean stop after",
@@ -1257,7 +1351,7 @@ FAULTS = {
                   Suite.no_secret),
 }
 RUN_ORDER = ["rogue-store", "small-shm", "no-secret", "rogue-peer", "loss-5", "loss-20", "link-down",
-             "stop-remote-worker",
+             "stop-remote-worker", "host-lost-spare",
              "hostile-bodies", "hog-client", "slowloris", "stalled-uploads", "flood-client", "cpu-hogs",
              "stop-front-end", "stop-worker", "kill-worker-spare", "kill-attention", "kill-worker"]
 assert sorted(RUN_ORDER) == sorted(FAULTS)

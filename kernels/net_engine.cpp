@@ -112,6 +112,17 @@ void NetEngine::authenticate(int pe) {
   authed_[pe] = 1;
 }
 
+void NetEngine::fence(int pe) {
+  check_pe("fence", pe);
+  std::lock_guard<std::mutex> g(mu_);
+  if (pe == rank_ || eps_[pe] == nullptr)
+    throw std::invalid_argument("net: fence: PE " + std::to_string(pe) + " is not a remote peer of PE " +
+                                std::to_string(rank_));
+  if (group_->remote_state(pe) != kStateAlive) return;
+  last_error_ = "PE " + std::to_string(pe) + ": declared dead by the group (fenced)";
+  mark(pe, kStateDead);  // its liveness line stays open: the PE is not told (its own lines tell it when it is cut off)
+}
+
 void NetEngine::add_region(uint32_t index, uintptr_t base, size_t size) {
   std::lock_guard<std::mutex> g(mu_);
   if (index != regions_.size())
@@ -316,6 +327,7 @@ NetStats NetEngine::stats() {
   d.disorder = disorder_;
   d.bad_messages = bad_;
   d.unauthenticated = unauth_;
+  d.fenced = fenced_;
   d.received = received_;
   d.sent = sent_;
   d.mbox_unanswered = mbox_unanswered_;

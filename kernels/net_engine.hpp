@@ -43,6 +43,13 @@
 //   UCX reporting an endpoint error also marks the PE dead. Load can delay a
 //   verdict (the thread that reads the line may run late) but never fake one.
 //   Every wait that depends on a dead PE raises PeerFailure.
+// * Fence: nothing a PE sends after it is marked dead is applied (dropped and
+//   counted, `fenced`): a lost host still in the network, or back on its link,
+//   cannot write into memory its replacement owns (docs/failover.md). A PE is
+//   marked dead by its failed liveness line, a UCX endpoint error, or fence()
+//   (the front end named it dead). A rendezvous-sized put lands in a buffer
+//   first and is applied only if its sender is still not dead when its data is
+//   complete, so a transfer begun before the verdict cannot land after it.
 //
 //
 // Where each concern lives (one NetEngine, its methods by file):
@@ -103,7 +110,7 @@ struct PythonError {};
 
 // The counters behind Communicator.net_stats() (net_py.cpp makes the dict).
 struct NetStats {
-  uint64_t disorder = 0, bad_messages = 0, unauthenticated = 0, received = 0, sent = 0;
+  uint64_t disorder = 0, bad_messages = 0, unauthenticated = 0, fenced = 0, received = 0, sent = 0;
   uint64_t mbox_unanswered = 0, mbox_resumed = 0, mbox_abandoned = 0;
   int liveness_lines = 0;
   uint64_t progress_wakeups = 0, progress_parks = 0;
@@ -136,6 +143,10 @@ class NetEngine final : public NetIface {
   // The handshake messages received since the last call.
   std::vector<Handshake> take_handshakes();
   void authenticate(int pe);
+  // PE `pe` is dead from now on, as the group decided (the front end's failover: its own liveness line may
+  // not have failed yet): the same verdict a failed liveness line gives, so nothing it sends is applied
+  // (see "Fence" below) and every wait on it fails. No effect on a PE that closed or is dead already.
+  void fence(int pe);
   void add_region(uint32_t index, uintptr_t base, size_t size);
 
   // ---------------------------------------------------------------- operations (GIL held on entry)
@@ -205,6 +216,7 @@ class NetEngine final : public NetIface {
   void mark(int pe, uint32_t state);
   void reply(int pe, const Hdr& req, int32_t status, uint64_t value, const char* data, size_t n);
   ucs_status_t handle(Hdr& h, void* data, size_t length, bool rndv, ucp_ep_h via);
+  bool fenced(int src, const Hdr& h);  // src is dead: count the message as fenced
   void finish_put(const Hdr& h);
   void deliver_mbox(const Hdr& h, const void* payload);
   ucs_status_t recv_rndv(const Hdr& h, void* desc, char* dst, size_t length);
@@ -252,7 +264,7 @@ class NetEngine final : public NetIface {
   Clock::time_point last_tick_ = Clock::now();
   uint64_t parks_ = 0;
   bool debug_ = std::getenv("ASAP_NET_DEBUG") != nullptr;
-  uint64_t disorder_ = 0, bad_ = 0, received_ = 0, sent_ = 0, wakeups_ = 0, unauth_ = 0;
+  uint64_t disorder_ = 0, bad_ = 0, received_ = 0, sent_ = 0, wakeups_ = 0, unauth_ = 0, fenced_ = 0;
   std::vector<uint8_t> authed_ = std::vector<uint8_t>(world_, 0);  // the peer answered this PE's challenge
   std::mutex hs_mu_;
   std::vector<Handshake> handshakes_;  // received, for Python to answer or check

@@ -65,6 +65,7 @@ void bind_net(py::module& m) {
              return out;
            })
       .def("authenticate", &NetEngine::authenticate, py::arg("pe"))
+      .def("fence", &NetEngine::fence, py::arg("pe"))
       .def("watch", &NetEngine::watch, py::arg("pe"), py::arg("fd"))
       .def("add_region",
            [](NetEngine& e, uint32_t index, const Mapping& mp) { e.add_region(index, mp.addr(), mp.size()); },
@@ -111,6 +112,7 @@ void bind_net(py::module& m) {
              d["disorder"] = s.disorder;
              d["bad_messages"] = s.bad_messages;
              d["unauthenticated"] = s.unauthenticated;
+             d["fenced"] = s.fenced;
              d["received"] = s.received;
              d["sent"] = s.sent;
              d["liveness_lines"] = s.liveness_lines;

@@ -78,6 +78,7 @@ ucs_status_t NetEngine::handle(Hdr& h, void* data, size_t length, bool rndv, ucp
     last_error_ = "dropped a message from PE " + std::to_string(src) + " before it authenticated";
     return UCS_OK;
   }
+  if (fenced(src, h)) return UCS_OK;  // dead to this PE: nothing of it is applied (a rendezvous's data is not read)
   switch (h.kind) {
     case kHeartbeat: return UCS_OK;
     case kClose:
@@ -124,7 +125,7 @@ ucs_status_t NetEngine::handle(Hdr& h, void* data, size_t length, bool rndv, ucp
         finish_put(h);
         return UCS_OK;
       }
-      return recv_rndv(h, data, dst, length);
+      return recv_rndv(h, data, nullptr, length);  // into a buffer: applied once complete, unless fenced
     }
     case kMbox: {
       char* base = resolve(h.region, h.off, 0);
@@ -144,6 +145,13 @@ ucs_status_t NetEngine::handle(Hdr& h, void* data, size_t length, bool rndv, ucp
     }
     default: ++bad_; return UCS_OK;
   }
+}
+
+bool NetEngine::fenced(int src, const Hdr& h) {
+  if (group_->remote_state(src) != kStateDead) return false;
+  ++fenced_;
+  last_error_ = std::string("dropped a ") + kind_name(h.kind) + " from PE " + std::to_string(src) + ": it is dead (fenced)";
+  return true;
 }
 
 void NetEngine::finish_put(const Hdr& h) {
@@ -190,12 +198,15 @@ void NetEngine::rndv_finished(RndvCtx* c, ucs_status_t st) {
   if (st != UCS_OK) {
     last_error_ = ucs_err("receiving a rendezvous message", st);
     if (h.kind == kMbox) reply(static_cast<int>(h.src), h, kReplyFull, 0, nullptr, 0);
+  } else if (h.kind != kReply && fenced(static_cast<int>(h.src), h)) {
+    // its sender was declared dead while the data travelled: dropped
   } else if (h.kind == kMbox) {
     deliver_mbox(h, c->tmp.data());
   } else if (h.kind == kReply) {
     Pending* p = lookup(h.token);
     if (p != nullptr) complete(p);
   } else {
+    if (h.nbytes) std::memcpy(resolve(h.region, h.off, h.nbytes), c->tmp.data(), h.nbytes);  // checked on arrival
     finish_put(h);
   }
   delete c;

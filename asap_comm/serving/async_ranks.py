@@ -27,7 +27,7 @@ from ..errors import CommError, PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
 from ..moe import ExpertBatch, MoEPlan, apply_experts
 from .exchange import AsyncExchange
-from .failover import TAKEOVER, check_route, decode_takeover, depended_on
+from .failover import TAKEOVER, check_route, decode_takeover, depended_on, fence_dead
 from .hooks import model_hooks
 from .lane import LaneAborted, LaneRank, LaneWait
 from .patience import DeathWatch
@@ -313,6 +313,7 @@ def _take_over(comm, ex, box, model_factory, spans: list):
         if m.tag != TAKEOVER or m.src != comm.world_size - 1:
             raise CommError(f"spare expert PE {comm.rank}: unexpected message (tag {m.tag}) from PE {m.src}")
         rank, dead = decode_takeover(m.tensor)
+    fence_dead(comm, dead)
     t = time.monotonic()
     model = model_factory("expert", ex.take_over(rank))
     spans.append((comm.rank, 0, f"take over expert rank {rank} from PE {dead}", t, time.monotonic() - t))

@@ -16,7 +16,8 @@ coordinates, and nothing waits on a barrier:
   exit status 3).
 * The spare (``async_ranks.expert_main``) builds the rank's experts with the
   model factory (``ExpertEnd.take_over`` gives their ids) and serves them.
-* An attention rank checks the route (:func:`check_route`) and calls
+* An attention rank checks the route (:func:`check_route`, which fences a
+  dead PE on another host: :func:`fence_dead`) and calls
   ``AttentionEnd.replace``: later dispatches go to the spare, and every
   micro-batch in flight whose part at the dead PE did not come back (each
   return is counted per expert rank) is sent again, same slot and rows.
@@ -48,7 +49,8 @@ import torch
 from ..errors import CommError, PeerFailure
 
 __all__ = ["TAKEOVER", "ROUTE", "READMIT_BASE", "encode_takeover", "decode_takeover", "encode_route", "decode_route",
-           "check_route", "Replacement", "FrontFailover", "AttentionLoss", "FrontAttention", "depended_on"]
+           "check_route", "fence_dead", "Replacement", "FrontFailover", "AttentionLoss", "FrontAttention",
+           "depended_on"]
 
 TAKEOVER = -4  # tag of the front end's "serve expert rank r" message to a spare (payload [r, dead PE])
 ROUTE = -5  # tag of the front end's "expert rank r is on PE q now" message to attention ranks ([r, q or -1, dead])
@@ -90,16 +92,29 @@ def depended_on(comm, cfg, role: str) -> list:
 
 def check_route(comm, cfg, src: int, msg: tuple) -> tuple:
     """A :data:`ROUTE` message as an attention rank takes it: ``CommError`` unless it comes from the front end,
-    names an expert rank, a spare PE (or -1) and a PE that is no longer alive. Returns ``msg``."""
+    names an expert rank, a spare PE (or -1) and a PE that is no longer alive. A dead PE on another host is
+    fenced first (:func:`fence_dead`): this rank's own liveness line to it may not have failed yet, and nothing
+    it sends may land from now on. Returns ``msg``."""
     A, E, S = cfg.num_attention_ranks, cfg.num_expert_ranks, cfg.spare_expert_ranks
     rank, new, dead = msg
     front = comm.world_size - 1
     ok = (src == front and 0 <= rank < E and (new == -1 or A + E <= new < A + E + S) and A <= dead < A + E + S
           and new != dead)
+    if ok:
+        fence_dead(comm, dead)
     if not ok or comm.peer_state(dead) == "alive":
         raise CommError(f"route: a bad failover message from PE {src}: expert rank {rank} to PE {new} "
                         f"(PE {dead} {comm.peer_state(dead) if A <= dead < A + E + S else 'out of range'})")
     return msg
+
+
+def fence_dead(comm, pe: int) -> None:
+    """The front end named PE ``pe`` dead (a :data:`TAKEOVER` or :data:`ROUTE` message, authenticated, from the
+    one decider): if it is on another host, this PE's network engine counts it dead from now on and applies
+    nothing more it sends (``Communicator.fence_peer``), so a host cut off and back on its link cannot write into
+    a slot the spare owns. On this host a dead process writes nothing; nothing to do."""
+    if comm.is_remote(pe):
+        comm.fence_peer(pe)
 
 
 @dataclass
