@@ -561,10 +561,9 @@ class Communicator:
         pe = self._check_pe("fence_peer", pe)
         if pe == self.rank:
             raise ValueError(f"fence_peer: pe={pe} is this PE")
-        if self._net is None or not self.is_remote(pe) or self.peer_state(pe) != "alive":
+        if self.peer_state(pe) != "alive":
             return False
-        self._net.fence(pe)
-        return True
+        return self._transports[pe].fence_peer()
 
 
 def init(rank: "int | None" = None, world_size: "int | None" = None, *, master_addr: "str | None" = None,

@@ -110,7 +110,8 @@ def test_nothing_a_pe_declared_dead_sends_is_applied(tmp_path):
         r, w = run_across_hosts(hs, [1, 1], _writes_after_the_verdict, out, timeout=120)
     assert r["fenced_call"] is True and r["state"] == "died", r
     assert r["small"] == [1] * 16 and r["sigs"] == [1, 0, 0] and not r["mail"], r
-    assert r["fenced"] == 3 and "fenced" in r["last_error"] and r["disorder"] == 0, r
+    # at least the three writes; the mailbox send, unanswered, may be offered again within its 2 s and count again
+    assert r["fenced"] >= 3 and "fenced" in r["last_error"] and r["disorder"] == 0, r
     assert r["wait"] == "PeerFailure 1 died", r
     assert r["again"] is False, r  # dead already: nothing more to do
     assert w == {"send": "TimeoutError", "state": "alive"}, w

@@ -112,8 +112,8 @@ def fence_dead(comm, pe: int) -> None:
     """The front end named PE ``pe`` dead (a :data:`TAKEOVER` or :data:`ROUTE` message, authenticated, from the
     one decider): if it is on another host, this PE's network engine counts it dead from now on and applies
     nothing more it sends (``Communicator.fence_peer``), so a host cut off and back on its link cannot write into
-    a slot the spare owns. On this host a dead process writes nothing; nothing to do."""
-    if comm.is_remote(pe):
+    a slot the spare owns. On this host a dead process writes nothing: ``fence_peer`` does nothing there."""
+    if pe != comm.rank:
         comm.fence_peer(pe)
 
 

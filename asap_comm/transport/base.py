@@ -111,5 +111,10 @@ class Transport(ABC):
     def quiet(self, timeout: float) -> None:
         """Complete every put this PE issued through ``engine``."""
 
+    def fence_peer(self) -> bool:
+        """Stop applying anything PE ``pe`` sends from now on (the group declared it dead); True when this did
+        something. The default (a PE on this host): nothing to do, a dead process here writes nothing."""
+        return False
+
     def close(self) -> None:
         """Leave: release what this transport holds (idempotent)."""

@@ -243,6 +243,11 @@ class NetTransport(Transport):
     def fence(self) -> None:
         pass  # every message from one PE to another is applied in the order it was sent
 
+    def fence_peer(self) -> bool:
+        """Drop (and count, ``net_stats()["fenced"]``) whatever PE ``pe`` sends from now on; its waits fail."""
+        self._net.fence(self.pe)
+        return True
+
     def quiet(self, timeout: float) -> None:
         self._net.quiet(timeout)
 
