@@ -1,0 +1,54 @@
+"""The simulator against the committed emulated 64-die sweep (``bench/emulated_replay.py``): every load the
+emulated run measured, replayed through ``simulate_emulated`` and counted under the one metric."""
+import json
+from pathlib import Path
+
+import pytest
+
+RUN = Path(__file__).resolve().parents[1] / "docs" / "results" / "emulated-64"
+
+
+_REPLAYED: dict = {}  # one replay for the module's tests (bench_script is per test)
+
+
+@pytest.fixture
+def replayed(bench_script):
+    if "run" not in _REPLAYED:
+        _REPLAYED["run"] = bench_script("emulated_replay").replay(RUN)
+    return _REPLAYED["run"]
+
+
+def test_the_real_side_counts_as_the_example_counted_it(replayed):
+    """The replay's count of the real runs is the example's own (same points, same rule)."""
+    summary = json.loads((RUN / "summary.json").read_text())
+    assert len(replayed["rows"]) == len(summary["runs"])
+    sct = replayed["real"]["slo_compliant_throughput"]
+    assert sct["async"] == pytest.approx(summary["async"]["slo_compliant_throughput"])
+    assert sct["sync"] == pytest.approx(summary["sync"]["slo_compliant_throughput"])
+    assert replayed["real"]["ratio"] == pytest.approx(summary["slo_compliant_throughput_ratio"])
+
+
+def test_the_simulator_predicts_the_emulated_64_die_ratio_within_15_percent(replayed):
+    assert replayed["sim"]["ratio"] is not None, replayed["sim"]["ratio_withheld"]
+    assert abs(replayed["ratio_error"]) <= 0.15, replayed["ratio_error"]
+    # and load by load: each tested load passes or fails the same way on both sides, attainment within 0.05
+    for row in replayed["rows"]:
+        real, sim = row["real"], row["sim"]
+        assert abs(sim["slo_attainment"] - real["slo_attainment"]) <= 0.05, row
+        assert abs(sim["served_fraction"] - real["served_fraction"]) <= 0.08, row
+
+
+def test_the_committed_replay_is_what_the_script_writes_now(replayed):
+    committed = json.loads((RUN / "replay.json").read_text())
+    assert committed["sim"]["ratio"] == pytest.approx(replayed["sim"]["ratio"], rel=1e-9)
+    assert [r["sim"]["slo_attainment"] for r in committed["rows"]] == pytest.approx(
+        [r["sim"]["slo_attainment"] for r in replayed["rows"]], abs=1e-12)
+
+
+def test_a_run_without_the_served_fraction_is_refused(bench_script, tmp_path):
+    old = json.loads((RUN / "summary.json").read_text())
+    for r in old["runs"]:
+        r.pop("served_fraction")
+    (tmp_path / "summary.json").write_text(json.dumps(old))
+    with pytest.raises(SystemExit, match="predates the served fraction"):
+        bench_script("emulated_replay").replay(tmp_path)
