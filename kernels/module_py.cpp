@@ -19,6 +19,7 @@ using namespace asap;
 
 namespace asap {
 void bind_net(py::module& m);  // kernels/net_py.cpp
+void bind_sim_async(py::module& m);  // kernels/sim_async.cpp
 }
 
 namespace {
@@ -137,6 +138,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("spin_budget_ns", &spin_budget_ns);
 
   bind_net(m);
+  bind_sim_async(m);
   if (!register_ops(m.ptr())) throw py::error_already_set();  // ops_py.cpp
   if (!register_handle_types(m.ptr())) throw py::error_already_set();  // handles_py.cpp
   if (!register_inbox_types(m.ptr())) throw py::error_already_set();  // inbox_py.cpp

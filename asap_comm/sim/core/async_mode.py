@@ -283,18 +283,23 @@ class _AsyncSim(_Common):
         the expert rank's link takes the micro-batches one after another from ``link_free``."""
         if now is None:
             now = self.engine.now
-        w = self.segs[mb.seg][1]
-        key = (transfer_s, rows, mb.tokens, w)
+        lat, fan, serial = self._link_times(transfer_s, rows, mb.tokens, self.segs[mb.seg][1])
+        link_free = max(now, link_free) + serial
+        return max(fan, link_free - now) + lat, link_free
+
+    def _link_times(self, transfer_s, rows: int, tokens: int, w: float) -> tuple:
+        """(latency, the device's fan-out time, the expert link's time) of one transfer of a micro-batch of
+        ``tokens`` tokens sending ``rows`` rows to each expert rank, in a layer of weight ``w`` (memoised; the
+        native core, ``native.py``, asks it too)."""
+        key = (transfer_s, rows, tokens, w)
         got = self._link_memo.get(key)
         if got is None:
             lat, _ = self._link(transfer_s, rows, w)
             fan_rows = self.E * rows if self.load is None else round(rows * self.load.rows_per_token / self.frac)
             _, fan = self._link(transfer_s, fan_rows, w)  # skewed: the rows for every expert rank together
-            _, serial = self._link(transfer_s, self._rows(mb.tokens) if self.tp > 1 else rows, w)
+            _, serial = self._link(transfer_s, self._rows(tokens) if self.tp > 1 else rows, w)
             got = self._link_memo[key] = (lat, fan, serial)
-        lat, fan, serial = got
-        link_free = max(now, link_free) + serial
-        return max(fan, link_free - now) + lat, link_free
+        return got
 
     def _part_back(self, mb: _MicroBatch) -> None:
         mb.waiting -= 1

@@ -89,6 +89,7 @@ from dataclasses import dataclass, field
 from ...serving.protocol import RuntimeConfig
 from ..costmodel.failover import DETECT_S, spare_load_s as _spare_load_s
 from ..costmodel.routing import routed_cost
+from . import native
 from .async_mode import _AsyncSim
 from .common import Parallelism
 from .failover import _AsyncFailoverSim, check_failures, failover_summary, schedule_sync_failures
@@ -110,6 +111,7 @@ class SimResult:
     spans: list = field(default_factory=list)  # (rank name, label, start_s, dur_s) when asked for
     lane: dict = field(default_factory=dict)  # the long-prompt lane's counts (serving.lane.LaneCounts; {}: none)
     failover: dict = field(default_factory=dict)  # deaths and failover (failover.failover_summary; {}: no failures)
+    core: str = "python"  # which event loop ran: "native" (ASAP's C++ core, native.py) or "python"
 
 
 def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConfig(), *,
@@ -187,7 +189,12 @@ def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConf
         sim = _SyncSim(cost, shapes, cfg, requests, spans, W, par, layers)
         if failures:
             schedule_sync_failures(sim, failures)
-    end, ranks = sim.run()
+    core = "python"
+    if mode == "async" and native.unsupported(sim) is None:  # the C++ loop: the same answers, faster (native.py)
+        end, ranks = native.run(sim)
+        core = "native"
+    else:
+        end, ranks = sim.run()
     records = sim._finish_records()
     span = max(end, 1e-12)
     stats = [{"rank": name, "role": role, "busy_s": rk.busy_s, "idle_s": max(0.0, span - rk.busy_s),
@@ -197,4 +204,4 @@ def simulate(mode: str, requests, cost, shapes, cfg: RuntimeConfig = RuntimeConf
     fo = {} if not failures else failover_summary(sim, mode, records, end, cfg.spare_expert_ranks,
                                                   DETECT_S if mode == "async" else 0.0, load_s)
     return SimResult(mode, records, stats, end, sim.engine.events, time.perf_counter() - t0,
-                     sim.spans or [], {} if lane is None else lane.counts.as_dict(), fo)
+                     sim.spans or [], {} if lane is None else lane.counts.as_dict(), fo, core)
