@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <deque>
 #include <limits>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -116,6 +117,33 @@ struct LaneReq {
   }
 };
 
+// a memo of one non-negative integer argument: a table below 2**20, a hash map above
+struct Memo1 {
+  std::vector<double> tab;  // NaN: not asked yet
+  std::unordered_map<int64_t, double> big;
+  const double* find(int64_t n) const {
+    if (n >= 0 && n < (int64_t)tab.size()) return std::isnan(tab[n]) ? nullptr : &tab[n];
+    if (n >= 0 && n < kDense) return nullptr;
+    auto it = big.find(n);
+    return it == big.end() ? nullptr : &it->second;
+  }
+  void put(int64_t n, double v) {
+    if (n >= 0 && n < kDense) {
+      if (n >= (int64_t)tab.size()) tab.resize(std::max<size_t>(n + 1, tab.size() * 2), std::nan(""));
+      tab[n] = v;
+    } else {
+      big.emplace(n, v);
+    }
+  }
+  static constexpr int64_t kDense = 1 << 20;
+};
+
+// (latency, fan-out, serial) of a transfer (_AsyncSim._link_times): memoised per (kind, rows, tokens, the
+// MoE layer's weight), in a table per (kind, weight) indexed by tokens that remembers the rows it was asked with
+struct LinkEntry {
+  int64_t rows = -1;
+  std::array<double, 3> v{};
+};
 class AsyncCore {
  public:
   AsyncCore(const py::dict& p, py::object costs) : costs_(std::move(costs)) {
@@ -147,11 +175,21 @@ class AsyncCore {
       seg_dense.push_back(t[0].cast<double>());
       seg_moe.push_back(t[1].cast<double>());
     }
+    std::vector<double> weights;
+    for (double w : seg_moe) {
+      auto it = std::find(weights.begin(), weights.end(), w);
+      seg_wclass.push_back((int)(it - weights.begin()));
+      if (it == weights.end()) weights.push_back(w);
+    }
+    link_tab.resize(weights.size() * 2);
     lane_on = p["lane"].cast<bool>();
     if (lane_on) {
       lane_groups = p["lane_groups"].cast<int>();
       pool_rows = p["pool_rows"].cast<int64_t>();
       lane_wait_s = p["lane_wait_s"].cast<double>();  // < 0: None
+      lane_threshold = p["lane_threshold"].cast<int64_t>();  // < 0: None
+      lane_slo = p["lane_slo"].cast<bool>();
+      pool_free = p["pool_slots"].cast<int64_t>();
       int k = 0;
       for (auto s : p["seg_layers"].cast<py::list>()) {
         std::vector<std::pair<double, bool>> layers;
@@ -244,13 +282,17 @@ class AsyncCore {
   int lane_groups = 0, steps = 0;
   int64_t pool_rows = 0;
   double lane_wait_s = -1.0;
+  int64_t lane_threshold = -1;
+  bool lane_slo = false;
   std::vector<std::vector<std::pair<double, bool>>> seg_layers;
   std::vector<int> offset;
 
   py::object costs_;
   py::object op_fn[NUM_OPS];
-  std::unordered_map<int64_t, double> op_memo[NUM_OPS];
-  std::unordered_map<int64_t, double> ex_memo;
+  Memo1 op_memo[NUM_OPS];
+  Memo1 ex_memo;
+  std::vector<int> seg_wclass;  // segment -> its MoE weight's class (segments of one weight share link costs)
+  std::vector<std::vector<LinkEntry>> link_tab;
   std::unordered_map<std::string, double> attn_memo;
   py::object attn_fn;
   std::unordered_map<int64_t, std::array<double, 3>> link_memo;
@@ -302,6 +344,9 @@ class AsyncCore {
   std::vector<LaneReq> lreqs;
   std::vector<int32_t> lane_of;  // request -> lane request (-1: none)
   std::vector<uint8_t> live, in_waiting;
+  std::map<int64_t, int64_t> pool_spans;  // LanePool.spans: first row -> rows, of the lanes in flight
+  std::unordered_map<int32_t, int64_t> pool_at;  // request -> its first row
+  int64_t pool_free = 0;  // free slots
   std::deque<int32_t> waiting;  // Lane.waiting (first come first served; given-up ones are skipped)
   size_t waiting_n = 0;
   std::vector<double> lane_waits;
@@ -353,12 +398,12 @@ class AsyncCore {
 
   // ------------------------------------------------------------------ costs (Python, memoised)
   double op(int kind, int64_t n) {
-    auto& m = op_memo[kind];
-    auto it = m.find(n);
-    if (it != m.end()) return it->second;
+    Memo1& m = op_memo[kind];
+    if (const double* v = m.find(n)) return *v;
     ++cost_calls;
     double v = op_fn[kind](n).cast<double>();
-    m.emplace(n, v);
+    if (std::isnan(v)) throw std::runtime_error("sim_async: a cost that is not a number");
+    m.put(n, v);
     return v;
   }
   // attention of a micro-batch: memoised on its (length, start) pairs in order
@@ -382,21 +427,35 @@ class AsyncCore {
     return v;
   }
   double experts(int64_t tokens) {
-    auto it = ex_memo.find(tokens);
-    if (it != ex_memo.end()) return it->second;
+    if (const double* v = ex_memo.find(tokens)) return *v;
     ++cost_calls;
     double v = costs_.attr("experts")(tokens).cast<double>();
-    ex_memo.emplace(tokens, v);
+    if (std::isnan(v)) throw std::runtime_error("sim_async: a cost that is not a number");
+    ex_memo.put(tokens, v);
     return v;
   }
   const std::array<double, 3>& link(int kind, int64_t rows, int64_t tokens, int seg) {
-    int64_t key = (((int64_t)seg * 2 + kind) << 52) ^ (tokens << 26) ^ rows;  // rows, tokens < 2**26
+    int cls = seg_wclass[seg] * 2 + kind;
+    auto& tab = link_tab[cls];
+    if (tokens >= 0 && tokens < (int64_t)Memo1::kDense) {
+      if (tokens >= (int64_t)tab.size()) tab.resize(std::max<size_t>(tokens + 1, tab.size() * 2));
+      LinkEntry& e = tab[tokens];
+      if (e.rows == rows) return e.v;
+      if (e.rows < 0) {
+        e.v = link_call(kind, rows, tokens, seg);
+        e.rows = rows;
+        return e.v;
+      }
+    }
+    int64_t key = ((int64_t)cls << 52) ^ (tokens << 26) ^ rows;  // rows, tokens < 2**26
     auto it = link_memo.find(key);
     if (it != link_memo.end()) return it->second;
+    return link_memo.emplace(key, link_call(kind, rows, tokens, seg)).first->second;
+  }
+  std::array<double, 3> link_call(int kind, int64_t rows, int64_t tokens, int seg) {
     ++cost_calls;
     auto t = costs_.attr("link")(kind, rows, tokens, seg).cast<py::tuple>();
-    std::array<double, 3> v{t[0].cast<double>(), t[1].cast<double>(), t[2].cast<double>()};
-    return link_memo.emplace(key, v).first->second;
+    return {t[0].cast<double>(), t[1].cast<double>(), t[2].cast<double>()};
   }
   double kv_put(int64_t length, int64_t fan) {
     int64_t key = (length << 20) ^ fan;
@@ -935,14 +994,20 @@ class AsyncCore {
     if (validate(P) || chunk_len == 0) return false;
     int32_t n = num_chunks_of(P);
     if (n < 2) return false;
-    auto it = wants_memo.find(P);
-    bool wants;
-    if (it != wants_memo.end()) {
-      wants = it->second;
-    } else {
-      ++cost_calls;
-      wants = costs_.attr("lane_wants")(P).cast<bool>();
-      wants_memo.emplace(P, wants);
+    // Lane.wants: two groups or more, then the threshold, else the predicted TTFT against the SLO (Python's)
+    if (groups_for(n) < 2) return false;
+    bool wants = true;
+    if (lane_threshold >= 0) {
+      wants = P > lane_threshold;
+    } else if (lane_slo) {
+      auto it = wants_memo.find(P);
+      if (it != wants_memo.end()) {
+        wants = it->second;
+      } else {
+        ++cost_calls;
+        wants = costs_.attr("lane_wants")(P).cast<bool>();
+        wants_memo.emplace(P, wants);
+      }
     }
     if (!wants) return false;
     if (P > pool_rows) return false;
@@ -958,6 +1023,16 @@ class AsyncCore {
     return true;
   }
 
+  // LanePool._place without cancelled lanes: the first fit of n rows among the lanes' rows (-1: none)
+  int64_t pool_place(int64_t n) const {
+    int64_t at_row = 0;
+    for (const auto& [b, m] : pool_spans) {
+      if (b - at_row >= n) return at_row;
+      at_row = std::max(at_row, b + m);
+    }
+    return pool_rows - at_row >= n ? at_row : -1;
+  }
+
   void give_up(int32_t q) {
     if (!in_waiting[q]) return;
     in_waiting[q] = 0;
@@ -971,12 +1046,14 @@ class AsyncCore {
       while (!waiting.empty() && !in_waiting[waiting.front()]) waiting.pop_front();  // gave up
       if (waiting.empty()) return;
       int32_t q = waiting.front();
-      ++cost_calls;
-      if (!costs_.attr("pool_fits")(plen_[q]).cast<bool>()) return;
+      int64_t at_row = pool_place(plen_[q]);
+      if (pool_free == 0 || at_row < 0) return;  // LanePool.fits
       waiting.pop_front();
       in_waiting[q] = 0;
       --waiting_n;
-      costs_.attr("pool_open")(q, plen_[q]);
+      --pool_free;  // LanePool.open: a slot and the rows
+      pool_spans.emplace(at_row, plen_[q]);
+      pool_at[q] = at_row;
       int32_t f = first_chunk[q];
       int32_t n = chunks[f].num;
       int g = groups_for(n);
@@ -1134,8 +1211,8 @@ class AsyncCore {
     result(q);
     if (live[q]) {
       live[q] = 0;
-      ++cost_calls;
-      costs_.attr("pool_close")(q);
+      ++pool_free;  // LanePool.close
+      pool_spans.erase(pool_at[q]);
       open_waiting();
     }
   }

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
+from ...serving.lane import LanePool
 from ...serving.policies import ExpertBatcher, MicroBatcher, Placer, split_prompt
 from ...serving.protocol import HDR
 from . import lane as _lane
@@ -46,7 +48,8 @@ _PORTED_LANE = {name: getattr(Lane, name) for name in (
 _PORTED_POLICIES = {cls: {name: getattr(cls, name) for name in names} for cls, names in (
     (Placer, ("place", "place_lane", "complete", "_work_of", "_check_new")),
     (MicroBatcher, ("add", "_taken", "next_batch", "next_batches", "done")),
-    (ExpertBatcher, ("add", "poll", "take", "ready", "wait_s", "held")))}
+    (ExpertBatcher, ("add", "poll", "take", "ready", "wait_s", "held")),
+    (LanePool, ("fits", "open", "close", "_place", "_first_fit")))}
 
 
 def available() -> bool:
@@ -66,7 +69,7 @@ def unsupported(sim) -> "str | None":
     for name, fn in _PORTED.items():
         if getattr(cls, name) is not fn:
             return f"_AsyncSim.{name} is replaced"
-    for obj in (sim.placer, sim.batchers[0], sim.ex_batcher):
+    for obj in (sim.placer, sim.batchers[0], sim.ex_batcher) + (() if sim.lane is None else (sim.lane.pool,)):
         cls = type(obj)
         if cls not in _PORTED_POLICIES or any(getattr(cls, n) is not f for n, f in _PORTED_POLICIES[cls].items()):
             return f"{cls.__name__} is replaced"
@@ -116,22 +119,10 @@ class _Costs:
         return kv_put_s(self.sim.cost, self.sim.shapes, length, fanout)
 
     def lane_wants(self, prompt_len: int) -> bool:
+        """``Lane.wants`` of a prompt of ``prompt_len`` tokens (asked only where it depends on the SLO)."""
         sim = self.sim
-
-        class _R:  # Lane.wants reads the prompt's length only
-            pass
-        r = _R()
-        r.prompt_len = prompt_len
+        r = SimpleNamespace(prompt_len=prompt_len)  # Lane.wants reads the prompt's length only
         return sim.lane.wants(r, split_prompt(0, prompt_len, sim.cfg.effective_chunk_len))
-
-    def pool_fits(self, n: int) -> bool:
-        return self.sim.lane.pool.fits(n)
-
-    def pool_open(self, key: int, n: int) -> None:
-        self.sim.lane.pool.open(key, n)
-
-    def pool_close(self, key: int) -> None:
-        self.sim.lane.pool.close(key)
 
 
 def _params(sim) -> dict:
@@ -148,7 +139,12 @@ def _params(sim) -> dict:
          "expert_deadline_s": float(sim.ex_batcher.deadline_s),
          "segs": [(float(d), float(m)) for d, m in sim.segs], "lane": lane is not None}
     if lane is not None:
+        if lane.pool.spans or lane.pool.stale or lane.waiting or lane.live:
+            raise ValueError("native.run: the lane has already admitted prompts (run a fresh _AsyncSim)")
         p.update({"lane_groups": cfg.lane_groups or 0, "pool_rows": lane.pool.rows,
+                  "pool_slots": len(lane.pool.free),
+                  "lane_threshold": -1 if cfg.lane_threshold is None else int(cfg.lane_threshold),
+                  "lane_slo": getattr(sim, "slo_s", None) is not None,
                   "lane_wait_s": -1.0 if cfg.lane_wait_s is None else float(cfg.lane_wait_s),
                   "seg_layers": [[(float(w), bool(m)) for w, m in layers] for layers in lane.seg_layers]})
     return p
