@@ -13,6 +13,7 @@ The trace: the Mooncake conversation trace that ships with the package, repeated
 (default 8 req/s at 384 dies, the issue's load; the served fraction is printed, since a mode that does not sustain
 the load queues without bound: measured 2026-12-05, ASAP's 32 x TP8 + 128 with 16k chunks served 0.48 of it and the
 baseline with 2k chunks 0.82). Reports per mode and point
+the event loop that ran (``core``: ASAP's native one, ``asap_comm/sim/core/native.py``, unless ``ASAP_SIM_NATIVE=0``),
 the wall time, events, events/s, requests/s and the served fraction; writes ``sim_speed.json`` under ``--out``.
 The issue's target: 30 s per mode at 384 dies, one core (``taskset -c 1``).
 """
@@ -69,7 +70,7 @@ def measure(mode: str, trace, cost, shapes, dies: int, chunk: int) -> dict:
     span = max(r.done_s for r in ok) - min(r.arrival_s for r in trace) if ok else 0.0
     offered = sum(r.prompt_len for r in trace) / max(1e-9, trace[-1].arrival_s - trace[0].arrival_s)
     served = sum(r.prompt_len for r in ok) / span if span else 0.0
-    return {"wall_s": wall, "events": res.events, "events_per_s": res.events / wall,
+    return {"core": res.core, "wall_s": wall, "events": res.events, "events_per_s": res.events / wall,
             "requests_per_s": len(trace) / wall, "requests_completed": len(ok), "simulated_s": res.makespan_s,
             "served_fraction": served / offered}
 
@@ -95,7 +96,8 @@ def main(argv=None) -> int:
                 row = {"dies": dies, "chunk": chunk, "mode": mode, "rate_req_s": rate,
                        **measure(mode, trace, cost, shapes, dies, chunk)}
                 rows.append(row)
-                print(f"{mode:5s} {dies} dies, chunk {chunk:5d}, {len(trace)} requests at {rate:g} req/s: "
+                print(f"{mode:5s} ({row['core']}) {dies} dies, chunk {chunk:5d}, {len(trace)} requests at "
+                      f"{rate:g} req/s: "
                       f"{row['wall_s']:7.1f} s wall, {row['events']} events ({row['events_per_s']:,.0f}/s, "
                       f"{row['requests_per_s']:,.0f} requests/s), served {row['served_fraction']:.2f} of offered",
                       flush=True)

@@ -8,7 +8,7 @@
 // number, as Engine.at/after do), the same float operations in the same order, so the same answers.
 //
 // The cost model stays in Python: its operations are called back through `costs` (a Python object) once per
-// distinct argument (memoised here), and attention once per micro-batch.
+// distinct argument and memoised here (attention once per distinct micro-batch: its (tokens, cached) list).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -247,6 +247,7 @@ class AsyncCore {
       now = e.t;
       ++events;
       dispatch(e);
+      if ((events & ((1 << 22) - 1)) == 0 && PyErr_CheckSignals() != 0) throw py::error_already_set();  // Ctrl-C
     }
     py::dict out;
     out["end"] = now;

@@ -4,8 +4,8 @@ The C++ loop is a port of :class:`~asap_comm.sim.core.async_mode._AsyncSim` deci
 in the same order (time, then the order they were scheduled), the same policies (``Placer``, ``MicroBatcher``,
 ``ExpertBatcher``, the long-prompt lane's runtime admission) and the same float operations in the same order, so a
 run gives the Python engine's answers (``tests/test_sim_native.py`` compares every request's times). The cost
-model stays in Python: the loop asks each operation once per distinct size (and attention once per micro-batch)
-through :class:`_Costs`.
+model stays in Python: the loop asks each operation once per distinct size (attention once per distinct micro-batch,
+its ``(tokens, cached)`` list) through :class:`_Costs` and memoises the answers.
 
 What it covers (:func:`unsupported` says why not otherwise, and ``simulate`` then runs the Python engine):
 dedicated devices (``cost.cores is None``), no lock-step ablation, no failures, no spans, the lane off or in its
@@ -175,7 +175,6 @@ def run(sim) -> tuple:
         for w in out["lane_waits"]:
             counts.open(w)
         counts.waited, counts.gave_up = out["lane_waited"], out["lane_gave_up"]
-    sim.native_cost_calls = out["cost_calls"]
     ranks = [(rk.name, "attention", rk, sim.tp) for rk in sim.att]
     ranks += [(f"expert 0..{sim.E - 1}", "expert", sim.ex, sim.E)]
     return out["end"], ranks
