@@ -426,15 +426,19 @@ def test_crossing_rate_interpolates_on_the_grid():
 @pytest.mark.slow
 def test_validate_in_the_emulated_regime(tmp_path):
     """The second validation regime end to end, on its quick configuration: real emulated runs of both modes
-    against simulate_emulated, every metric compared, overruns kept, SLO-compliant throughputs and ratio."""
+    against simulate_emulated, every metric compared, overruns kept, SLO-compliant throughputs and ratio.
+    (Four requests per load and a dilation of 0.1 wall s per modelled s keep it short: what is checked here is the
+    regime's pipeline and its result's contract, which depend on neither; the holds stay longer than the tiny
+    model's real compute, so the overruns stay small.)"""
     import json
 
     from asap_comm.sim.calibrate.validate import main
 
-    assert main(["--regime", "emulated", "--configs", "quick", "--repeats", "1", "--num-requests", "8",
-                 "--out", str(tmp_path)]) == 0
+    assert main(["--regime", "emulated", "--configs", "quick", "--repeats", "1", "--num-requests", "4",
+                 "--time-scale", "0.1", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "validation_emulated.json").read_text())
     assert res["regime"] == "emulated" and res["profile"] == PROFILE and res["emulate_model"] == EMU
+    assert res["time_scale"] == 0.1 and res["num_requests"] == 4  # the flags reached the run
     (c,) = res["configs"]
     assert [(r["rate_req_s"], r["mode"]) for r in c["runs"]] == [(2.0, "async"), (2.0, "sync"),
                                                                   (4.0, "async"), (4.0, "sync")]
@@ -491,7 +495,8 @@ def test_emulated_context_parallelism_in_the_baseline(tmp_path):
     info = model_info_of(base)
     g = torch.Generator().manual_seed(1)
     lens = [300, 30]
-    reqs = [PromptRequest(i, 3.0 * i, torch.randint(0, info.vocab_size, (n,), generator=g))
+    # a dilation of 0.1 (the shared prompt alone takes about 3 s without CP); the short prompt arrives 1.2 s later
+    reqs = [PromptRequest(i, 1.2 * i, torch.randint(0, info.vocab_size, (n,), generator=g))
             for i, n in enumerate(lens)]
     trace = [Request(r.request_id, r.arrival_s, n) for r, n in zip(reqs, lens)]
     full = base.full()
@@ -501,7 +506,7 @@ def test_emulated_context_parallelism_in_the_baseline(tmp_path):
     for cp in (None, 128):
         cfg = RuntimeConfig(num_attention_ranks=3, num_expert_ranks=1, token_budget=128, chunk_len=128,
                             max_prompt_len=512, sync_collectives="shm", cp_threshold=cp, timeout_s=300)
-        emu = EmulatedFactory(base, PROFILE, EMU, time_scale=0.25, token_scale=128, num_expert_ranks=4)
+        emu = EmulatedFactory(base, PROFILE, EMU, time_scale=0.1, token_scale=128, num_expert_ranks=4)
         sim = simulate_emulated(emu, "sync", trace, cfg)
         res = run_sync(emu, info, reqs, cfg)
         assert all(r.ok for r in res.records), [r.error for r in res.records]
