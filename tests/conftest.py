@@ -30,6 +30,26 @@ def bench_script():
     return load
 
 
+@pytest.fixture(scope="session")
+def validate_calibrated_tiny(tmp_path_factory):
+    """``python -m asap_comm.sim validate --model tiny --configs quick --num-requests 16 --calibrate``, run once for
+    the session (about a minute on 2 cores): ``(completed process, its --out folder, the /dev/shm names that were
+    there before it)``. Its quick calibration of this host (``calibrate(out, "tiny", quick=True)``, the same call
+    as the API's) is what ``test_sim_costs`` checks, its validation what ``test_sim_runtime`` checks: one run,
+    not two calibrations of the same host."""
+    import glob
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path_factory.mktemp("validate-calibrated")
+    before, t0 = set(glob.glob("/dev/shm/asap-*")), time.time()
+    p = subprocess.run([sys.executable, "-m", "asap_comm.sim", "validate", "--out", str(out), "--model", "tiny",
+                        "--configs", "quick", "--num-requests", "16", "--calibrate"], capture_output=True, text=True,
+                       timeout=280)
+    return p, out, before, t0
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -216,9 +216,10 @@ def test_cli_headline_quick(tmp_path):
 
 
 @pytest.mark.slow
-def test_validate_command_on_a_small_configuration(tmp_path):
-    p = _run(["validate", "--out", str(tmp_path), "--model", "tiny", "--configs", "quick", "--num-requests", "16",
-              "--calibrate"], timeout=280)
+def test_validate_command_on_a_small_configuration(validate_calibrated_tiny):
+    """``validate --model tiny --configs quick --num-requests 16 --calibrate`` (run once for the session, see
+    ``conftest.py``; test_sim_costs checks the calibration it wrote)."""
+    p, tmp_path, _, _ = validate_calibrated_tiny
     assert p.returncode == 0, p.stderr
     v = json.loads((tmp_path / "validation.json").read_text())
     assert v["compared"] == 6 and len(v["runs"]) == 2  # 3 metrics x 2 modes
