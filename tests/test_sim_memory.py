@@ -194,6 +194,21 @@ def _example(*args, timeout=120):
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+def _example_in_process(*args, capsys) -> tuple:
+    """examples/prefill.py's main(ARGS) in this process (loaded from its path): (exit code, stderr)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_prefill", ROOT / "examples" / "prefill.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    capsys.readouterr()
+    try:
+        rc = module.main(list(args))
+    except SystemExit as e:
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
 def test_example_emulated_default_is_feasible_and_an_infeasible_one_is_refused(tmp_path):
     from asap_comm.sim.emulate import deploy
 
@@ -343,11 +358,13 @@ def test_fitting_lane_tokens_takes_the_most_longest_prompts_the_attention_dies_h
             fitting_lane_tokens(dies, *bad)
 
 
-def test_lane_tokens_auto_sizes_the_pool_to_what_memory_holds_in_sim_run_and_the_example(tmp_path):
+def test_lane_tokens_auto_sizes_the_pool_to_what_memory_holds_in_sim_run_and_the_example(tmp_path, capsys):
     """--lane-tokens auto: sim run and examples/prefill.py --emulate size the lane's KV pool by the memory model
     (fitting_lane_tokens) and record it; without it the pool is one longest prompt; --lane-tokens auto needs
     --emulate in the example; bad --lane-tokens / --lane-wait-s / --lane-wait-slo values are usage errors naming the
-    flag."""
+    flag (the refusals are checked in this process: the same main() with the same argv, no interpreter to start)."""
+    from sim_fakes import sim_cli
+
     base = [sys.executable, "-m", "asap_comm.sim", "run", "--profile", CM, "--model", "deepseek-v3",
             "--attention-ranks", "6", "--attention-tp", "8", "--expert-ranks", "16", "--sync-ranks", "8",
             "--sync-tp", "8", "--num-requests", "4", "--modes", "async"]
@@ -370,9 +387,8 @@ def test_lane_tokens_auto_sizes_the_pool_to_what_memory_holds_in_sim_run_and_the
     assert set(lane) == {"opened", "waited", "gave_up", "wait_s_mean", "wait_s_max"}, lane
     assert lane["opened"] + lane["gave_up"] <= 4 and lane["gave_up"] <= lane["waited"]
     for flag, value in (("--lane-tokens", "many"), ("--lane-wait-s", "-1")):
-        r = subprocess.run(base + [flag, value, "--out", str(tmp_path / "bad")], capture_output=True, text=True,
-                           timeout=300)
-        assert r.returncode == 2 and flag in r.stderr, r.stderr[-2000:]
+        rc, _, err = sim_cli(base[3:] + [flag, value, "--out", str(tmp_path / "bad")], capsys)
+        assert rc == 2 and flag in err, err[-2000:]
     from asap_comm.sim.emulate import deploy
 
     args = deploy.parse_args(["--emulate", CM])
@@ -382,5 +398,5 @@ def test_lane_tokens_auto_sizes_the_pool_to_what_memory_holds_in_sim_run_and_the
     for argv, flag in ((["--lane-tokens", "auto"], "--lane-tokens auto needs --emulate"),
                        (["--lane-tokens", "0"], "--lane-tokens 0"), (["--lane-wait-s", "-2"], "--lane-wait-s -2"),
                        (["--lane-wait-slo", "soon"], "--lane-wait-slo")):
-        r = _example(*argv, "--out", str(tmp_path / "ex"))
-        assert r.returncode == 2 and flag in r.stderr, r.stderr[-2000:]
+        rc, err = _example_in_process(*argv, "--out", str(tmp_path / "ex"), capsys=capsys)
+        assert rc == 2 and flag in err, err[-2000:]
