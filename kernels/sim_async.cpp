@@ -3,7 +3,7 @@
 // A port, decision for decision, of asap_comm/sim/core/async_mode.py's _AsyncSim on engine.py's Engine/Rank, with
 // the policies it calls (serving/policies.py: Placer, MicroBatcher, ExpertBatcher) and the long-prompt lane's
 // runtime admission (sim/core/lane.py: the "pipe" design, admission "runtime"), for the configurations the Python
-// glue lets through: dedicated devices (no shared CPU host), no lock-step ablation, no failures, no spans. Same
+// glue lets through: dedicated devices (no shared CPU host), no lock-step ablation, no failures. Same
 // events in the same order (the heap is ordered by (time, sequence) and every schedule takes the next sequence
 // number, as Engine.at/after do), the same float operations in the same order, so the same answers.
 //
@@ -65,6 +65,11 @@ struct Job {
   int32_t kind, mb, rows, k;
   bool moe;
   double put;
+};
+
+struct Span {  // (rank: -1 the expert rank, label kind: 0 an expert batch or the JobKind, label numbers, start, dur)
+  int32_t rank, kind, a, b;
+  double start, dur;
 };
 
 struct Chunk {
@@ -182,6 +187,7 @@ class AsyncCore {
       if (it == weights.end()) weights.push_back(w);
     }
     link_tab.resize(weights.size() * 2);
+    spans_on = p["spans"].cast<bool>();
     lane_on = p["lane"].cast<bool>();
     if (lane_on) {
       lane_groups = p["lane_groups"].cast<int>();
@@ -269,6 +275,9 @@ class AsyncCore {
     out["lane_waited"] = lane_waited;
     out["lane_gave_up"] = lane_gave_up;
     out["cost_calls"] = cost_calls;
+    py::list sp;
+    for (const Span& x : spans) sp.append(py::make_tuple(x.rank, x.kind, x.a, x.b, x.start, x.dur));
+    out["spans"] = sp;
     return out;
   }
 
@@ -300,6 +309,8 @@ class AsyncCore {
   std::unordered_map<int64_t, double> kv_memo;
   std::unordered_map<int64_t, bool> wants_memo;
   int64_t cost_calls = 0;
+  bool spans_on = false;
+  std::vector<Span> spans;
 
   // ------------------------------------------------------------------ state
   int32_t N = 0;
@@ -715,6 +726,12 @@ class AsyncCore {
     Job j = r.current;
     r.busy_s += now - r.started;
     r.jobs += 1;
+    if (spans_on) {  // Rank._done's span: the job's label is (kind, a, b); native.py writes it out
+      int32_t a = 0, b = 0;
+      if (j.kind == JOB_DISPATCH) a = mbs[j.mb].seg;
+      if (j.kind == JOB_LANE_LAYER) a = j.k, b = mbs[j.mb].j;
+      spans.push_back(Span{rank, j.kind, a, b, r.started, now - r.started});
+    }
     r.busy = false;
     switch (j.kind) {
       case JOB_DISPATCH: dispatched(j.mb, j.rows); break;
@@ -930,6 +947,7 @@ class AsyncCore {
     double end = now + wk;
     ex_busy_s += end - now;
     ex_jobs += 1;
+    if (spans_on) spans.push_back(Span{-1, 0, layer, (int32_t)items.size(), now, end - now});
     ex_free = end;
     if (wake_active) wake_active = false;  // Engine.cancel of the pending wake-up
     if (ex_held()) {

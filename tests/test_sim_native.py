@@ -51,6 +51,7 @@ def _same(py, nat) -> None:
     assert not bad, f"{len(bad)} of {len(rows)} records differ; first (python, native): {bad[:3]}"
     assert nat.ranks == py.ranks
     assert (nat.events, nat.makespan_s, nat.lane) == (py.events, py.makespan_s, py.lane)
+    assert nat.spans == py.spans
 
 
 def _covered(case) -> bool:
@@ -143,8 +144,7 @@ def test_what_the_native_core_does_not_cover_runs_in_python(monkeypatch):
     trace = _trace(40, seed=3)
     if native.available():
         assert simulate("async", trace, ToyCost(), DEEP, TOY).core == "native"
-    # spans, the lock-step ablation, a shared CPU host, failures, the environment switch: the Python engine
-    assert simulate("async", trace, ToyCost(), DEEP, TOY, spans=True).core == "python"
+    # the lock-step ablation, a shared CPU host, failures, the environment switch: the Python engine
     assert simulate("async", trace, ToyCost(), DEEP, dataclasses.replace(TOY, barrier_free=False)).core == "python"
     cpu = ToyCost()
     cpu.cores = 2
@@ -172,7 +172,20 @@ def test_a_replaced_method_runs_the_python_engine(monkeypatch):
 
 
 @needs_native
+def test_spans_native_match_python_exactly(monkeypatch):
+    """Every attention and expert job's span (rank, label, start, duration), in the order the Python engine
+    records them, the lane's layers included."""
+    py, nat = _both(monkeypatch, "async", _trace(60, seed=5), ToyCost(), DEEP, TOY, spans=True)
+    assert nat.core == "native" and len(nat.spans) > 1000
+    labels = {label.split(" ")[0] for _rank, label, _s, _d in nat.spans}
+    assert labels == {"attn", "shared", "experts", "lane"}
+    _same(py, nat)
+
+
+@needs_native
 def test_native_run_refuses_what_it_does_not_cover():
-    sim = _AsyncSim(ToyCost(), DEEP, TOY, _trace(5, seed=1), True)  # spans
-    with pytest.raises(ValueError, match="native.run: .*spans"):
+    cpu = ToyCost()
+    cpu.cores = 2
+    sim = _AsyncSim(cpu, DEEP, TOY, _trace(5, seed=1), False)
+    with pytest.raises(ValueError, match="native.run: .*share CPU cores"):
         native.run(sim)

@@ -8,7 +8,7 @@ model stays in Python: the loop asks each operation once per distinct size (atte
 its ``(tokens, cached)`` list) through :class:`_Costs` and memoises the answers.
 
 What it covers (:func:`unsupported` says why not otherwise, and ``simulate`` then runs the Python engine):
-dedicated devices (``cost.cores is None``), no lock-step ablation, no failures, no spans, the lane off or in its
+dedicated devices (``cost.cores is None``), no lock-step ablation, no failures, the lane off or in its
 default design and admission (``"pipe"``, ``"runtime"``, whole chunks); balanced or skewed routing, expert batching
 on or off, token-balanced pairs or not, ping-pong or not, any tensor parallelism and layer structure.
 ``ASAP_SIM_NATIVE=0`` in the environment forces the Python engine.
@@ -77,8 +77,6 @@ def unsupported(sim) -> "str | None":
         return "ranks share CPU cores (cost.cores is not None)"
     if sim.lockstep:
         return "the lock-step ablation (barrier_free=False)"
-    if sim.spans is not None:
-        return "spans asked for"
     if sim.lane is not None:
         if type(sim.lane) is not Lane or any(getattr(Lane, n) is not f for n, f in _PORTED_LANE.items()):
             return "the lane is replaced"
@@ -137,7 +135,8 @@ def _params(sim) -> dict:
          "serial_tx": bool(sim.serial_tx), "msg_result": float(sim.msg_result), "hdr": HDR,
          "expert_batching": bool(sim.ex_batcher.enabled), "expert_token_budget": sim.ex_batcher.token_budget,
          "expert_deadline_s": float(sim.ex_batcher.deadline_s),
-         "segs": [(float(d), float(m)) for d, m in sim.segs], "lane": lane is not None}
+         "segs": [(float(d), float(m)) for d, m in sim.segs], "lane": lane is not None,
+         "spans": sim.spans is not None}
     if lane is not None:
         if lane.pool.spans or lane.pool.stale or lane.waiting or lane.live:
             raise ValueError("native.run: the lane has already admitted prompts (run a fresh _AsyncSim)")
@@ -170,6 +169,13 @@ def run(sim) -> tuple:
         rk.busy_s, rk.jobs = busy, jobs
     sim.ex.busy_s, sim.ex.jobs = out["ex_busy_s"], out["ex_jobs"]
     sim.engine.now, sim.engine.events = out["end"], out["events"]
+    if sim.spans is not None:  # the labels _AsyncSim and Lane give their jobs, by kernels/sim_async.cpp's JobKind
+        labels = {1: "attn seg {}", 2: "attn tail", 3: "shared", 4: "lane head", 5: "lane layer {} chunk {}"}
+        for rank, kind, a, b, start, dur in out["spans"]:
+            if rank < 0:
+                sim.spans.append((sim.ex.name, f"experts seg {a} ({b} mb)", start, dur))
+            else:
+                sim.spans.append((sim.att[rank].name, labels[kind].format(a, b), start, dur))
     if sim.lane is not None:
         counts = sim.lane.counts
         for w in out["lane_waits"]:
