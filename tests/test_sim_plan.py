@@ -36,13 +36,19 @@ def test_spread_summary():
 # ----------------------------------------------------------------------------- the command
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    out = tmp_path_factory.mktemp("plan")
-    rc = sim_main(BASE + ["--dies", "64", "--trace", "azure", "--slo-percentile", "99", "--quick", "--out", str(out)])
-    return rc, out
+    """One --quick plan for the module: (exit code, --out folder, what it printed)."""
+    import contextlib
+    import io
+
+    out, text = tmp_path_factory.mktemp("plan"), io.StringIO()
+    with contextlib.redirect_stdout(text):
+        rc = sim_main(BASE + ["--dies", "64", "--trace", "azure", "--slo-percentile", "99", "--quick", "--out",
+                              str(out)])
+    return rc, out, text.getvalue()
 
 
 def test_quick_plan_writes_the_contract(quick, capsys):
-    rc, out = quick
+    rc, out, _ = quick
     assert rc == 0
     plan = json.loads((out / "plan.json").read_text())
     assert plan["recommended"] in ("async", "sync")
@@ -65,7 +71,7 @@ def test_quick_plan_writes_the_contract(quick, capsys):
 
 
 def test_quick_plan_spread_over_three_seeds(quick):
-    _, out = quick
+    _, out, _ = quick
     plan = json.loads((out / "plan.json").read_text())
     sp = plan["spread"]
     assert sp["seeds"] == [0, 1, 2]
@@ -83,10 +89,9 @@ def test_quick_plan_spread_over_three_seeds(quick):
     assert (plan["recommended"], sp["agree"]) == (rec, agree)
 
 
-def test_plan_prints_one_screen(tmp_path, capsys):
-    rc = sim_main(BASE + ["--dies", "64", "--trace", "azure", "--quick", "--out", str(tmp_path)])
+def test_plan_prints_one_screen(quick):
+    rc, _, text = quick  # the module's --quick plan (64 dies, azure)
     assert rc == 0
-    text = capsys.readouterr().out
     assert "recommended:" in text and "memory per die" in text
     assert len(text.splitlines()) <= 25
 
