@@ -108,26 +108,34 @@ def test_prefill_example_help_lists_every_flag_with_default(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["preset", "trace", "matplotlib"])
-def test_prefill_example_user_errors_exit_2_with_one_line(tmp_path, case):
-    """A user's mistake prints one clear line and exits 2, before any run starts: no traceback."""
+def test_prefill_example_user_errors_exit_2_with_one_line(tmp_path, case, capsys, monkeypatch):
+    """A user's mistake prints one clear line and exits 2, before any run starts: no traceback. (The example's
+    main() in this process, loaded from its path, with the argv a user would give: an exception would fail the
+    test; no interpreter is started for a usage error.)"""
+    import importlib.util
+
     if case == "preset":
-        r = run_example(["--model", "nope", "--out", str(tmp_path / "o")], tmp_path, timeout=120)
+        argv = ["--model", "nope", "--out", str(tmp_path / "o")]
         expected = "unknown name 'nope'"
     elif case == "trace":
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\nnot json\n')
-        r = run_example(["--trace", str(bad), "--out", str(tmp_path / "o")], tmp_path, timeout=120)
+        argv = ["--trace", str(bad), "--out", str(tmp_path / "o")]
         expected = "bad.jsonl:2"
     else:  # matplotlib absent: said before the run, not after it
-        code = ("import runpy, sys; sys.modules['matplotlib'] = None; "
-                f"sys.argv = [{str(EXAMPLE)!r}, '--out', {str(tmp_path / 'o')!r}]; "
-                f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')")
-        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, cwd=tmp_path,
-                           env={**os.environ, "PYTHONPATH": path})
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+        argv = ["--out", str(tmp_path / "o")]
         expected = "matplotlib is missing"
-    err = r.stderr.decode()
-    assert r.returncode == 2, tail(r)
+    spec = importlib.util.spec_from_file_location("example_prefill", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    capsys.readouterr()
+    try:
+        rc = example.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err[-4000:]
     assert expected in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o").exists(), "the run started"
