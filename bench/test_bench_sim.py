@@ -46,7 +46,7 @@ def test_bench_sim_384_dies(benchmark, request, monkeypatch, mode, core):
     benchmark.pedantic(one, rounds=3, iterations=1)
     wall = statistics.median(w for w, _, _ in runs)
     events = runs[0][1]
-    benchmark.extra_info.update({"mode": mode, "core": core, "dies": DIES, "chunk": CHUNK, "requests": n, "events": events,
-                                 "events_per_s": events / wall, "requests_per_s": n / wall,
+    benchmark.extra_info.update({"mode": mode, "core": core, "dies": DIES, "chunk": CHUNK, "requests": n,
+                                 "events": events, "events_per_s": events / wall, "requests_per_s": n / wall,
                                  "wall_s_spread": [min(w for w, _, _ in runs), max(w for w, _, _ in runs)]})
     assert all(ok == n for _, _, ok in runs), f"{mode}: not every request completed: {[ok for *_, ok in runs]}"

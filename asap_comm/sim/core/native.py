@@ -25,7 +25,7 @@ from ...serving.protocol import HDR
 from . import lane as _lane
 from .async_mode import _AsyncSim
 from .common import _validate
-from .lane import Lane, kv_put_s
+from .lane import Lane
 
 __all__ = ["available", "unsupported", "run"]
 
@@ -114,7 +114,7 @@ class _Costs:
         return sim._link_times(self._link[kind], rows, tokens, sim.segs[seg][1])
 
     def kv_put(self, length: int, fanout: int) -> float:
-        return kv_put_s(self.sim.cost, self.sim.shapes, length, fanout)
+        return _lane.kv_put_s(self.sim.cost, self.sim.shapes, length, fanout)  # the lane's own (a study may patch it)
 
     def lane_wants(self, prompt_len: int) -> bool:
         """``Lane.wants`` of a prompt of ``prompt_len`` tokens (asked only where it depends on the SLO)."""
