@@ -374,17 +374,18 @@ def test_simulate_emulated_is_a_lower_bound_of_the_emulated_run_in_its_units(tmp
     info = model_info_of(base)
     g = torch.Generator().manual_seed(1)
     lens = [40, 100]
-    reqs = [PromptRequest(i, 2.0 * i, torch.randint(0, info.vocab_size, (n,), generator=g))
+    # a dilation of 0.2: the first prompt's TTFT is about 0.2 s, well before the second arrives (0.8 s)
+    reqs = [PromptRequest(i, 0.8 * i, torch.randint(0, info.vocab_size, (n,), generator=g))
             for i, n in enumerate(lens)]
     trace = [Request(r.request_id, r.arrival_s, int(r.token_ids.numel())) for r in reqs]
     cfg = RuntimeConfig(num_attention_ranks=2, num_expert_ranks=2, token_budget=128, chunk_len=128,
                         max_prompt_len=512, sync_collectives="shm", timeout_s=300)
     for mode, runner, ranks, tp in (("async", run_async, 2, 2), ("sync", run_sync, 4, 2)):
-        emu = EmulatedFactory(base, PROFILE, EMU, time_scale=0.5, token_scale=128, num_expert_ranks=ranks,
+        emu = EmulatedFactory(base, PROFILE, EMU, time_scale=0.2, token_scale=128, num_expert_ranks=ranks,
                               attention_tp=tp, expert_devices=1 if mode == "async" else tp)
         sim = simulate_emulated(emu, mode, trace, cfg)
         assert [r.prompt_len for r in sim.records] == lens  # real tokens
-        assert [r.arrival_s for r in sim.records] == pytest.approx([0.0, 2.0])  # wall seconds
+        assert [r.arrival_s for r in sim.records] == pytest.approx([0.0, 0.8])  # wall seconds
         res = runner(emu.with_stats_dir(tmp_path / mode), info, reqs, cfg)
         assert all(r.ok for r in res.records), [r.error for r in res.records]
         for real, pred in zip(res.records, sim.records):
