@@ -16,6 +16,9 @@ def _even_parts(n: int, parts: int) -> list:
     return [base + 1] * extra + [base] * (parts - extra)
 
 
+_MEMO_MAX = 1 << 21  # entries of _SyncSim's two step memos together before they are cleared
+
+
 class _CpRequest:
     """A request run with context parallelism: its chunks, the DP groups that share each of them, progress."""
     __slots__ = ("request_id", "chunks", "groups", "next", "busy")
@@ -48,6 +51,16 @@ class _SyncSim(_Common):
         self.skew = self.cost.runtime["expert_skew"]  # the step waits for the device whose experts work longest
         self.cp_threshold = par.cp_threshold if W > 1 else None
         self.cp: list = []  # unfinished context-parallel requests, in arrival order
+        # memos of pure functions of a step's inputs (a run repeats the same batches again and again): a group's
+        # attention stage (with its CP exchanges) by its chunks, and its per-segment compute by (tokens, attention,
+        # heads); the same float operations in the same order as computing them afresh, so every time is identical
+        self._attn_memo: dict = {}
+        self._work_memo: dict = {}  # (each holds some 200k entries after 100k Mooncake requests at 2k chunks)
+        self._used_runs = []  # the runs the step loop visits: up to and including the first without a MoE layer
+        for run in self.seg_runs:
+            self._used_runs.append(run)
+            if not run[2]:
+                break
 
     # ------------------------------------------------------------------ context parallelism
     def arrive(self, r: Request) -> None:
@@ -90,11 +103,12 @@ class _SyncSim(_Common):
                     cp_tokens[j] += n
                     shares[j].append((req, c, n, i))
         batches = []
+        whole = self.cfg.max_chunk_tokens
         for j, b in enumerate(self.batchers):
             left = budget - cp_tokens[j]
             if cp_tokens[j] == 0:
                 batches.append(b.next_batch())
-            elif left >= self.cfg.max_chunk_tokens:  # a whole chunk still fits under the budget
+            elif left >= whole:  # a whole chunk still fits under the budget
                 b.token_budget = left
                 try:
                     batches.append(b.next_batch())
@@ -120,18 +134,43 @@ class _SyncSim(_Common):
         self.stepping = True
         self.steps += 1
         cost, W, D, tp, cores = self.cost, self.W, self.D, self.tp, self.cost.cores
-        tokens = [sum(c.length for c in b) for b in batches]
-        attn = [cost.attention_s([(c.length, c.start) for c in b], tp) if b else 0.0 for b in batches]
-        last = [sum(1 for c in b if c.last) for b in batches]
+        memo = self._attn_memo
+        tokens, attn, last = [0] * W, [0.0] * W, [0] * W
+        for r, b in enumerate(batches):
+            if b:
+                tokens[r] = sum(c.length for c in b)
+                last[r] = sum(1 for c in b if c.last)
+                if not (shares and shares[r]):
+                    key = tuple([(c.length, c.start) for c in b])
+                    a = memo.get(key)
+                    if a is None:
+                        a = memo[key] = cost.attention_s(list(key), tp)
+                    attn[r] = a
         if shares:
             for r, sh in enumerate(shares):
                 if not sh:
                     continue
+                if len(sh) == 1 and not batches[r]:  # the usual case: one CP share alone (as below, without sums)
+                    req, c, n, i = sh[0]
+                    tokens[r] = n
+                    key = ((c.length, c.start, len(req.groups)),)
+                    a = memo.get(key)
+                    if a is None:
+                        a = memo[key] = (cost.attention_s(list(key), tp)
+                                         + sum([cost.cp_exchange_s(c.length, c.start, len(req.groups), tp)]))
+                    attn[r] = a
+                    last[r] = 1 if c.last and i == 0 else 0
+                    continue
                 chunks = [(c.length, c.start) for c in batches[r]]
                 chunks += [(c.length, c.start, len(req.groups)) for req, c, _n, _i in sh]
                 tokens[r] += sum(n for _req, _c, n, _i in sh)
-                attn[r] = (cost.attention_s(chunks, tp)
-                           + sum(cost.cp_exchange_s(c.length, c.start, len(req.groups), tp) for req, c, _n, _i in sh))
+                key = tuple(chunks)
+                a = memo.get(key)
+                if a is None:
+                    a = memo[key] = (cost.attention_s(chunks, tp)
+                                     + sum(cost.cp_exchange_s(c.length, c.start, len(req.groups), tp)
+                                           for req, c, _n, _i in sh))
+                attn[r] = a
                 last[r] += sum(1 for _req, c, _n, i in sh if c.last and i == 0)  # one group computes the head
         if tp > 1:  # every layer: the group's reduce-scatter + all-gather
             attn = [a + cost.tp_all_reduce_s(T, tp) if T else a for a, T in zip(attn, tokens)]
@@ -143,7 +182,8 @@ class _SyncSim(_Common):
         # a served router's skew, averaged over the step's prompts (its own chunks and its CP shares)
         skew = batch_skew(self.skew, itertools.chain(((c.request_id, c.length) for b in batches for c in b),
                                                      ((req.request_id, n) for sh in shares or () for req, _c, n, _i in sh)))
-        expert_work = k * skew * cost.experts_s(self._expert_pairs(sum(tokens))) if sum(tokens) else 0.0
+        total = sum(tokens)
+        expert_work = k * skew * cost.experts_s(self._expert_pairs(total)) if total else 0.0
         # the busiest device: what it sends (its rows for each of its D - 1 peers) or receives (from D - 1 devices)
         a2a_rows = max(max(rows) * (D - 1), round(sum(rows) * tp * (D - 1) / D))
         if self.load is not None:  # skewed: a device sends to the ranks its tokens reach; the hottest receives most
@@ -153,55 +193,77 @@ class _SyncSim(_Common):
         # counts, dispatch (dispatch rows), combine (combine rows)
         a2a = cost.all_to_all_s(0, D) + cost.all_to_all_s(a2a_rows, D) + cost.all_to_all_s(a2a_rows, D, True)
         t = cost.all_reduce_s(D)
-        busy_before = list(self.busy)
-        pending = [0.0] * W  # rank-local work since the last collective
+        busy_before = list(self.busy) if self.spans is not None else None
         # On a shared CPU host the ranks that wait in a gloo collective stay runnable (they poll): a phase
         # where n ranks compute runs at min(1, cores / (n + poll * (W - n))), poll fitted in situ.
         poll = cost.runtime["sync_poll_weight"]
-        n_att = sum(1 for t in tokens if t)
+        live = [r for r in range(W) if tokens[r]]
+        n_att = len(live)
         spin = 1.0 if cores is None else max(1.0, (n_att + poll * (W - n_att)) / cores)
         spin_ex = 1.0 if cores is None else max(1.0, W / cores)  # every rank computes its experts
         overlap, overhead = self.par.sync_overlap, self.layer_overhead
-        live = [r for r in range(W) if tokens[r]]
-        for i, dense, moe, prev_w, n in self.seg_runs:
+        # each live group's rank-local work per segment run (what it computes between two collectives)
+        wmemo, works = self._work_memo, []
+        for r in live:
+            key = (tokens[r], attn[r], last[r])
+            w = wmemo.get(key)
+            if w is None:
+                if len(wmemo) + len(memo) >= _MEMO_MAX:  # bounded: start afresh (the values recompute alike)
+                    wmemo.clear()
+                    memo.clear()
+                w = wmemo[key] = self._group_work(*key)
+            works.append(w)
+        busy = self.busy
+        pending = [0.0] * W  # rank-local work since the last collective
+        for j, (i, dense, moe, prev_w, n) in enumerate(self._used_runs):
             # n identical segments in a row (the same layers, after the same kind of MoE layer): one is computed,
             # and counted n times (a MoE model's middle layers: one run instead of a loop over them)
-            for r in live:
-                T, Td = tokens[r], per_dev[r]
-                # the previous MoE layer's shared experts run after its combine
-                w = (cost.embed_s(T) if i == 0 else prev_w * cost.shared_experts_s(Td))
-                w += dense * (attn[r] + cost.dense_mlp_s(Td))
-                if moe:
-                    w += moe * (attn[r] + cost.router_s(Td))
-                else:
-                    w += cost.head_s(last[r]) if last[r] else 0.0
-                pending[r] += k * w
+            pending = [0.0] * W
+            for r, w in zip(live, works):
+                pending[r] = w[j]
             if not moe:
                 break
-            seg = spin * max(pending) if cores is not None else max(0.0, max(pending))
+            m = max(pending)
+            seg = spin * m if cores is not None else max(0.0, m)
             ex = spin_ex * expert_work * moe
             if overlap:  # the all_to_alls hidden behind compute as far as it lasts
                 step_s = max(seg + ex, moe * a2a) + overhead
             else:
                 step_s = seg + moe * a2a + ex + overhead
+            e = expert_work * moe
             if n == 1:
                 t += step_s
-                for r in range(W):
-                    self.busy[r] += pending[r] + expert_work * moe
+                busy = [b + (q + e) for b, q in zip(busy, pending)]
             else:
                 t += n * step_s
-                for r in range(W):
-                    self.busy[r] += n * (pending[r] + expert_work * moe)
+                busy = [b + n * (q + e) for b, q in zip(busy, pending)]
             pending = [0.0] * W
         tail = spin * max(pending)
-        for r in range(W):
-            self.busy[r] += pending[r]
+        self.busy = [b + q for b, q in zip(busy, pending)]
         t += tail
         if self.spans is not None:  # each rank's own compute of the step (the rest of the step it waits)
             for r in range(W):
                 label = "step" if batches[r] or (shares and shares[r]) else "dummy step (experts only)"
                 self.spans.append((self._name(r), label, self.engine.now, self.busy[r] - busy_before[r]))
         self.engine.after(t, self._step_done, batches, shares)
+
+    def _group_work(self, T: int, attn: float, last: int) -> tuple:
+        """A group's rank-local work per segment run of ``_used_runs`` with ``T`` tokens, ``attn`` s of attention
+        per layer and ``last`` heads (``k *`` the segment's embedding or shared experts, dense layers, router or
+        head)."""
+        cost, k = self.cost, self.k
+        Td = -(-T // self.tp)
+        out = []
+        for i, dense, moe, prev_w, _n in self._used_runs:
+            # the previous MoE layer's shared experts run after its combine
+            w = (cost.embed_s(T) if i == 0 else prev_w * cost.shared_experts_s(Td))
+            w += dense * (attn + cost.dense_mlp_s(Td))
+            if moe:
+                w += moe * (attn + cost.router_s(Td))
+            else:
+                w += cost.head_s(last) if last else 0.0
+            out.append(0.0 + k * w)
+        return tuple(out)
 
     def _seg_runs(self) -> list:
         """The segments (``_segments``) as runs of identical ones: ``[(index of the first, dense, moe, weight of
