@@ -278,3 +278,45 @@ def test_plan_bad_spare_flags_exit_2(flags, named, tmp_path, capsys):
     rc, _out, err = sim_cli(["plan", "--profile", "ascend-910c-cm384", "--model", "deepseek-v3", "--dies", "64",
                              "--trace", "azure", "--quick", "--out", str(tmp_path)] + flags, capsys)
     assert rc == 2 and named in err
+
+
+_RUN = ["run", "--profile", "ascend-910c-cm384", "--attention-ranks", "6", "--attention-tp", "8", "--expert-ranks",
+        "16", "--sync-ranks", "8", "--sync-tp", "8", "--num-requests", "120", "--rate", "1.0"]
+
+
+def test_sim_run_kills_an_expert_rank_with_a_spare_and_the_baseline_ends(tmp_path, capsys):
+    """``sim run --expert-failure 40:0 --spare-expert-ranks 1``: ASAP replaces the rank and fails nothing; the
+    baseline's run ends at the death, every request after it failed; both in summary.json's ``failover``."""
+    rc, _out, err = sim_cli(_RUN + ["--expert-failure", "40:0", "--spare-expert-ranks", "1", "--out", str(tmp_path)],
+                            capsys)
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    a, s = summary["async"]["failover"], summary["sync"]["failover"]
+    (death,) = a["deaths"]
+    assert death["expert_rank"] == 0 and death["time_s"] == pytest.approx(40.0)
+    assert death["time_to_replace_s"] == pytest.approx(a["detect_s"] + a["load_s"])
+    assert a["requests_failed"] == 0 and not a["group_failed"] and summary["async"]["num_failed"] == 0
+    assert s["group_failed"] and s["requests_failed"] == summary["sync"]["num_failed"] > 0
+    assert "died at 40.00 s; spare ready after" in err and "the group failed at 40.00 s" in err
+    assert summary["runs"][0]["failover"]["deaths"][0]["expert_rank"] == 0
+
+
+def test_sim_run_without_a_spare_fails_the_group(tmp_path, capsys):
+    rc, _out, err = sim_cli(_RUN + ["--modes", "async", "--expert-failure", "40:3", "--out", str(tmp_path)], capsys)
+    assert rc == 0, err
+    fo = json.loads((tmp_path / "summary.json").read_text())["async"]["failover"]
+    assert fo["group_failed"] and fo["requests_failed"] > 0 and fo["spares_used"] == 0
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--expert-failure", "40"], "--expert-failure '40'"),
+    (["--expert-failure", "x:0"], "--expert-failure 'x:0'"),
+    (["--expert-failure=-1:0"], "--expert-failure '-1:0'"),
+    (["--expert-failure", "40:16", "--modes", "async"], "expert_rank=16"),
+    (["--expert-failure", "40:0", "--sweep"], "not with --sweep"),
+    (["--spare-expert-ranks", "-1"], "--spare-expert-ranks -1"),
+])
+def test_sim_run_bad_failure_flags_exit_2(flags, named, tmp_path, capsys):
+    rc, _out, err = sim_cli(_RUN + flags + ["--out", str(tmp_path)], capsys)
+    assert rc == 2 and named in err, err
+    assert not (tmp_path / "summary.json").exists()

@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -186,11 +187,18 @@ def cmd_run(argv) -> int:
     p.add_argument("--slo-percentile", type=float, default=90.0, metavar="P",
                    help="SLO attainment target: at least P%% of requests must meet the SLO (default 90)")
     p.add_argument("--modes", default="async,sync")
+    p.add_argument("--expert-failure", action="append", default=[], metavar="SECONDS:RANK",
+                   help="kill a rank SECONDS into each run (repeatable; asap_comm.sim.core.failover): ASAP's expert rank "
+                        "RANK (a spare of --spare-expert-ranks takes its place, or the group fails), the baseline's "
+                        "device RANK (its run ends: no failover); fixed loads only (--rate / --rates), not --sweep")
+    p.add_argument("--spare-expert-ranks", type=int, default=0, metavar="N",
+                   help="ASAP's spare expert ranks for --expert-failure (default 0)")
     memory_args(p)
     routing_arg(p)
     _trace_args(p, median=None, max_len=None)
     _deployment_args(p)
     args = p.parse_args(argv)
+    failures = _expert_failures(p, args)
     try:
         kind, filled = apply_run_defaults(args, given_flags(p, argv))
     except (ValueError, FileNotFoundError) as e:
@@ -207,6 +215,8 @@ def cmd_run(argv) -> int:
     except ValueError as e:
         p.error(str(e))
     cost, memory, cfg = check_memory(p, args, cost, shapes, cfg, par, W)
+    if args.spare_expert_ranks:
+        cfg = dataclasses.replace(cfg, spare_expert_ranks=args.spare_expert_ranks)
     routing = parse_routing_arg(p, args.routing)
     cost = routed_cost(cost, routing)  # every simulated run below charges this routing (routing.py)
     if max(par.attention_tp, par.sync_tp) > 1 and cost.cores is not None:
@@ -245,8 +255,13 @@ def cmd_run(argv) -> int:
         at_mid = None  # the run at the middle load, with its timeline: each load is simulated once
         if not args.sweep:
             for rate in rates:
-                s, res = run_point(mode, trace, rate, cost, shapes, cfg, slo, sync_ranks=W, par=par,
-                                   spans=at_mid is None and rate == mid)
+                try:
+                    s, res = run_point(mode, trace, rate, cost, shapes, cfg, slo, sync_ranks=W, par=par,
+                                       spans=at_mid is None and rate == mid, failures=failures or None)
+                except ValueError as e:
+                    if not failures:
+                        raise
+                    p.error(f"--expert-failure: {e}")
                 if at_mid is None and rate == mid:
                     at_mid = s, res
                 summary["runs"].append({"mode": mode, **s})
@@ -259,6 +274,9 @@ def cmd_run(argv) -> int:
                          "sim_wall_s": res.wall_s, "sim_events": res.events}
         if res.lane:  # the long-prompt lane's counts at this load (serving.lane.LaneCounts)
             summary[mode]["lane"] = res.lane
+        if res.failover:  # --expert-failure: the deaths, replacements and throughput around them at this load
+            summary[mode]["failover"] = res.failover
+            _print_failover(mode, res.failover)
         timelines[mode] = res.spans
     if args.sweep or len(rates) > 1:
         _compliance(summary, modes, target)
@@ -268,6 +286,40 @@ def cmd_run(argv) -> int:
     _print_summary(summary, modes, slo)
     print(f"artifacts in {out}/: summary.json" + "".join(f", {m}" for m in made))
     return 0
+
+
+def _expert_failures(p: argparse.ArgumentParser, args) -> list:
+    """``--expert-failure SECONDS:RANK`` flags as ``[(seconds, rank)]``; a usage error names the flag's value."""
+    out = []
+    for text in args.expert_failure:
+        t, sep, r = text.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            pair = (float(t), int(r))
+        except ValueError:
+            p.error(f"--expert-failure {text!r}: give SECONDS:RANK, e.g. 5:0")
+        if not (pair[0] >= 0 and pair[0] != float("inf")) or pair[1] < 0:
+            p.error(f"--expert-failure {text!r}: SECONDS must be finite and >= 0, RANK >= 0")
+        out.append(pair)
+    if out and args.sweep:
+        p.error("--expert-failure runs at fixed loads (--rate / --rates), not with --sweep")
+    if args.spare_expert_ranks < 0:
+        p.error(f"--spare-expert-ranks {args.spare_expert_ranks}: must be >= 0")
+    return out
+
+
+def _print_failover(mode: str, fo: dict) -> None:
+    for d in fo["deaths"]:
+        if "time_to_replace_s" in d:
+            back = d.get("recovered_after_s")
+            print(f"  {mode}: rank {d['expert_rank']} died at {d['time_s']:.2f} s; spare ready after "
+                  f"{d['time_to_replace_s']:.2f} s, TTFT back after "
+                  + ("- (not within the run)" if back is None else f"{back:.2f} s"), file=sys.stderr, flush=True)
+    if fo.get("group_failed"):
+        print(f"  {mode}: the group failed at {fo['group_failed']['time_s']:.2f} s ({fo['group_failed']['reason']})",
+              file=sys.stderr, flush=True)
+    print(f"  {mode}: {fo['requests_failed']} requests failed", file=sys.stderr, flush=True)
 
 
 def _f(v) -> str:

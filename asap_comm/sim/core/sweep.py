@@ -120,16 +120,19 @@ def unloaded_slo(trace, cost, shapes, cfg: RuntimeConfig, *, factor: float = SLO
 
 
 def run_point(mode: str, trace, rate: float, cost, shapes, cfg, slo: float, *, sync_ranks=None,
-              spans: bool = False, par: Parallelism | None = None):
-    """One simulated run at ``rate`` requests/s: (summary dict with the runtime's keys + extras, SimResult)."""
+              spans: bool = False, par: Parallelism | None = None, failures=None):
+    """One simulated run at ``rate`` requests/s: (summary dict with the runtime's keys + extras, SimResult).
+    ``failures``: expert deaths ``[(time_s, rank)]`` (``simulate``'s); their outcome is the summary's ``failover``."""
     res = simulate(mode, at_rate(trace, rate), cost, shapes, cfg, sync_ranks=sync_ranks, spans=spans, par=par,
-                   slo_s=slo)
+                   slo_s=slo, failures=failures)
     s = summarize_run(res.records, slo).as_dict()
     util = [r["utilisation"] for r in res.ranks for _ in range(r["stands_for"])]
     s.update(rate_req_s=rate, offered_tokens_per_s=rate * mean_len(trace),
              mean_utilisation=sum(util) / len(util), sim_events=res.events, sim_wall_s=res.wall_s)
     if res.lane:
         s["lane"] = res.lane
+    if res.failover:
+        s["failover"] = res.failover
     return s, res
 
 
