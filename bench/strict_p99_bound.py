@@ -23,15 +23,16 @@ from pathlib import Path
 
 from asap_comm.serving.protocol import RuntimeConfig
 from asap_comm.serving.traces import Request, load_trace
-from asap_comm.sim.core import lane
 from asap_comm.sim.core.simulate import Parallelism, simulate
 from asap_comm.sim.costmodel.costs import CostModel
 from asap_comm.sim.costmodel.hardware import Profile
 from asap_comm.sim.costmodel.memory import memory_of, memory_problems
 from asap_comm.sim.costmodel.shapes import ModelShapes
+from asap_comm.sim.studies.lane_study import _design  # the lane study's switch of design and lane-chunk split
 
 MAX_PROMPT = 131072
 CHUNKS = (2048, 4096, 8192)
+DESIGNS = {"pipe": ("pipe", 1), "pipe_half": ("pipe", 2), "cp": ("cp", 1)}  # row key: (lane design, chunk split)
 
 
 def _cfg(A: int, E: int, chunk: int, lane_on: bool) -> RuntimeConfig:
@@ -73,34 +74,24 @@ def main(argv=None) -> int:
                 continue
             for chunk in CHUNKS:
                 row = {"attention_groups": A, "attention_tp": t, "expert_dies": E, "chunk": chunk}
-                for key, design, split in (("pipe", "pipe", 1), ("pipe_half", "pipe", 2), ("cp", "cp", 1)):
-                    old = lane.LANE_SPLIT[0]
-                    lane.LANE_SPLIT[0] = split
-                    try:
-                        with lane.design(design):
-                            row[key] = solo("async", _cfg(A, E, chunk, True), par)
-                    finally:
-                        lane.LANE_SPLIT[0] = old
+                for key, (design, split) in DESIGNS.items():
+                    with _design(design, split):
+                        row[key] = solo("async", _cfg(A, E, chunk, True), par)
                 row["ideal"] = solo("async", _cfg(A, E, chunk, False), par) / A
                 rows.append(row)
                 print(f"| {A} x TP{t} + {E} | {chunk} | {row['pipe']:.2f} | {row['pipe_half']:.2f} | {row['cp']:.2f} "
                       f"| {row['ideal']:.2f} |", flush=True)
-    best = min(rows, key=lambda r: min(r["pipe"], r["pipe_half"], r["cp"]))
-    design = min(("pipe", "pipe_half", "cp"), key=lambda k: best[k])
+    best = min(rows, key=lambda r: min(r[k] for k in DESIGNS))
+    design = min(DESIGNS, key=lambda k: best[k])
     A, t, E, chunk = best["attention_groups"], best["attention_tp"], best["expert_dies"], best["chunk"]
     lo, hi = 1, p99  # the longest prompt within the SLO alone on the best split (its design)
-    old = lane.LANE_SPLIT[0]
-    lane.LANE_SPLIT[0] = 2 if design == "pipe_half" else 1
-    try:
-        with lane.design("cp" if design == "cp" else "pipe"):
-            while hi - lo > 128:
-                mid = (lo + hi) // 2
-                if solo("async", _cfg(A, E, chunk, True), Parallelism(attention_tp=t), n=mid) <= a.slo:
-                    lo = mid
-                else:
-                    hi = mid
-    finally:
-        lane.LANE_SPLIT[0] = old
+    with _design(*DESIGNS[design]):
+        while hi - lo > 128:
+            mid = (lo + hi) // 2
+            if solo("async", _cfg(A, E, chunk, True), Parallelism(attention_tp=t), n=mid) <= a.slo:
+                lo = mid
+            else:
+                hi = mid
     longer = sum(1 for n in lengths if n > lo) / len(lengths)
     verdict = "p99 fails at every load" if longer > 0.01 else "p99 not ruled out by the longest prompts"
     print(f"best: {A} x TP{t} + {E}, chunk {chunk}, {design}: {best[design]:.2f} s; it serves prompts up to ~{lo:,} "
