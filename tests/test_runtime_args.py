@@ -19,8 +19,9 @@ OTHER = {"num_attention_ranks": 3, "num_expert_ranks": 5, "token_budget": 96, "m
 # the switches that are off by default (--<name>: given, the field is True)
 SWITCHES = {"attention_failover"}
 # fields a command sets itself, not a flag of the runtime's (the run's bound and progress line, the placer's weight
-# from a cost model, the baseline's context parallelism that only modelled devices have)
-NOT_FLAGS = {"timeout_s", "progress", "placer_linear_weight", "cp_threshold"}
+# from a cost model, the baseline's context parallelism that only modelled devices have, the HTTP service's urgent
+# slot that only the server turns on, with its own --no-urgent-slot)
+NOT_FLAGS = {"timeout_s", "progress", "placer_linear_weight", "cp_threshold", "urgent_slot"}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -83,13 +83,15 @@ class _Comm:
 
 
 class _Box:
-    """A request mailbox whose inboxes always have room: records ``(rank, tag)`` of every message sent."""
+    """A request mailbox whose inboxes always have room: records ``(rank, tag)`` of every message sent, and
+    ``(payload copy, tag)`` in ``payloads``."""
 
     def __init__(self) -> None:
-        self.sent = []
+        self.sent, self.payloads = [], []
 
     def send(self, pe, payload, tag, timeout=None):
         self.sent.append((pe, tag))
+        self.payloads.append((payload.clone(), tag))
 
     def poll(self):
         return None
@@ -127,6 +129,45 @@ def test_front_end_serves_the_light_clients_chunk_ahead_of_a_flooders_held_ones(
         order = [tag for _, tag in box.sent]
         assert fe.rank_calls == [sum(1 for a in fe.inflight.values() if a.started)] and fe.rank_calls[0] <= 2
     assert order == ([1, 2, 7, 3, 4, 5, 6] if clients else [1, 2, 3, 4, 5, 6, 7])
+
+
+def test_front_end_marks_the_chunks_of_a_client_under_an_equal_share_urgent():
+    """A client holding fewer calls in flight than an equal share among the active clients gets its chunks marked
+    urgent (the rank runs them first, ``MicroBatcher``); a flooder's, a lone client's and equal clients' are not.
+    A held chunk's mark is decided when it is sent, not when it was queued."""
+    from asap_comm.serving.protocol import chunk_urgent, decode_chunk
+    fe, box = _front_end(max_rank_calls=None)
+    for rid in range(1, 4):
+        fe.admit(rid, _ids(8), client="A")  # alone: first come first served, nobody urgent
+    fe._flush()
+    assert [chunk_urgent(p) for p, _ in box.payloads] == [False] * 3
+    fe.admit(4, _ids(8), client="B")  # B holds 1 of 4 calls beside A's 3: under its share of 2
+    fe._flush()
+    (payload, tag), = box.payloads[3:]
+    assert tag == 4 and chunk_urgent(payload)
+    chunk, groups, toks = decode_chunk(payload)  # the mark is not part of the context-parallel group word
+    assert groups == 0 and chunk.request_id == 4 and torch.equal(toks, _ids(8))
+    fe.admit(5, _ids(8), client="A")  # A now holds 4 of 5: not urgent
+    fe.admit(6, _ids(8), client="B")
+    fe.admit(7, _ids(8), client="B")  # B, at 3 of 7 beside A's 4, is still under an equal share (3.5) and goes first (fewer in flight)
+    fe._flush()
+    assert [(tag, chunk_urgent(p)) for p, tag in box.payloads[4:]] == [(6, True), (7, True), (5, False)]
+    fe.admit(8, _ids(8), client="B")  # 4 and 4: equal clients, nobody urgent
+    fe._flush()
+    assert [(tag, chunk_urgent(p)) for p, tag in box.payloads[7:]] == [(8, False)]
+    fe, box = _front_end(max_rank_calls=None)  # the trace replay: no client, never urgent
+    for rid in range(1, 4):
+        fe.admit(rid, _ids(40))
+    fe._flush()
+    assert box.payloads and not any(chunk_urgent(p) for p, _ in box.payloads)
+
+
+def test_the_service_turns_the_urgent_slot_on_in_the_async_mode_only():
+    from asap_comm.serving.server.cli import service_runtime_config
+    assert service_runtime_config(build_parser().parse_args(["--model", "tiny"])).urgent_slot is True
+    assert service_runtime_config(build_parser().parse_args(["--model", "tiny", "--no-urgent-slot"])).urgent_slot is False
+    assert service_runtime_config(build_parser().parse_args(["--model", "tiny", "--mode", "sync"])).urgent_slot is False
+    assert RuntimeConfig().urgent_slot is False  # the trace replay has no clients: no slot to pay for
 
 
 def test_front_end_clients_take_turns_and_a_started_request_is_never_held():

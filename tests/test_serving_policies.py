@@ -116,6 +116,35 @@ def test_micro_batcher_never_runs_a_later_chunk_before_an_earlier_one():
     assert mb.next_batch() == [Chunk(2, 0, 0, 9, 2)]
 
 
+def test_micro_batcher_runs_urgent_chunks_first_in_batches_of_their_own():
+    """An urgent chunk (a light client's) goes ahead of every queued chunk, in a micro-batch of urgent chunks only
+    (FIFO among them, under the budget); a request's later urgent chunk waits for its predecessor as any chunk;
+    once no urgent chunk may run, FIFO resumes. Cancelling forgets the marks; a lane chunk cannot be urgent."""
+    mb = MicroBatcher(token_budget=512)
+    for rid in range(10):
+        mb.add(Chunk(rid, 0, 0, 64, 1))
+    assert not mb.urgent_ready()
+    two = split_prompt(101, 512, 256)
+    mb.add(Chunk(100, 0, 0, 256, 1), urgent=True)
+    for c in two:
+        mb.add(c, urgent=True)
+    mb.add(Chunk(102, 0, 0, 256, 1), urgent=True)
+    assert mb.urgent_ready()
+    first = mb.next_batch()
+    assert [c.request_id for c in first] == [100, 101]  # 102 does not fit beside them: it waits for the next
+    assert mb.urgent_ready() and [c.request_id for c in mb.next_batch()] == [102]
+    assert not mb.urgent_ready()  # 101's second chunk waits for its first
+    assert [c.request_id for c in mb.next_batch()] == list(range(8))  # FIFO again, 8 x 64
+    mb.done(first[1])
+    assert mb.urgent_ready(ready=lambda c: False) is False  # ``ready`` holds it back as any chunk
+    batches = mb.next_batches(2)  # token-balanced: the urgent chunk alone in the first micro-batch
+    assert [[(c.request_id, c.index) for c in b] for b in batches] == [[(101, 1)], [(8, 0), (9, 0)]]
+    mb.add(Chunk(103, 0, 0, 32, 1), urgent=True)
+    assert mb.cancel(103) and not mb.urgent_ready() and len(mb) == 0
+    with pytest.raises(ValueError, match="cannot be urgent"):
+        mb.add(Chunk(104, 0, 0, 8, 4), stride=2, urgent=True)
+
+
 def test_placer_place_group_shares_a_request_among_the_least_loaded():
     from asap_comm.serving.policies import Chunk, Placer
 
@@ -146,6 +175,15 @@ def test_chunk_message_round_trip():
     assert payload.dtype == torch.int64 and payload.numel() == HDR + 3
     chunk, groups, toks = decode_chunk(payload)
     assert chunk == c and groups == 0b1010 and toks.tolist() == [5, 6, 9]
+    from asap_comm.serving.protocol import URGENT, chunk_urgent, mark_urgent
+    plain = encode_chunk(c, torch.tensor([5, 6, 9]))
+    assert not chunk_urgent(plain)
+    mark_urgent(plain, True)
+    assert chunk_urgent(plain) and int(plain[HDR - 1]) == URGENT and decode_chunk(plain)[1] == 0
+    mark_urgent(plain, False)
+    assert not chunk_urgent(plain) and decode_chunk(plain)[:2] == (c, 0)
+    lane = encode_chunk(c, torch.tensor([5]), groups=-3)  # a lane's negative word is never read as urgent
+    assert not chunk_urgent(lane) and decode_chunk(lane)[1] == -3
 
 
 def test_micro_batcher_cancel_drops_queued_chunks_and_forgets_a_running_request():

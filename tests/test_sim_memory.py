@@ -51,6 +51,11 @@ def test_kv_cache_and_attention_shard_by_hand():
     rep = 7168 * 1536 + 7168 * 576
     split = 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168
     assert att.breakdown["attention weights"] == pytest.approx(61 * (rep + split / 8) / GB, rel=1e-9)
+    # the HTTP service's urgent slot: a third micro-batch of 16k in flight, KV and dispatch buffers alike
+    att3 = deployment_memory("async", prof, DSV3, attention_ranks=2, attention_tp=8, expert_ranks=16,
+                             urgent_slot=True, **RUN)[0]
+    assert att3.breakdown["KV cache"] == pytest.approx((131072 + 3 * 16384) * per_token / GB, rel=1e-9)
+    assert att3.needed_gb > att.needed_gb
 
 
 def test_feasibility_of_the_issue_deployments():

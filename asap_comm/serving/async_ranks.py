@@ -43,7 +43,7 @@ def moe_plan(cfg: RuntimeConfig, info: ModelInfo) -> MoEPlan:
     return MoEPlan(num_attention_ranks=cfg.num_attention_ranks, num_expert_ranks=cfg.num_expert_ranks,
                    num_experts=info.num_experts, hidden=info.hidden, dtype=info.dtype,
                    max_tokens=max(cfg.token_budget, cfg.max_chunk_tokens), top_k=info.top_k,
-                   max_inflight=2 if cfg.ping_pong else 1, num_spare_ranks=cfg.spare_expert_ranks)
+                   max_inflight=(2 if cfg.ping_pong else 1) + int(cfg.urgent_slot), num_spare_ranks=cfg.spare_expert_ranks)
 
 
 # ----------------------------------------------------------------------------- lock-step ablation
@@ -116,14 +116,14 @@ class _AttentionRank(ChunkTaker):
         if cfg.attention_failover:  # a wait for experts fails with the expert PE it waits on, not another rank
             self.exchange.end.scoped_waits = True
 
-    def _queue_chunk(self, chunk, groups: int) -> None:
+    def _queue_chunk(self, chunk, groups: int, urgent: bool = False) -> None:
         if groups < 0 and self.lane is not None:  # a long-prompt lane's chunk (lane.py)
             key = (chunk.request_id, chunk.index)
             self.tokens[key], stride = self.lane.take(chunk, groups, self.tokens[key])
             chunk = Chunk(chunk.request_id, chunk.index, chunk.start, int(self.tokens[key].numel()), chunk.num_chunks)
             self.batcher.add(chunk, stride=stride)
         else:
-            self.batcher.add(chunk)
+            self.batcher.add(chunk, urgent=urgent)
 
     def _cancel(self, rid: int) -> None:
         super()._cancel(rid)
@@ -238,6 +238,10 @@ class _AttentionRank(ChunkTaker):
                 if not batch:
                     break
                 running.append([self._microbatch(batch), None, -1])
+            # an urgent chunk (a light client's, beside a flooding one's) does not wait for a micro-batch in
+            # flight to end: it gets one more slot, at most one such at a time
+            if self.cfg.urgent_slot and len(running) == max_running and self.batcher.urgent_ready(ready):
+                running.append([self._microbatch(self.batcher.next_batch(ready)), None, -1])
             if self.stopped and not running and len(self.batcher) == 0:
                 break
             progressed = False

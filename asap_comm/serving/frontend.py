@@ -25,7 +25,7 @@ from .metrics import RequestRecord
 from .lane import FrontLane
 from .patience import DeathWatch
 from .policies import Placer, split_prompt
-from .protocol import CANCEL, HDR, STOP, PromptRequest, decode_result, encode_cancel, encode_chunk, request_mailbox
+from .protocol import CANCEL, HDR, STOP, PromptRequest, decode_result, encode_cancel, encode_chunk, mark_urgent, request_mailbox
 from .worker import FAILED, decode_failure
 from .worker import ChunkTaker, layer_loop  # noqa: F401  (moved to worker.py; the README names them here)
 
@@ -194,6 +194,11 @@ class RankQueue:
         self._chosen = None
         return None
 
+    @property
+    def chosen_key(self):
+        """The key of the chunk :meth:`peek` returned last (None: a control message, or a chunk of no client)."""
+        return self._chosen[1] if self._chosen is not None else None
+
     def pop(self) -> None:
         """Take out the message :meth:`peek` returned last; a chunk's key's turn is over."""
         where, key = self._chosen
@@ -235,7 +240,9 @@ class FrontEnd:
     with ``max_rank_calls`` a rank holds at most that many requests with a chunk sent and no result yet (a
     request's further chunks always go: only its first chunk on a rank waits). The rank takes every chunk in its
     inbox into its micro-batcher at once, first come first served, so the turns decide the order only for what
-    the front end holds back: the bound keeps what waits in the front end, where the turns apply.
+    the front end holds back: the bound keeps what waits in the front end, where the turns apply. What decides
+    the order at the rank is the urgent mark (:meth:`_light`): a chunk sent for a client holding fewer calls in
+    flight than an equal share runs ahead of the others there (``MicroBatcher``, ``RuntimeConfig.urgent_slot``).
     """
 
     def __init__(self, comm, cfg, info, box, num_targets: int, label: str,
@@ -490,6 +497,9 @@ class FrontEnd:
             may_start, standing = self._may_start(rank), self.client_calls.get
             while (e := q.peek(may_start, standing)) is not None:
                 rid, payload, tag, _ = e
+                key = q.chosen_key
+                if key is not None:  # a client's chunk: urgent while its client holds under an equal share
+                    mark_urgent(payload, self._light(key))
                 try:
                     self.box.send(rank, payload, tag, timeout=1e-4)
                 except CommTimeoutError:
@@ -503,6 +513,13 @@ class FrontEnd:
                     entry.unsent -= 1
                     if entry.unsent == 0:
                         entry.queue_s = time.monotonic() - entry.admitted_at
+
+    def _light(self, client) -> bool:
+        """Whether ``client`` holds fewer requests in flight than an equal share among the clients with any: its
+        chunks are urgent at the ranks (``MicroBatcher``), ahead of a flooding client's. One client alone, or
+        clients with as many each, are never urgent (first come first served, as without clients)."""
+        calls = self.client_calls
+        return len(calls) > 1 and calls.get(client, 0) * len(calls) < sum(calls.values())
 
     def _result(self, m) -> "Completion | None":
         with m:

@@ -215,6 +215,11 @@ class MicroBatcher:
     request's chunks run in order, one at a time: a chunk is eligible only
     when its predecessor has completed (its keys must be in the cache), so a
     request never appears twice in one micro-batch or in two in flight.
+
+    Urgent chunks (``add(..., urgent=True)``: the HTTP front end marks the calls of a client holding less than
+    its equal share of the calls in flight) go first: while one is eligible, the next micro-batch holds urgent
+    chunks only (FIFO among them), so a light client's call neither waits behind nor shares a micro-batch with
+    a flooding client's; :meth:`urgent_ready` tells the rank to open a micro-batch for it at once.
     """
 
     def __init__(self, token_budget: int) -> None:
@@ -225,11 +230,17 @@ class MicroBatcher:
         self._cancelled: set[int] = set()  # requests cancelled while a chunk of theirs was in flight
         self._stride: dict[int, int] = {}  # long-prompt lane request -> its stride on this rank (solo chunks)
         self._queued: dict[int, int] = {}  # request -> its chunks in the queue (no scan of the queue per add)
+        self._urgent: dict[int, int] = {}  # request -> its urgent chunks in the queue
+        self._urgent_ids: set[int] = set()  # id() of the urgent chunks in the queue
 
-    def add(self, chunk: Chunk, stride: int = 1) -> None:
+    def add(self, chunk: Chunk, stride: int = 1, urgent: bool = False) -> None:
         """Queue a chunk (a request's chunks must be added in index order). ``stride > 1``: a long-prompt lane's
         chunk; this rank runs every ``stride``-th chunk of the request from the first one added, and each
-        such chunk runs alone in its micro-batch."""
+        such chunk runs alone in its micro-batch. ``urgent``: the chunk goes ahead of the others (class doc);
+        a lane chunk cannot be urgent."""
+        if urgent and stride > 1:
+            raise ValueError(f"MicroBatcher.add: chunk {chunk.index} of request {chunk.request_id}: a long-prompt "
+                             f"lane chunk (stride {stride}) cannot be urgent")
         rid = chunk.request_id
         queued = self._queued.get(rid, 0)
         if stride > 1 and rid not in self._next_index and not queued and rid not in self._busy:
@@ -241,6 +252,9 @@ class MicroBatcher:
             raise ValueError(f"MicroBatcher.add: chunk {chunk.index} of request {chunk.request_id} is out of order")
         self._queue.append(chunk)
         self._queued[rid] = queued + 1
+        if urgent:
+            self._urgent[rid] = self._urgent.get(rid, 0) + 1
+            self._urgent_ids.add(id(chunk))
 
     def _taken(self, c: Chunk) -> None:
         """``c`` leaves the queue for a micro-batch."""
@@ -249,6 +263,29 @@ class MicroBatcher:
         n = self._queued.pop(c.request_id, 1) - 1
         if n > 0:
             self._queued[c.request_id] = n
+        if id(c) in self._urgent_ids:
+            self._urgent_ids.discard(id(c))
+            u = self._urgent.pop(c.request_id) - 1
+            if u > 0:
+                self._urgent[c.request_id] = u
+
+    def _eligible_urgent(self, ready) -> list:
+        """The urgent chunks that may run now (FIFO): one per request, its predecessor done, ``ready`` true."""
+        if not self._urgent:
+            return []
+        out, seen = [], set()
+        for c in self._queue:
+            rid = c.request_id
+            if rid not in self._urgent or rid in self._busy or rid in seen:
+                continue
+            seen.add(rid)
+            if id(c) in self._urgent_ids and (ready is None or ready(c)):
+                out.append(c)
+        return out
+
+    def urgent_ready(self, ready=None) -> bool:
+        """Whether an urgent chunk may run now (``ready``: as :meth:`next_batch`)."""
+        return bool(self._eligible_urgent(ready))
 
     @property
     def pending_tokens(self) -> int:
@@ -260,7 +297,21 @@ class MicroBatcher:
     def next_batch(self, ready=None) -> list[Chunk]:
         """The next micro-batch (possibly empty): eligible chunks in FIFO order under the budget. ``ready(chunk)``
         (optional): False keeps a chunk (and its request's later ones) queued for now (the long-prompt lane's
-        chunk whose predecessor has not started)."""
+        chunk whose predecessor has not started). While an urgent chunk may run, the batch holds urgent chunks
+        only."""
+        urgent = self._eligible_urgent(ready)
+        if urgent:
+            batch, tokens = [], 0
+            for c in urgent:
+                if batch and tokens + c.length > self.token_budget:
+                    continue
+                batch.append(c)
+                tokens += c.length
+                if tokens >= self.token_budget:
+                    break
+            for c in batch:
+                self._taken(c)
+            return batch
         batch, tokens, taken_requests = [], 0, set()
         for c in self._queue:
             if c.request_id in self._busy or c.request_id in taken_requests:
@@ -288,6 +339,9 @@ class MicroBatcher:
         than the budget only to an empty one; a lane chunk alone). The non-empty ones, fullest first. ``ready``:
         as :meth:`next_batch`."""
         _int("MicroBatcher.next_batches", "count", count, 1)
+        if self._urgent and self._eligible_urgent(ready):  # urgent chunks first, in a micro-batch of their own
+            first = self.next_batch(ready)
+            return [first] + (self.next_batches(count - 1, ready) if count > 1 else [])
         picked, total, seen = [], 0, set()
         for c in self._queue:
             if c.request_id in self._busy or c.request_id in seen:
@@ -328,6 +382,8 @@ class MicroBatcher:
         if dropped:
             self._queue = deque(c for c in self._queue if c.request_id != request_id)
             self._queued.pop(request_id, None)
+            self._urgent.pop(request_id, None)
+            self._urgent_ids.difference_update(id(c) for c in dropped)
         if request_id in self._busy:
             self._cancelled.add(request_id)
         else:

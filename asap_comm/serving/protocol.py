@@ -8,7 +8,7 @@ simulator (``asap_comm.sim``) must agree on lives here:
   :class:`PromptRequest`, :class:`RunResult` (``runtime`` re-exports them);
 * the front end's chunk message, one request chunk to the rank that runs it:
   ``HDR`` int64 header words (request id, chunk index, number of chunks,
-  start, context-parallel group mask) followed by the chunk's token ids,
+  start, context-parallel group mask; bit 62 of that word is :data:`URGENT`) followed by the chunk's token ids,
   tagged with the request id; :data:`STOP` is the tag of the "no more
   requests" message and :data:`CANCEL` the tag of "drop this request"
   (payload: its id; :func:`encode_cancel`). :func:`encode_chunk` builds a
@@ -37,7 +37,7 @@ from .lane import LANE_WORDS
 from .policies import Chunk, check_linear_weight
 
 __all__ = ["ModelInfo", "RuntimeConfig", "SHARED_FIELDS", "ASYNC_FIELDS", "SYNC_FIELDS", "PromptRequest",
-           "RunResult", "HDR", "STOP", "CANCEL", "encode_chunk", "decode_chunk", "encode_cancel", "decode_cancel",
+           "RunResult", "HDR", "STOP", "CANCEL", "URGENT", "encode_chunk", "decode_chunk", "chunk_urgent", "mark_urgent", "encode_cancel", "decode_cancel",
            "encode_result", "decode_result", "Channels", "WorkerStats", "BATCH_BUCKETS", "request_mailbox"]
 
 STOP = -1  # tag of the front end's "no more requests" message
@@ -45,6 +45,10 @@ CANCEL = -2  # tag of the front end's "drop this request" message (payload: [req
 # chunk message header words: request id, chunk index, number of chunks, start, context-parallel groups (a bit
 # mask of the workers sharing the request; 0: none)
 HDR = 5
+# a bit of the fifth header word: the front end marks the chunk urgent (its client holds less than an equal share of
+# the calls in flight; policies.MicroBatcher runs it first). Never set on a lane's (negative word) or a
+# context-parallel chunk.
+URGENT = 1 << 62
 
 
 def encode_chunk(chunk: Chunk, token_ids: torch.Tensor, groups: int = 0) -> torch.Tensor:
@@ -56,8 +60,21 @@ def encode_chunk(chunk: Chunk, token_ids: torch.Tensor, groups: int = 0) -> torc
 def decode_chunk(payload: torch.Tensor) -> tuple:
     """``(Chunk, groups, token ids)`` of a chunk message's payload (the token ids are a copy)."""
     rid, index, n, start, groups = payload[:HDR].tolist()
+    if groups > 0:
+        groups &= ~URGENT
     toks = payload[HDR:].clone()
     return Chunk(rid, index, start, toks.numel(), n), groups, toks
+
+
+def chunk_urgent(payload: torch.Tensor) -> bool:
+    """Whether a chunk message's payload is marked :data:`URGENT`."""
+    word = int(payload[HDR - 1])
+    return word > 0 and bool(word & URGENT)
+
+
+def mark_urgent(payload: torch.Tensor, urgent: bool) -> None:
+    """Set or clear a client chunk's :data:`URGENT` bit in place (its group word is 0 or the bit)."""
+    payload[HDR - 1] = URGENT if urgent else 0
 
 
 def encode_result(hidden: torch.Tensor, token: int) -> torch.Tensor:
@@ -97,7 +114,7 @@ class ModelInfo:
 # The fields of RuntimeConfig that only one mode reads (the rest, SHARED_FIELDS, both modes read).
 ASYNC_FIELDS = ("barrier_free", "ping_pong", "token_balanced", "expert_batching", "expert_token_budget",
                 "expert_deadline_s", "long_prompt_lane", "lane_threshold", "lane_groups", "lane_tokens", "lane_wait_s",
-                "spare_expert_ranks", "attention_failover")
+                "spare_expert_ranks", "attention_failover", "urgent_slot")
 SYNC_FIELDS = ("sync_collectives", "cp_threshold")
 
 
@@ -166,6 +183,12 @@ class RuntimeConfig:
     # re-admits the requests it held on the surviving attention ranks (a prefill is recomputed from its prompt);
     # off: an attention PE's death fails the group. Needs the barrier-free pipeline (barrier_free=True)
     attention_failover: bool = False
+    # the HTTP service's fairness past admission (docs/server.md): a chunk the front end marks urgent (its client
+    # holds fewer calls in flight than an equal share) runs ahead of the others in a micro-batch of urgent chunks
+    # only, and this adds one micro-batch slot per attention rank (one more dispatch slot of symmetric memory) so
+    # that it starts at once instead of after a micro-batch in flight; the service turns it on (--no-urgent-slot:
+    # off). Without clients (the trace replay) no chunk is urgent
+    urgent_slot: bool = False
 
     # ---- sync only (the baseline)
     # the baseline's all-to-alls and all-reduces over "gloo" (torch.distributed) or "shm" (asap_comm shared
@@ -195,7 +218,7 @@ class RuntimeConfig:
             check_linear_weight("RuntimeConfig: placer_linear_weight", self.placer_linear_weight)
 
     def _check_async(self) -> None:
-        for name in ("barrier_free", "ping_pong", "expert_batching", "long_prompt_lane", "token_balanced"):
+        for name in ("barrier_free", "ping_pong", "expert_batching", "long_prompt_lane", "token_balanced", "urgent_slot"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig: {name}={getattr(self, name)!r} must be a bool")
         if not _is_int(self.expert_token_budget, 1):

@@ -61,11 +61,11 @@ class _Worker(ChunkTaker):
             self.stats.busy(now - start)
         return now
 
-    def _queue_chunk(self, c, groups: int) -> None:
+    def _queue_chunk(self, c, groups: int, urgent: bool = False) -> None:
         if groups:  # a context-parallel request this worker owns: its chunks run in order, shared
             self.cp_owned.setdefault(c.request_id, (groups, deque()))[1].append(c)
         else:
-            self.batcher.add(c)
+            self.batcher.add(c, urgent=urgent)
 
     # ------------------------------------------------------------------ context parallelism
     def _cp_propose(self, vec: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ import torch
 from ..errors import CommError, PeerFailure
 from .failover import ROUTE, decode_route
 from .patience import send_patiently
-from .protocol import CANCEL, STOP, decode_cancel, decode_chunk, encode_result
+from .protocol import CANCEL, STOP, chunk_urgent, decode_cancel, decode_chunk, encode_result
 
 __all__ = ["ChunkTaker", "worker_cancel", "layer_loop", "run_to_end", "finish_chunks", "FAILED", "report_failure",
            "decode_failure"]
@@ -142,15 +142,16 @@ class ChunkTaker:
                 self._route(m.src, decode_route(m.tensor))
                 return True
             chunk, groups, toks = decode_chunk(m.tensor)
+            urgent = chunk_urgent(m.tensor)
         self.tokens[(chunk.request_id, chunk.index)] = toks
-        self._queue_chunk(chunk, groups)
+        self._queue_chunk(chunk, groups, urgent)
         return True
 
     def _cancel(self, rid: int) -> None:
         worker_cancel(rid, self.batcher, self.tokens, self.caches, self.cancelled)
 
-    def _queue_chunk(self, chunk, groups: int) -> None:
-        self.batcher.add(chunk)
+    def _queue_chunk(self, chunk, groups: int, urgent: bool = False) -> None:
+        self.batcher.add(chunk, urgent=urgent)
 
     def _route(self, src: int, msg: tuple) -> None:
         """Expert failover's route message ``(expert rank, new PE or -1, dead PE)``: only the asynchronous

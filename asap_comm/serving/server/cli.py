@@ -3,6 +3,7 @@ checks them and the optional dependencies, builds the model factory, and hands o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -39,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-rank-calls", type=int, default=0,
                     help="requests an attention rank holds at once (the others wait in the front end, where the "
                          "clients' chunks take turns); 0 (default): no bound")
+    ap.add_argument("--no-urgent-slot", action="store_true",
+                    help="turn off the extra micro-batch slot per attention rank that lets a light client's call "
+                         "(fewer calls in flight than an equal share) start at once beside a flooding client's "
+                         "(its calls still go first, in micro-batches of their own); saves one dispatch slot of "
+                         "memory per attention rank")
     ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on every path but /health and /metrics; unset: "
                          "the environment variable ASAP_API_KEY (preferred: a command line is visible to ps)")
@@ -78,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
 SERVICE_PRESETS = {"sync_collectives": "shm"}
 
 
+def service_runtime_config(args):
+    """The workers' ``RuntimeConfig`` from parsed arguments: the runtime's flags, and in the async mode the urgent
+    slot on unless ``--no-urgent-slot`` (``RuntimeConfig.urgent_slot``: a light client's call starts at once
+    beside a flooding client's)."""
+    cfg = runtime_config_from_args(args)
+    if args.mode == "async":
+        cfg = dataclasses.replace(cfg, urgent_slot=not args.no_urgent_slot)
+    return cfg
+
+
 def service_options(args, environ) -> ServiceOptions:
     """The HTTP side's settings from parsed arguments; the API key from ``--api-key`` or else
     ``environ["ASAP_API_KEY"]``, stripped of surrounding whitespace (said on stderr). ``ValueError`` for an empty
@@ -114,7 +130,7 @@ def main(argv=None) -> int:
     try:
         factory = load_model_factory(args.model, plugin=args.plugin, seed=args.seed)
         info = model_info_of(factory)
-        cfg = runtime_config_from_args(args)
+        cfg = service_runtime_config(args)
         opts = service_options(args, os.environ)
         check_connection_limit(opts.max_connections)
     except (ValueError, LookupError, OSError) as e:

@@ -62,6 +62,7 @@ class Engine:
         self.stopping = False
         self.drain_until = 0.0
         self.tokens_done: deque = deque()  # (time, prompt tokens) of the last 10 s's completions, for Retry-After
+        self.tokens_done_sum = 0  # their tokens (kept with the deque: a 429 under a flood must not scan it)
         self.parent = os.getppid()
         self.metrics = ServiceMetrics(self)
         self.wake = asyncio.Event()
@@ -152,8 +153,8 @@ class Engine:
         self.metrics.completed(c)
         now = time.monotonic()
         self.tokens_done.append((now, c.tokens))
-        while now - self.tokens_done[0][0] >= 10.0:  # the window Retry-After looks at
-            self.tokens_done.popleft()
+        self.tokens_done_sum += c.tokens
+        self._expire_done(now)
         if now > deadline:  # the answer came late (the front end itself may have stalled): never a 200
             if fut is not None and not fut.done():
                 fut.set_exception(HttpError(504, f"request {c.request_id} passed its deadline of "
@@ -313,15 +314,19 @@ class Engine:
                 fut.cancel()
         self.wake.set()  # tokens came back: the waiting room may move
 
+    def _expire_done(self, now: float) -> None:
+        """Forget the completions older than the 10 s window Retry-After looks at."""
+        while self.tokens_done and now - self.tokens_done[0][0] >= 10.0:
+            self.tokens_done_sum -= self.tokens_done.popleft()[1]
+
     def retry_after_s(self) -> int:
         """How long the admitted and waiting tokens take to drain at the recent throughput (1..60 s)."""
         now = time.monotonic()
-        while self.tokens_done and now - self.tokens_done[0][0] >= 10.0:
-            self.tokens_done.popleft()
+        self._expire_done(now)
         if not self.tokens_done:
             return 1
         span = max(now - self.tokens_done[0][0], 0.5)
-        rate = sum(n for _, n in self.tokens_done) / span
+        rate = self.tokens_done_sum / span
         return int(min(60, max(1, math.ceil((self.fe.queued_tokens + self.room.tokens) / max(rate, 1e-9)))))
 
     # ------------------------------------------------------------------ health

@@ -26,7 +26,7 @@ embedding, LM head and router gates stay in high precision, as W8A8 schemes keep
 **KV cache.** Prefill keeps a request's KV until its prompt is done. Assumed in flight on
 one attention group: one prompt of ``max_prompt_len`` tokens being chunked plus ``S``
 micro-batches of ``T`` new tokens (``T = max(token_budget, chunk)``, ``S = 2`` with
-ping-pong or the baseline's overlap, else 1); queued requests hold no KV. Per token
+ping-pong or the baseline's overlap, else 1, plus 1 with the HTTP service's urgent slot); queued requests hold no KV. Per token
 ``(kv_lora_rank + qk_rope) * a * layers`` bytes (the MLA latent), whole on every device of
 a group (one latent serves every head; TP does not split it).
 
@@ -196,7 +196,7 @@ def deployment_memory(mode: str, profile: Profile, shapes: ModelShapes, *, atten
                       token_budget: int, chunk_len: "int | None", max_prompt_len: int,
                       ping_pong: bool = True, sync_overlap: bool = False,
                       expert_token_budget: "int | None" = None, long_prompt_lane: bool = False,
-                      lane_tokens: "int | None" = None) -> list:
+                      lane_tokens: "int | None" = None, urgent_slot: bool = False) -> list:
     """The dies of one deployment, one :class:`DieMemory` per role.
 
     ``mode="async"`` (ASAP): ``attention_ranks`` groups of ``attention_tp`` devices and ``expert_ranks`` expert
@@ -220,7 +220,7 @@ def deployment_memory(mode: str, profile: Profile, shapes: ModelShapes, *, atten
     H, k = s.hidden, s.top_k
     expert_layer_gb = P["routed_per_expert_layer"] * s.num_moe_layers * w / GB
     if mode == "async":
-        A, t, E, S = attention_ranks, attention_tp, expert_ranks, 2 if ping_pong else 1
+        A, t, E, S = attention_ranks, attention_tp, expert_ranks, (2 if ping_pong else 1) + int(urgent_slot)
         buffers = (A * S * T * (H * d_bytes + 8 * k) + S * T * min(k, E) * H * c_bytes) / GB
         att = _attention_side(profile, s, t, T, S, max_prompt_len)
         att["symmetric buffers"] = buffers
@@ -254,7 +254,8 @@ def memory_of(mode: str, cfg, par, sync_ranks: "int | None", profile: Profile, s
                              chunk_len=cfg.effective_chunk_len, max_prompt_len=cfg.max_prompt_len,
                              ping_pong=cfg.ping_pong, sync_overlap=par.sync_overlap,
                              expert_token_budget=cfg.expert_token_budget,
-                             long_prompt_lane=cfg.long_prompt_lane and cfg.load_aware, lane_tokens=cfg.lane_tokens)
+                             long_prompt_lane=cfg.long_prompt_lane and cfg.load_aware, lane_tokens=cfg.lane_tokens,
+                             urgent_slot=cfg.urgent_slot)
 
 
 LANE_POOL_PROMPTS = 4  # --lane-tokens auto (sim run, examples/prefill.py): up to this many longest prompts
