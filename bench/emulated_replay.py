@@ -25,19 +25,13 @@ from pathlib import Path
 from asap_comm.serving import slo_compliant_throughput, summarize_run, throughput_ratio
 from asap_comm.serving.plugins import load_model_factory
 from asap_comm.serving.traces import Request
+from asap_comm.sim.calibrate.emulated import fitted_overheads
 from asap_comm.sim.emulate import deploy, job
 from asap_comm.sim.emulate.emulator import simulate_emulated
 
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATION = ROOT / "docs" / "results" / "validation-emulated" / "validation_emulated.json"
 TARGET = 0.15  # the simulator's error target on a ratio (relative)
-
-
-def measured_overheads() -> tuple:
-    """The host costs (wall s) and router skews ``validate --regime emulated`` measured on its probe."""
-    h = json.loads(VALIDATION.read_text())["configs"][0]["host_overhead"]
-    return ({k: h[k] for k in ("async_job_s", "expert_job_s", "async_layer_s", "sync_layer_s")},
-            {"async": h["async_skew"], "sync": h["sync_skew"]})
 
 
 def replay(run_dir: Path, host_overhead: bool = True) -> dict:
@@ -60,7 +54,7 @@ def replay(run_dir: Path, host_overhead: bool = True) -> dict:
     cfgs["async"] = dataclasses.replace(cfgs["async"], lane_threshold=summary["lane_threshold"],
                                         lane_wait_s=summary.get("lane_wait_s"),
                                         **({"lane_tokens": lane_tokens} if lane_tokens else {}))
-    host, skews = measured_overheads() if host_overhead else (None, {"async": 1.0, "sync": 1.0})
+    host, skews = fitted_overheads(VALIDATION) if host_overhead else (None, {"async": 1.0, "sync": 1.0})
     factories = {m: deploy.emulated(args, base, m) for m in ("async", "sync")}
     rows = []
     for run in summary["runs"]:

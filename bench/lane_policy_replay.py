@@ -24,12 +24,13 @@ from asap_comm.serving import summarize_run
 from asap_comm.serving.plugins import load_model_factory
 from asap_comm.serving.runtime_args import runtime_config_from_args
 from asap_comm.serving.traces import Request
+from asap_comm.sim.calibrate.emulated import fitted_overheads
 from asap_comm.sim.emulate import deploy, job  # the example's request windows, deployment flags and rate scaling
 from asap_comm.sim.emulate.emulator import simulate_emulated
 
 ROOT = Path(__file__).resolve().parents[1]
-
 VALIDATION = ROOT / "docs" / "results" / "validation-emulated" / "validation_emulated.json"
+
 EMU = ["--emulate", "ascend-910c-cm384", "--emulate-model", "deepseek-v3"]
 # name -> (example flags, the run's automatic SLO in wall seconds as the emulated run measured it, rates req/s)
 DEPLOYMENTS = {
@@ -40,13 +41,6 @@ DEPLOYMENTS = {
 }
 # (pool in longest prompts, wait bound in SLOs or None)
 POLICIES = ((1, None), (1, 1.0), (1, 2.0), (1, 3.0), (2, None), (4, None))
-
-
-def measured_overheads() -> tuple:
-    """The host costs (wall s) and router skew ``validate --regime emulated`` measured on its probe."""
-    cfg = json.loads(VALIDATION.read_text())["configs"][0]["host_overhead"]
-    keys = ("async_job_s", "expert_job_s", "async_layer_s", "sync_layer_s")
-    return {k: cfg[k] for k in keys}, cfg["async_skew"]
 
 
 def setup(flags: list) -> tuple:
@@ -90,7 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--deployment", choices=("32", "64", "both"), default="both")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     a = p.parse_args(argv)
-    host, skew = measured_overheads()
+    host, skews = fitted_overheads(VALIDATION)  # the probe bench/emulated_replay.py uses too
+    skew = skews["async"]
     rows = []
     for name in (("32", "64") if a.deployment == "both" else (a.deployment,)):
         print(f"{name} dies: SLO {DEPLOYMENTS[name][1]} s wall; lane pool in longest prompts, wait bound in SLOs",

@@ -52,3 +52,15 @@ def test_a_run_without_the_served_fraction_is_refused(bench_script, tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps(old))
     with pytest.raises(SystemExit, match="predates the served fraction"):
         bench_script("emulated_replay").replay(tmp_path)
+
+
+def test_fitted_overheads_reads_the_committed_probe_and_refuses_a_file_without_one(tmp_path):
+    from asap_comm.sim.calibrate.emulated import fitted_overheads
+    root = Path(__file__).resolve().parents[1]
+    host, skews = fitted_overheads(root / "docs" / "results" / "validation-emulated" / "validation_emulated.json")
+    assert set(host) == {"async_job_s", "expert_job_s", "async_layer_s", "sync_layer_s"}
+    assert all(v > 0 for v in host.values()) and skews["async"] >= 1.0 and skews["sync"] >= 1.0
+    bare = tmp_path / "v.json"
+    bare.write_text('{"configs": [{"host_overhead": null}]}')
+    with pytest.raises(ValueError, match="no fitted host overhead"):
+        fitted_overheads(bare)

@@ -339,7 +339,9 @@ def test_the_wait_bound_keeps_the_64_die_lane_from_starving_in_the_emulated_repl
     from asap_comm.sim.emulate import job
     from asap_comm.sim.emulate.emulator import simulate_emulated
 
-    host, skew = lpr.measured_overheads()
+    from asap_comm.sim.calibrate.emulated import fitted_overheads
+    host, skews = fitted_overheads(lpr.VALIDATION)
+    skew = skews["async"]
     out = {}
     for name, rate in (("64", 12.0), ("32", 3.77)):
         flags, slo, _ = lpr.DEPLOYMENTS[name]

@@ -261,6 +261,20 @@ def validate_emulated(out_dir, *, profile: str = "ascend-910c-cm384", emulate_mo
     return result
 
 
+def fitted_overheads(path) -> tuple:
+    """``(host costs, router skews)`` that a ``validate --regime emulated`` result file (``path``) measured on its
+    probe, for replaying emulated runs in the simulator: the host costs in wall seconds (``async_job_s``,
+    ``expert_job_s``, ``async_layer_s``, ``sync_layer_s``) and the hottest expert rank's rows over the mean per
+    mode (``{"async": ..., "sync": ...}``)."""
+    configs = json.loads(Path(path).read_text()).get("configs") or []
+    h = configs[0].get("host_overhead") if configs else None
+    if not h:
+        raise ValueError(f"fitted_overheads: {path} holds no fitted host overhead (a run with --no-host-overhead, "
+                         "or not a validate --regime emulated result)")
+    return ({k: h[k] for k in ("async_job_s", "expert_job_s", "async_layer_s", "sync_layer_s")},
+            {"async": h["async_skew"], "sync": h["sync_skew"]})
+
+
 def _pct(e) -> str:
     if e is None:
         return "  n/a"
