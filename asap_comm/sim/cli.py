@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ..serving.runtime_args import add_runtime_args, given_flags, runtime_config_from_args
 from ..serving.traces import LogNormalLengths, TraceError, load_trace, resolve_trace, synthetic_trace
+from .core.failover import check_failures
 from .core.simulate import Parallelism
 from .core.sweep import capacity_rate, compare, parse_slo, percentile_target, run_point, spread_buckets, unloaded_slo
 from .costmodel.costs import CostModel
@@ -299,8 +300,10 @@ def _expert_failures(p: argparse.ArgumentParser, args) -> list:
             pair = (float(t), int(r))
         except ValueError:
             p.error(f"--expert-failure {text!r}: give SECONDS:RANK, e.g. 5:0")
-        if not (pair[0] >= 0 and pair[0] != float("inf")) or pair[1] < 0:
-            p.error(f"--expert-failure {text!r}: SECONDS must be finite and >= 0, RANK >= 0")
+        try:  # the simulator's own check (the rank's upper bound is the deployment's: simulate checks it)
+            check_failures([pair], sys.maxsize, "RANK", f"--expert-failure {text!r}")
+        except ValueError as e:
+            p.error(str(e))
         out.append(pair)
     if out and args.sweep:
         p.error("--expert-failure runs at fixed loads (--rate / --rates), not with --sweep")
