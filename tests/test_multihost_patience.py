@@ -318,7 +318,7 @@ def test_node_1_workers_exit_on_their_own_once_node_0_and_their_launcher_are_gon
             health = wait_host_health(hs[0], port, procs)
             pids = {w["pe"]: w["pid"] for w in health["workers"]}
             load = long_clients(hs[0], port, prompts, 20)
-            time.sleep(4)
+            time.sleep(2.5)  # calls in flight through node 1's workers
             os.kill(pids[3], signal.SIGKILL)  # the failure
             procs[1].kill()  # node 1's launcher
             hs[0].link_down()  # node 0, gone
