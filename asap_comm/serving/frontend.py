@@ -272,6 +272,7 @@ class FrontEnd:
         self.alias: dict = {}  # wire id of a re-admission -> its request id
         self.poisoned: list = []  # Completions with an error: requests over READMIT_LIMIT, for the next pump
         self._next_wire = READMIT_BASE
+        self._dead_seen = False  # a send found an attention PE dead: look at the states now, not in 10 ms
         self.watch = DeathWatch(comm, watched, must_stay=watched)
         self._cp = cfg.cp_threshold if label == "sync" else None
         self.lane = FrontLane(cfg, info, num_targets, enabled=label == "async")  # the long-prompt lane (lane.py)
@@ -504,6 +505,11 @@ class FrontEnd:
                     self.box.send(rank, payload, tag, timeout=1e-4)
                 except CommTimeoutError:
                     break  # a live rank's full inbox is waited out (a dead rank: DeathWatch, in pump)
+                except PeerFailure as e:  # across hosts the send can learn of the death first (its liveness line)
+                    if self.attention is None or e.pe != rank:
+                        raise
+                    self._dead_seen = True
+                    break  # attention failover: the next pump's _attention_check re-admits what it held
                 q.pop()
                 entry = self.inflight.get(rid) if rid is not None else None
                 if entry is not None:
@@ -545,7 +551,9 @@ class FrontEnd:
         self._lane_give_up()
         if self.failover is not None:
             self.failover.check()  # before the flush: a route goes out ahead of the chunks
-        out = self._attention_check() if self.attention is not None else []
+        out = []
+        if self.attention is not None:
+            out, self._dead_seen = self._attention_check(force=self._dead_seen), False
         self._flush()
         while (m := self.box.poll()) is not None:
             c = self._result(m)
