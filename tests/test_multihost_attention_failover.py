@@ -4,14 +4,13 @@ re-admits that PE's requests on the attention PE left (a prefill is recomputed f
 Needs simulated hosts (``asap_comm.testing.netns``: root); marked ``netns`` and ``slow`` like the other multi-host
 tests. The helpers are the expert failover test's (``tests/test_multihost_failover.py``).
 """
-import signal
-import subprocess
 import time
 
 import pytest
 
 from asap_comm.testing.netns import Hosts, free_port
-from asap_comm.testing.service import calls, host_health, long_clients, serve_across_hosts, wait_host_health
+from asap_comm.testing.service import (calls, end_service, host_health, long_clients, serve_across_hosts,
+                                       wait_host_health)
 
 from test_multihost_failover import _metric, _metrics_text, _prompts_and_answers
 
@@ -51,15 +50,8 @@ def test_a_lost_hosts_attention_pe_is_survived_by_the_attention_pe_left():
             lines = calls(load, LOAD_S + 200)
             final = host_health(front, port)
             metrics = _metrics_text(front, port)
-            hs[1].kill_all()
-            procs[0].send_signal(signal.SIGTERM)
-            for i in (0, 2, 1):
-                try:
-                    logs[i] = procs[i].communicate(timeout=120)[0] or ""
-                except subprocess.TimeoutExpired:
-                    for h in hs.hosts:
-                        h.kill_all()
-                    logs[i] = procs[i].communicate(timeout=30)[0] or ""
+            hs[1].kill_all()  # the lost host's processes (cut off, they end on their own)
+            logs = end_service(hs, procs)
         finally:
             for h in hs.hosts:
                 h.kill_all()

@@ -230,7 +230,6 @@ class MicroBatcher:
         self._cancelled: set[int] = set()  # requests cancelled while a chunk of theirs was in flight
         self._stride: dict[int, int] = {}  # long-prompt lane request -> its stride on this rank (solo chunks)
         self._queued: dict[int, int] = {}  # request -> its chunks in the queue (no scan of the queue per add)
-        self._urgent: dict[int, int] = {}  # request -> its urgent chunks in the queue
         self._urgent_ids: set[int] = set()  # id() of the urgent chunks in the queue
 
     def add(self, chunk: Chunk, stride: int = 1, urgent: bool = False) -> None:
@@ -253,7 +252,6 @@ class MicroBatcher:
         self._queue.append(chunk)
         self._queued[rid] = queued + 1
         if urgent:
-            self._urgent[rid] = self._urgent.get(rid, 0) + 1
             self._urgent_ids.add(id(chunk))
 
     def _taken(self, c: Chunk) -> None:
@@ -263,20 +261,16 @@ class MicroBatcher:
         n = self._queued.pop(c.request_id, 1) - 1
         if n > 0:
             self._queued[c.request_id] = n
-        if id(c) in self._urgent_ids:
-            self._urgent_ids.discard(id(c))
-            u = self._urgent.pop(c.request_id) - 1
-            if u > 0:
-                self._urgent[c.request_id] = u
+        self._urgent_ids.discard(id(c))
 
     def _eligible_urgent(self, ready) -> list:
         """The urgent chunks that may run now (FIFO): one per request, its predecessor done, ``ready`` true."""
-        if not self._urgent:
+        if not self._urgent_ids:
             return []
         out, seen = [], set()
         for c in self._queue:
             rid = c.request_id
-            if rid not in self._urgent or rid in self._busy or rid in seen:
+            if rid in self._busy or rid in seen:
                 continue
             seen.add(rid)
             if id(c) in self._urgent_ids and (ready is None or ready(c)):
@@ -339,7 +333,7 @@ class MicroBatcher:
         than the budget only to an empty one; a lane chunk alone). The non-empty ones, fullest first. ``ready``:
         as :meth:`next_batch`."""
         _int("MicroBatcher.next_batches", "count", count, 1)
-        if self._urgent and self._eligible_urgent(ready):  # urgent chunks first, in a micro-batch of their own
+        if self._eligible_urgent(ready):  # urgent chunks first, in a micro-batch of their own
             first = self.next_batch(ready)
             return [first] + (self.next_batches(count - 1, ready) if count > 1 else [])
         picked, total, seen = [], 0, set()
@@ -382,7 +376,6 @@ class MicroBatcher:
         if dropped:
             self._queue = deque(c for c in self._queue if c.request_id != request_id)
             self._queued.pop(request_id, None)
-            self._urgent.pop(request_id, None)
             self._urgent_ids.difference_update(id(c) for c in dropped)
         if request_id in self._busy:
             self._cancelled.add(request_id)
