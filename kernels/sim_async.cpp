@@ -319,6 +319,7 @@ class AsyncCore {
   std::vector<double> start_s, done_s;
   std::vector<int32_t> error;  // 0, 1: empty prompt, 2: longer than max_prompt_len
   double now = 0.0;
+  double send_free = 0.0;  // when the front end's sender is free again (delivery_s)
   uint64_t seq = 0;
   int64_t events = 0;
   std::vector<Event> heap;
@@ -505,11 +506,12 @@ class AsyncCore {
     return v + linear_weight * T;
   }
 
-  double delivery_s(int32_t q) {
+  double delivery_s(int32_t q) {  // _Common._delivery_s: the front end sends chunk after chunk, in admission order
     int32_t f = first_chunk[q];
     double s = 0.0;
     for (int32_t i = 0; i < chunks[f].num; ++i) s += op(MESSAGE, 8 * (chunks[f + i].length + hdr));
-    return s;
+    send_free = std::max(now, send_free) + s;
+    return send_free - now;
   }
 
   void arrive(int32_t q) {

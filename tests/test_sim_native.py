@@ -189,3 +189,24 @@ def test_native_run_refuses_what_it_does_not_cover():
     sim = _AsyncSim(cpu, DEEP, TOY, _trace(5, seed=1), False)
     with pytest.raises(ValueError, match="native.run: .*share CPU cores"):
         native.run(sim)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_prompts_arriving_together_reach_their_rank_in_arrival_order(monkeypatch, mode):
+    """The front end is one sender (``FrontEnd._flush``): a one-chunk prompt admitted at the same instant as a
+    two-chunk one, after it, reaches the rank after it and runs after it. (The simulator used to deliver each
+    request after its own message time alone, so the shorter message overtook the longer one: a short prompt
+    ran first whenever prompts arrived together, as in a bursty trace, which the runtime never does.)"""
+    cfg = RuntimeConfig(num_attention_ranks=1, num_expert_ranks=1, token_budget=256, chunk_len=256,
+                        max_prompt_len=2048, ping_pong=False, long_prompt_lane=False, token_balanced=False)
+    trace = [Request(0, 0.0, 512), Request(1, 0.0, 200)]  # two chunks, then one; one chunk per micro-batch / step
+    kw = dict(sync_ranks=1) if mode == "sync" else {}
+    runs = _both(monkeypatch, mode, trace, ToyCost(), DEEP, cfg, **kw) if mode == "async" else (
+        simulate(mode, trace, ToyCost(), DEEP, cfg, **kw),)
+    for res in runs:
+        done = {r.request_id: r.done_s for r in res.records}
+        # FIFO: request 0's first chunk, then its second (eligible once the first is done, and ahead in the
+        # queue), then request 1's only chunk
+        assert done[0] < done[1], (res.core, done)
+    if mode == "async" and native.available():
+        _same(*runs)

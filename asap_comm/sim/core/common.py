@@ -177,6 +177,7 @@ class _Common:
         self.msg_result = cost.message_s(_RESULT_BYTES_PER_HIDDEN * (shapes.hidden + 1))
         self.routing = routing_of(cost)  # routing.py: balanced unless the cost model carries a skew
         self.load = None  # the skewed distribution's RankLoad on this mode's ranks (set by _skew)
+        self.send_free = 0.0  # when the front end's sender is free again (_delivery_s)
 
     def _skew(self, ranks: int) -> None:
         """A skewed routing on ``ranks`` expert-holding ranks: the hottest rank's rows and pairs replace the
@@ -237,7 +238,13 @@ class _Common:
         self.placer.complete(request_id)
 
     def _delivery_s(self, chunks) -> float:
-        return sum(self.cost.message_s(8 * (c.length + HDR)) for c in chunks)
+        """Seconds from now until a request's ``chunks`` have reached their rank. The front end is one process
+        that sends chunk after chunk in admission order (``FrontEnd._flush``), so a request's chunks leave once
+        the chunks admitted before them have left: requests that arrive together reach their ranks in arrival
+        order, whatever their sizes (a short prompt never overtakes a long one admitted before it)."""
+        free = max(self.engine.now, self.send_free) + sum(self.cost.message_s(8 * (c.length + HDR)) for c in chunks)
+        self.send_free = free
+        return free - self.engine.now
 
     def _segments(self):
         """Per micro-batch: the layer runs between MoE layers: [(dense layers before, MoE layer)], each counted

@@ -14,6 +14,9 @@ operator costs of a :class:`~asap_comm.sim.costmodel.costs.CostModel`. The modes
 Modelling choices (each one is what the runtime does, or the stated
 simplification):
 
+* **The front end** is one sender: it sends a request's chunks (each one message, ``CostModel.message_s``) once
+  the chunks of the requests admitted before it have left (``_Common._delivery_s``), so prompts that arrive
+  together reach their ranks in arrival order, as ``FrontEnd._flush`` sends them.
 * **Routing**: balanced in expectation by default (DeepSeek-V3's auxiliary-loss-free
   balancing; ``routing=`` takes a skewed one, see ``routing.py``: the hottest
   rank's rows and pairs then stand for every rank's): a micro-batch of ``T`` tokens sends ``T * p`` rows to each
