@@ -34,7 +34,7 @@ VALIDATION = ROOT / "docs" / "results" / "validation-emulated" / "validation_emu
 TARGET = 0.15  # the simulator's error target on a ratio (relative)
 
 
-def replay(run_dir: Path, host_overhead: bool = True) -> dict:
+def replay(run_dir: Path, host_overhead: bool = True, expert_skew: "dict | None" = None) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     if not summary.get("runs") or "config" not in summary:
         raise SystemExit(f"emulated_replay: {run_dir / 'summary.json'} has no runs/config: is it an "
@@ -55,6 +55,17 @@ def replay(run_dir: Path, host_overhead: bool = True) -> dict:
                                         lane_wait_s=summary.get("lane_wait_s"),
                                         **({"lane_tokens": lane_tokens} if lane_tokens else {}))
     host, skews = fitted_overheads(VALIDATION) if host_overhead else (None, {"async": 1.0, "sync": 1.0})
+    skew_from = {m: "validation probe" if host_overhead else "none" for m in skews}
+    if host_overhead:  # the served router's skew grows with the ranks: the run's own measurement where it has one
+        for m in skews:
+            measured = sorted(r["emulation"]["routing_skew"] for r in summary["runs"]
+                              if r["mode"] == m and "routing_skew" in r.get("emulation", {}))
+            if measured:
+                skews[m], skew_from[m] = measured[len(measured) // 2], "this run"
+    for m, v in (expert_skew or {}).items():
+        skews[m], skew_from[m] = v, "given"
+    print("  expert skew: " + ", ".join(f"{m} {skews[m]:.2f} ({skew_from[m]})" for m in ("async", "sync")),
+          flush=True)
     factories = {m: deploy.emulated(args, base, m) for m in ("async", "sync")}
     rows = []
     for run in summary["runs"]:
@@ -74,7 +85,8 @@ def replay(run_dir: Path, host_overhead: bool = True) -> dict:
               f"{sim['slo_attainment']:.2f}  served real {real['served_fraction']:.0%} sim "
               f"{sim['served_fraction']:.0%}  p90 real {real['ttft_p90_s']:.2f} sim {sim['ttft_p90_s']:.2f} s",
               flush=True)
-    out = {"run": str(run_dir), "slo_s": slo, "host_overhead": host, "expert_skew": skews, "rows": rows}
+    out = {"run": str(run_dir), "slo_s": slo, "host_overhead": host, "expert_skew": skews,
+           "expert_skew_from": skew_from, "rows": rows}
     for side in ("real", "sim"):
         pts = {m: [r[side] for r in rows if r["mode"] == m] for m in ("async", "sync")}
         sct = {m: slo_compliant_throughput(pts[m]) if pts[m] else None for m in pts}
@@ -90,12 +102,24 @@ def main(argv=None) -> int:
     p.add_argument("run_dir", type=Path, help="an examples/prefill.py --emulate --sweep auto output folder")
     p.add_argument("--no-host-overhead", action="store_true",
                    help="simulate without the measured host costs and router skew")
+    p.add_argument("--expert-skew", action="append", default=[], metavar="MODE=X",
+                   help="the served router's skew to charge for MODE (async or sync), for a run whose summary "
+                        "predates the recorded one (examples/prefill.py records it per load since 2026-12-06)")
     p.add_argument("--out", type=Path, default=None, help="write the rows and both ratios as JSON here")
     a = p.parse_args(argv)
+    skew = {}
+    for item in a.expert_skew:
+        mode, _, value = item.partition("=")
+        try:
+            skew[mode] = float(value)
+        except ValueError:
+            skew[mode] = None
+        if mode not in ("async", "sync") or skew[mode] is None or not 1.0 <= skew[mode] < 100:
+            p.error(f"--expert-skew {item!r}: give async=X or sync=X with X in [1, 100)")
     if not (a.run_dir / "summary.json").is_file():
         print(f"emulated_replay: no summary.json in {a.run_dir}", file=sys.stderr)
         return 2
-    out = replay(a.run_dir, host_overhead=not a.no_host_overhead)
+    out = replay(a.run_dir, host_overhead=not a.no_host_overhead, expert_skew=skew)
     for side in ("real", "sim"):
         o = out[side]
         sct = {m: "-" if v is None else f"{v:,.0f}" for m, v in o["slo_compliant_throughput"].items()}

@@ -255,6 +255,11 @@ def test_emulated_runs_of_both_modes_match_the_reference(tmp_path):
         else:
             assert roles == {"attention+expert"} and len(per_rank) == 4
             assert collective_summary(stats)["collectives"] > 0  # the baseline's collectives were held
+        # the example's per-load record carries the served router's skew on this run's ranks (a replay charges it)
+        from asap_comm.sim.emulate.fit import routing_skew
+        from asap_comm.sim.emulate.job import emulation_stats
+        skew = emulation_stats(stats)["routing_skew"]
+        assert skew == routing_skew(per_rank) and skew > 1.0
 
 
 # ------------------------------------------------------------------------- validate on a foreign host

@@ -64,3 +64,29 @@ def test_fitted_overheads_reads_the_committed_probe_and_refuses_a_file_without_o
     bare.write_text('{"configs": [{"host_overhead": null}]}')
     with pytest.raises(ValueError, match="no fitted host overhead"):
         fitted_overheads(bare)
+
+
+def test_the_replay_charges_the_router_skew_the_run_recorded(bench_script, tmp_path, monkeypatch):
+    """The served router's skew grows with the ranks (the validation probe measured it on 4): a summary whose loads
+    record their own (``emulation.routing_skew``, since 2026-12-06) is replayed with the median of its mode's, and
+    ``--expert-skew MODE=X`` overrides either."""
+    run = json.loads((RUN / "summary.json").read_text())
+    run["runs"] = [r for r in run["runs"] if r["mode"] == "sync"][:2]
+    for r, skew in zip(run["runs"], (2.0, 2.2)):
+        r.setdefault("emulation", {})["routing_skew"] = skew
+    (tmp_path / "summary.json").write_text(json.dumps(run))
+    script = bench_script("emulated_replay")
+    charged = []
+    real = script.simulate_emulated
+
+    def spy(*args, **kw):
+        charged.append(kw["expert_skew"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(script, "simulate_emulated", spy)
+    out = script.replay(tmp_path)
+    assert out["expert_skew"]["sync"] == 2.2 and out["expert_skew_from"]["sync"] == "this run"
+    assert out["expert_skew_from"]["async"] == "validation probe"
+    given = script.replay(tmp_path, expert_skew={"sync": 1.7})
+    assert given["expert_skew"]["sync"] == 1.7 and given["expert_skew_from"]["sync"] == "given"
+    assert charged == [2.2, 2.2, 1.7, 1.7]  # every replayed load of the baseline, with the skew it reports

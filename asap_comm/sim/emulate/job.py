@@ -240,11 +240,17 @@ def table(rows: list, emulated: bool = False) -> str:
 
 
 def emulation_stats(stats_dir) -> dict:
-    """Overruns of an emulated run (and, for the baseline, whether gloo kept to the modelled collectives)."""
+    """Overruns of an emulated run, whether the baseline's transport kept to the modelled collectives, and the
+    served router's skew on this run's expert-holding ranks (``fit.routing_skew``: the rows its router calls
+    sent to the most loaded rank over the mean rank's; it grows with the number of ranks, so a replay of this run
+    through the simulator charges this one, not the validation probe's)."""
+    from .fit import routing_skew
     from .stats import collective_summary, overrun_summary, read_stats
 
-    o = overrun_summary(read_stats(stats_dir))
+    stats = read_stats(stats_dir)
+    o = overrun_summary(stats)
     o["collectives"] = collective_summary(stats_dir)
+    o["routing_skew"] = routing_skew(stats)
     return o
 
 
