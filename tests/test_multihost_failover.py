@@ -12,7 +12,6 @@ Both need simulated hosts (``asap_comm.testing.netns``: root) and are marked ``n
 multi-host tests; on one host ``fence_peer`` does nothing (checked everywhere).
 """
 import os
-import signal
 import subprocess
 import time
 
@@ -21,7 +20,8 @@ import torch
 
 import asap_comm
 from asap_comm.testing.netns import Hosts, free_port, run_across_hosts
-from asap_comm.testing.service import calls, host_health, long_clients, serve_across_hosts, wait_host_health
+from asap_comm.testing.service import (calls, end_service, host_health, long_clients, serve_across_hosts,
+                                      wait_host_health)
 
 from distributed_utils import run
 
@@ -183,14 +183,7 @@ def test_a_lost_hosts_expert_pes_are_replaced_by_spares_on_the_other_hosts():
             final = host_health(front, port)
             metrics = _metrics_text(front, port)
             hs[1].kill_all()  # the lost host's processes (cut off, they end on their own; no need to wait)
-            procs[0].send_signal(signal.SIGTERM)  # the front end stops the workers that are left
-            for i in (0, 2, 1):
-                try:
-                    logs[i] = procs[i].communicate(timeout=120)[0] or ""
-                except subprocess.TimeoutExpired:
-                    for h in hs.hosts:
-                        h.kill_all()
-                    logs[i] = procs[i].communicate(timeout=30)[0] or ""
+            logs = end_service(hs, procs)  # the front end stops the workers that are left
         finally:
             for h in hs.hosts:
                 h.kill_all()
