@@ -97,25 +97,29 @@ def replay(run_dir: Path, host_overhead: bool = True, expert_skew: "dict | None"
     return out
 
 
+def _mode_skew(text: str) -> tuple:
+    """``--expert-skew MODE=X``: ``(mode, X)``."""
+    mode, _, value = text.partition("=")
+    try:
+        x = float(value)
+    except ValueError:
+        x = 0.0
+    if mode not in ("async", "sync") or not 1.0 <= x < 100:
+        raise argparse.ArgumentTypeError(f"{text!r}: give async=X or sync=X with X in [1, 100)")
+    return mode, x
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path, help="an examples/prefill.py --emulate --sweep auto output folder")
     p.add_argument("--no-host-overhead", action="store_true",
                    help="simulate without the measured host costs and router skew")
-    p.add_argument("--expert-skew", action="append", default=[], metavar="MODE=X",
+    p.add_argument("--expert-skew", action="append", default=[], metavar="MODE=X", type=_mode_skew,
                    help="the served router's skew to charge for MODE (async or sync), for a run whose summary "
                         "predates the recorded one (examples/prefill.py records it per load since 2026-12-06)")
     p.add_argument("--out", type=Path, default=None, help="write the rows and both ratios as JSON here")
     a = p.parse_args(argv)
-    skew = {}
-    for item in a.expert_skew:
-        mode, _, value = item.partition("=")
-        try:
-            skew[mode] = float(value)
-        except ValueError:
-            skew[mode] = None
-        if mode not in ("async", "sync") or skew[mode] is None or not 1.0 <= skew[mode] < 100:
-            p.error(f"--expert-skew {item!r}: give async=X or sync=X with X in [1, 100)")
+    skew = dict(a.expert_skew)
     if not (a.run_dir / "summary.json").is_file():
         print(f"emulated_replay: no summary.json in {a.run_dir}", file=sys.stderr)
         return 2
