@@ -1,6 +1,7 @@
 """Segments, bootstrap failures, zombies, packaging errors; launch scripts without a main guard, ranks that
 outlive a killed launcher, a second init on an open address, collective calls made on only some PEs."""
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -154,6 +155,61 @@ def test_launch_leader_outlives_a_dead_worker_and_stops_the_rest(tmp_path):
         asap_comm.launch(_leader_group, 3, str(note), leader=3)
 
 
+def _pe_facts(comm, name):
+    print(f"PE {comm.rank} says {os.environ.get(name)}", file=sys.stderr, flush=True)
+    print(f"PE {comm.rank} out", flush=True)
+    return os.environ.get(name), os.getppid(), os.getcwd(), os.sched_getaffinity(0)
+
+
+def test_launch_pes_get_the_launchers_environment_and_output_of_now(tmp_path, monkeypatch, capfd):
+    """A fork server keeps the environment, the standard output and error and the CPU affinity it started with
+    (the first launch's); each PE still gets the launcher's at its own launch: a variable set, changed or removed
+    since is seen so, the working directory and the CPU affinity are the launcher's, and what a PE prints reaches
+    the launcher's output as it is now (here pytest's capture of this test, set up after the server started in
+    an earlier test)."""
+    name = "ASAP_TEST_LAUNCH_ENV"
+    monkeypatch.setenv(name, "first")
+    assert asap_comm.launch(_pe_facts, 2, name, timeout=120)[0][0] == "first"  # the server may start here
+    monkeypatch.setenv(name, "second")
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        facts = asap_comm.launch(_pe_facts, 2, name, timeout=120)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    out, err = capfd.readouterr()
+    assert sorted(re.findall(r"PE (\d) says (\w+)", err)) == [("0", "second"), ("1", "second")]  # lines may mix
+    assert sorted(re.findall(r"PE (\d) out", out)) == ["0", "1"]
+    assert [f[0] for f in facts] == ["second", "second"]
+    assert {f[2] for f in facts} == {str(tmp_path)}
+    assert [f[3] for f in facts] == [{min(allowed)}] * 2  # the launcher's CPU affinity of the time
+    monkeypatch.delenv(name)
+    assert [f[0] for f in asap_comm.launch(_pe_facts, 2, name, timeout=120)] == [None, None]
+
+
+def test_launch_start_method_is_forkserver_or_spawn_as_asked(monkeypatch):
+    """Where the platform has it, PEs are forked from the fork server (their parent is not the launcher);
+    ``ASAP_START_METHOD=spawn`` starts each as a child of the launcher; any other value is refused before anything
+    is created."""
+    import multiprocessing as mp
+    import tempfile
+
+    if "forkserver" in mp.get_all_start_methods():
+        assert all(f[1] != os.getpid() for f in asap_comm.launch(_pe_facts, 2, "HOME", timeout=120))
+    monkeypatch.setenv("ASAP_START_METHOD", "spawn")
+    assert [f[1] for f in asap_comm.launch(_pe_facts, 2, "HOME", timeout=120)] == [os.getpid()] * 2
+    monkeypatch.setenv("ASAP_START_METHOD", "fork")
+    def made() -> tuple:  # what a launch makes: its store's directory, its segments
+        return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("asap-store-")}, shm_files("asap-")
+
+    before = made()
+    with pytest.raises(ValueError, match=r"launch: \$ASAP_START_METHOD='fork' is not one of \[.*'spawn'\]"):
+        asap_comm.launch(_pe_facts, 2, "HOME", timeout=120)
+    assert made() == before
+
+
 # --------------------------------------------------------------------------
 # launch: an unguarded script says so; ranks die with a launcher killed by a signal
 # --------------------------------------------------------------------------
@@ -175,12 +231,14 @@ def test_launch_without_main_guard_says_so(tmp_path):
 
 
 @pytest.mark.slow
-def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path):
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path, method):
     """A launcher killed by SIGKILL (or an unhandled SIGTERM) runs no cleanup: its ranks, daemonic children, used to
-    live on, polling forever. The ranks now get SIGHUP when it dies (Linux PR_SET_PDEATHSIG) and exit, even a rank
-    that ignores SIGTERM (as a service's workers do: with SIGTERM as the signal they outlived it), after removing
-    any of the group's shared-memory segments still named (a group's segments are unlinked once every peer has
-    mapped them, so only a launcher killed while the group starts could leave one)."""
+    live on, polling forever. The ranks now exit as soon as it is gone (a thread of each waits on its parent
+    sentinel), even a rank that ignores SIGTERM (as a service's workers do), after removing any of the group's
+    shared-memory segments still named (a group's segments are unlinked once every peer has mapped them, so only a
+    launcher killed while the group starts could leave one). With the fork server, the PEs' parent is the server,
+    which lives on while they do: a parent-death signal would never come."""
     import glob
     import signal
 
@@ -201,7 +259,8 @@ def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path):
             asap_comm.launch(work, 2, timeout=300)
     """))
     log = open(tmp_path / "launcher.log", "w")
-    p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                         env={**os.environ, "ASAP_START_METHOD": method})
     try:
         deadline = time.monotonic() + 120
         while (time.monotonic() < deadline and p.poll() is None
