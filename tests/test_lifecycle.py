@@ -196,14 +196,14 @@ def test_launch_start_method_is_forkserver_or_spawn_as_asked(monkeypatch):
     import multiprocessing as mp
     import tempfile
 
+    def made() -> tuple:  # what a launch makes: its store's directory, its segments
+        return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("asap-store-")}, shm_files("asap-")
+
     if "forkserver" in mp.get_all_start_methods():
         assert all(f[1] != os.getpid() for f in asap_comm.launch(_pe_facts, 2, "HOME", timeout=120))
     monkeypatch.setenv("ASAP_START_METHOD", "spawn")
     assert [f[1] for f in asap_comm.launch(_pe_facts, 2, "HOME", timeout=120)] == [os.getpid()] * 2
     monkeypatch.setenv("ASAP_START_METHOD", "fork")
-    def made() -> tuple:  # what a launch makes: its store's directory, its segments
-        return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("asap-store-")}, shm_files("asap-")
-
     before = made()
     with pytest.raises(ValueError, match=r"launch: \$ASAP_START_METHOD='fork' is not one of \[.*'spawn'\]"):
         asap_comm.launch(_pe_facts, 2, "HOME", timeout=120)
