@@ -174,17 +174,12 @@ def _guard_file() -> str:
     if _guard_path is not None and os.path.exists(_guard_path):
         open(_guard_path, "w").close()
         return _guard_path
+    from .bootstrap import unlink_quietly
+
     fd, _guard_path = tempfile.mkstemp(prefix="asap-launch-")
     os.close(fd)
-    atexit.register(_remove_quietly, _guard_path)
+    atexit.register(unlink_quietly, _guard_path)
     return _guard_path
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def _stop(procs, grace: float = 2.0) -> None:
