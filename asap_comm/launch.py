@@ -58,6 +58,8 @@ def _die_with_launcher(shm_prefix: str) -> None:
     SIGTERM: their front end stops them)."""
     import threading
 
+    from .bootstrap import unlink_quietly
+
     parent = mp.parent_process()
     if parent is None:  # not started by multiprocessing
         return
@@ -71,6 +73,8 @@ def _die_with_launcher(shm_prefix: str) -> None:
             except OSError:
                 pass
             _cleanup_segments(shm_prefix)
+            if os.environ.get(_GUARD_ENV):  # the dead launcher's guard file: its exit handler did not run
+                unlink_quietly(os.environ[_GUARD_ENV])
             os._exit(128 + signal.SIGHUP)  # as a hang-up: the other end is gone
 
     threading.Thread(target=watch, name="asap-launcher-watch", daemon=True).start()

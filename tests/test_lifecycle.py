@@ -252,7 +252,7 @@ def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path, method):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as asap_comm.serving.server's workers
             comm.empty((1024,))  # a heap segment in /dev/shm
             with open({str(pids)!r}, "a") as f:
-                f.write(f"{{os.getpid()}} {{comm._shm_prefix}}\\n")
+                f.write(f"{{os.getpid()}} {{comm._shm_prefix}} {{os.environ['ASAP_LAUNCH_GUARD_FILE']}}\\n")
             time.sleep(120)
 
         if __name__ == "__main__":
@@ -268,8 +268,9 @@ def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path, method):
             time.sleep(0.1)
         assert pids.exists(), (tmp_path / "launcher.log").read_text()[-3000:]
         lines = [x.split() for x in pids.read_text().splitlines()]
-        ranks = [int(pid) for pid, _ in lines]
-        (prefix,) = {pfx for _, pfx in lines}
+        ranks = [int(pid) for pid, _, _ in lines]
+        (prefix,) = {pfx for _, pfx, _ in lines}
+        (guard,) = {g for _, _, g in lines}
         assert len(ranks) == 2
     finally:
         p.send_signal(signal.SIGKILL)
@@ -287,6 +288,7 @@ def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path, method):
     for path in segments:
         os.unlink(path)
     assert not segments, f"the killed launcher's group left {segments}"
+    assert not os.path.exists(guard), "the killed launcher's guard file was left"
 
 
 # --------------------------------------------------------------------------
