@@ -2,9 +2,9 @@
 
 Usage::
 
-    python bench/bench_http.py [--out bench/results/http] [--quick] [--parts 1,2,3,4]
+    python bench/bench_http.py [--out bench/results/http] [--quick] [--parts 1,2,3,4,5]
 
-Four measurements, each against a baseline measured in the same run:
+Five measurements, each against a baseline measured in the same run:
 
 1. **Added latency at light load.** The same prompts (``small`` model,
    64 tokens, evenly spaced at 2 req/s) through the in-process trace replay
@@ -45,6 +45,16 @@ Four measurements, each against a baseline measured in the same run:
    (``--max-body-bytes``): what the bound protects. Target: p99 <= 50 ms
    under the default bound.
 
+5. **A flooding client beside a serial one** (``tiny``, A=2 + E=2, admission
+   bound 1024 tokens, chunk 256, budget 512, as the fault table's row): B
+   (127.0.0.1) sends 256-token calls one at a time, alone (32 calls) and
+   then while A (127.0.0.2) keeps 64 calls of 64 tokens in flight (150
+   calls); A's prompt tokens/s from ``/metrics`` over 4 s alone and over
+   B's calls. Settings alternate run by run, each in a fresh service: the
+   default against ``--refused-hold-s 0`` (a refused client's calls
+   answered at once, as before the hold). Per setting: B's p50 flooded over
+   alone per run, A's throughput beside B and its 429s; medians over runs.
+
 Writes ``http.json`` and ``http.md`` under ``--out``.
 """
 from __future__ import annotations
@@ -70,7 +80,7 @@ from asap_comm.serving.runtime_args import runtime_config_from_args
 from asap_comm.serving.sync import run_sync
 from asap_comm.serving.traces import FixedLengths, Request, scale_trace, synthetic_trace
 from asap_comm.sim.emulate import deploy, job  # the example's load, reference and SLO code
-from asap_comm.testing.service import hostile_scenario, ids_body
+from asap_comm.testing.service import Flood, hostile_scenario, ids_body
 from asap_models import StageFactory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -320,6 +330,92 @@ def markdown_hostile(h: dict) -> list:
     return out
 
 
+# ----------------------------------------------------------------------------- 5. a flooding client
+FLOOD_SETTINGS = (("default (held calls, --refused-hold-s 1)", []),
+                  ("--refused-hold-s 0 (429 at once)", ["--refused-hold-s", "0"]))
+
+
+def _prompt_tokens(url: str) -> float:
+    import httpx
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("asap_prompt_tokens_total"):
+            return float(line.split()[1])
+    raise RuntimeError("bench_http: /metrics has no asap_prompt_tokens_total")
+
+
+def _flood_run(extra: list, b_calls: int) -> dict:
+    import random
+
+    import httpx
+    args = ["--model", "tiny", "--port", "0", "--attention-ranks", "2", "--expert-ranks", "2", "--max-queued-tokens",
+            "1024", "--chunk-len", "256", "--token-budget", "512", "--request-timeout-s", "30", *extra]
+    svc = ServiceProcess(args, cwd=str(REPO))
+    try:
+        b = httpx.Client(base_url=svc.url, timeout=60, transport=httpx.HTTPTransport(local_address="127.0.0.1"))
+        rnd = random.Random(21)
+        prompts = [[rnd.randrange(0, 128) for _ in range(256)] for _ in range(16)]
+
+        def serial(n: int) -> list:
+            out = []
+            for i in range(n):
+                t = time.monotonic()
+                r = b.post("/v1/completions", json={"prompt": prompts[i % 16], "max_tokens": 1})
+                if r.status_code != 200:
+                    raise RuntimeError(f"bench_http: B's call answered {r.status_code}: {r.text[:200]}")
+                out.append(time.monotonic() - t)
+            return out
+
+        serial(4)  # warm
+        alone = serial(32)
+        with Flood(svc.url, 64, 64, 8.0 + b_calls * 0.1) as flood:
+            time.sleep(2.0)
+            k0, t0 = _prompt_tokens(svc.url), time.monotonic()
+            time.sleep(4.0)
+            k1, t1 = _prompt_tokens(svc.url), time.monotonic()
+            flooded = serial(b_calls)
+            k2, t2 = _prompt_tokens(svc.url), time.monotonic()
+        b.close()
+    finally:
+        svc.stop()
+    a_alone, a_beside = (k1 - k0) / (t1 - t0), (k2 - k1 - b_calls * 256) / (t2 - t1)
+    return {"b_alone_p50_s": statistics.median(alone), "b_flooded_p50_s": statistics.median(flooded),
+            "b_ratio": statistics.median(flooded) / statistics.median(alone),
+            "a_tok_s_alone": a_alone, "a_tok_s_beside_b": a_beside, "b_tok_s": b_calls * 256 / (t2 - t1),
+            "a_counts": flood.counts}
+
+
+def flooding_client(quick: bool) -> dict:
+    runs, b_calls = (1, 60) if quick else (3, 150)
+    rows: dict = {name: [] for name, _ in FLOOD_SETTINGS}
+    for i in range(runs):
+        for name, extra in FLOOD_SETTINGS:  # alternating: the host's noise falls on both
+            log(f"5/5 flooding client, run {i + 1}/{runs}: {name} ...")
+            r = _flood_run(extra, b_calls)
+            log(f"    B {r['b_alone_p50_s'] * 1e3:.1f} -> {r['b_flooded_p50_s'] * 1e3:.1f} ms ({r['b_ratio']:.2f}x); "
+                f"A {r['a_tok_s_alone']:.0f} -> {r['a_tok_s_beside_b']:.0f} tok/s; A's answers {r['a_counts']}")
+            rows[name].append(r)
+    summary = {name: {"b_ratio_median": statistics.median(r["b_ratio"] for r in rs),
+                      "b_ratios": [r["b_ratio"] for r in rs],
+                      "a_tok_s_beside_b_median": statistics.median(r["a_tok_s_beside_b"] for r in rs),
+                      "a_429_median": statistics.median(r["a_counts"].get("429", 0) for r in rs)}
+               for name, rs in rows.items()}
+    return {"runs": rows, "summary": summary, "b_calls": b_calls, "target_b_ratio": 2.0}
+
+
+def markdown_flood(f: dict) -> list:
+    out = ["## 5. A flooding client beside a serial one (`tiny`, bound 1024; A: 64 calls of 64 tokens in flight, "
+           f"B: {f['b_calls']} calls of 256 one at a time)", "",
+           "| setting | B flooded / alone, per run | median | A tok/s beside B (median) | A's 429s per run (median) |",
+           "|---|---|---|---|---|"]
+    for name, s in f["summary"].items():
+        out.append(f"| {name} | {', '.join(f'{x:.2f}x' for x in s['b_ratios'])} | **{s['b_ratio_median']:.2f}x** | "
+                   f"{s['a_tok_s_beside_b_median']:,.0f} | {s['a_429_median']:,.0f} |")
+    met = [name for name, s in f["summary"].items() if max(s["b_ratios"]) <= f["target_b_ratio"]]
+    out += ["", f"Target: B's p50 within {f['target_b_ratio']:g}x of alone in every run: "
+            + (f"met by {', '.join(met)}." if met else "**not met** by either setting in every run."), ""]
+    return out
+
+
 def markdown(res: dict) -> str:
     """The tables of whichever measurements ``res`` holds."""
     out: list = []
@@ -331,6 +427,8 @@ def markdown(res: dict) -> str:
         out += _markdown_slo(res["slo"])
     if "hostile_bodies" in res:
         out += markdown_hostile(res["hostile_bodies"])
+    if "flooding_client" in res:
+        out += markdown_flood(res["flooding_client"])
     return "\n".join(out)
 
 
@@ -390,7 +488,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/http")
     ap.add_argument("--quick", action="store_true", help="fewer requests and rates (a smoke run)")
-    ap.add_argument("--parts", default="1,2,3,4", help="which measurements to run")
+    ap.add_argument("--parts", default="1,2,3,4,5", help="which measurements to run")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -406,6 +504,8 @@ def main(argv=None) -> int:
         res["capacity"] = capacity(args.quick)
     if 3 in parts:
         res["slo"] = slo_throughput(args.quick)
+    if 5 in parts:
+        res["flooding_client"] = flooding_client(args.quick)
     res["wall_s"] = time.monotonic() - t0
     name = "http" if {1, 2, 3} <= parts else "http-parts-" + "".join(str(p) for p in sorted(parts))
     (out / f"{name}.json").write_text(json.dumps(res, indent=2, default=str))

@@ -2,6 +2,7 @@
 waiting room, the front end's per-client turns past admission, the body budget's reserve and per-client cap, the connection guard's timeouts and limit, the
 accept-error log filter, the stale-segment sweep, and the API key's whitespace."""
 import argparse
+import asyncio
 import logging
 import os
 import resource
@@ -13,7 +14,7 @@ import torch
 from asap_comm.serving.frontend import FrontEnd
 from asap_comm.serving.runtime import RuntimeConfig
 from asap_comm.serving.server import build_parser, service_options
-from asap_comm.serving.server.fairness import FairRoom, FairWaiter
+from asap_comm.serving.server.fairness import MAX_HELD_PER_CLIENT, FairRoom, FairWaiter, HeldCalls
 from asap_comm.serving.server.frontdoor import (AcceptErrorFilter, ConnectionGuard, check_connection_limit,
                                                 default_max_connections, remove_stale_segments)
 from asap_comm.serving.server.options import ServiceOptions
@@ -61,6 +62,102 @@ def test_fair_room_expires_at_the_head_and_a_newcomer_pushes_out_the_flooder():
     assert expired == [old] and admit == [] and len(room2) == 0 and room2.clients() == set()
     with pytest.raises(ValueError, match="max_tokens"):
         FairRoom(0, 1)
+
+
+def test_fair_room_knows_a_client_at_its_share():
+    room = FairRoom(max_tokens=1000, max_calls=10)
+    assert not room.holds_share("A")
+    for _ in range(9):
+        room.add(_w("A", 100))
+    assert not room.holds_share("A") and not room.holds_share("B")  # alone, A's share is the whole room
+    room.add(_w("A", 100))
+    assert room.holds_share("A")  # 1000 tokens: its whole share (and a newcomer may push it out)
+    assert not room.holds_share("B")  # B holds nothing of its share of 500
+    room.add(_w("B", 100))  # pushes out A's newest
+    assert room.holds_share("A") and not room.holds_share("B")
+    calls = FairRoom(max_tokens=10_000, max_calls=4)
+    for _ in range(4):
+        calls.add(_w("A", 1))
+    assert calls.holds_share("A")  # by calls: 4 of 4
+
+
+def test_held_calls_of_a_refused_client_leave_one_at_a_time_as_the_room_frees():
+    async def main():
+        room = FairRoom(max_tokens=300, max_calls=10)
+        held = HeldCalls(room, hold_s=30.0)
+        waiters = [_w("A", 100) for _ in range(3)]
+        for w in waiters:
+            room.add(w)
+        assert await held.hold("A") is None  # never refused yet: not held
+        assert room.add(_w("A", 100)) is None  # the full room refuses A's next call
+        held.refused("A")
+        assert await held.hold("B") is None  # another client is never held
+        tasks = [asyncio.ensure_future(held.hold("A")) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert len(held) == 3 and not any(t.done() for t in tasks)
+        held.release()
+        await asyncio.sleep(0.01)
+        assert not any(t.done() for t in tasks)  # the room is still full
+        room.remove(waiters[0])  # admitted: a place is free
+        held.release()
+        held.release()  # one leaves per client at a time, however often the room is looked at
+        await asyncio.sleep(0.01)
+        assert [t.done() for t in tasks] == [True, False, False] and len(held) == 2
+        first = tasks[0].result()
+        room.add(_w("A", 100))  # it reached the room (the room is full again)
+        held.unhold("A", first)
+        held.unhold("A", first)  # twice does nothing more
+        await asyncio.sleep(0.01)
+        assert [t.done() for t in tasks] == [True, False, False]
+        room.remove(waiters[1])
+        held.release()
+        await asyncio.sleep(0.01)
+        assert [t.done() for t in tasks] == [True, True, False]
+        held.unhold("A", tasks[1].result())  # failed before the room (a bad body): the next may leave
+        await asyncio.sleep(0.01)
+        assert [t.done() for t in tasks] == [True, True, True] and len(held) == 0 and held.queues == {}
+        # the service fails or stops: every held call goes on at once
+        room.add(_w("A", 100))
+        more = [asyncio.ensure_future(held.hold("A")) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        assert len(held) == 2
+        held.release_all()
+        await asyncio.sleep(0.01)
+        assert all(t.done() for t in more) and len(held) == 0
+        # one client holds at most MAX_HELD_PER_CLIENT calls: its next ones are answered at once
+        many = [asyncio.ensure_future(held.hold("A")) for _ in range(MAX_HELD_PER_CLIENT)]
+        await asyncio.sleep(0.01)
+        assert len(held) == MAX_HELD_PER_CLIENT and await held.hold("A") is None
+        held.release_all()
+        await asyncio.gather(*many)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_held_calls_wait_at_most_the_hold_and_never_with_hold_zero():
+    async def main():
+        room = FairRoom(max_tokens=100, max_calls=10)
+        room.add(_w("A", 100))
+        held = HeldCalls(room, hold_s=0.2)
+        held.refused("A")
+        t = time.monotonic()
+        assert await held.hold("A") is not None  # held, and nobody released it: its time ran out
+        assert time.monotonic() - t >= 0.19 and len(held) == 0 and held.queues == {}
+        off = HeldCalls(room, hold_s=0)
+        off.refused("A")
+        assert await off.hold("A") is None
+        held.refused("A")
+        await asyncio.sleep(0.25)
+        assert await held.hold("A") is None  # its last refusal is older than the hold
+        with pytest.raises(ValueError, match="hold_s=-1"):
+            HeldCalls(room, -1)
+        with pytest.raises(ValueError, match="refused_hold_s=-0.5"):
+            ServiceOptions(refused_hold_s=-0.5)
+        args = build_parser().parse_args(["--model", "tiny", "--refused-hold-s", "0.25"])
+        assert service_options(args, {}).refused_hold_s == 0.25
+        assert service_options(build_parser().parse_args(["--model", "tiny"]), {}).refused_hold_s == 1.0
+
+    asyncio.run(asyncio.wait_for(main(), 30))
 
 
 def test_fair_room_remove_and_take_all_keep_the_counts():

@@ -75,8 +75,11 @@ Behaviour (statuses of ``/v1/completions``):
   and 1024 calls; a call that finds it full gets 429 with ``Retry-After``
   (seconds, from the recent token throughput), unless its client holds less
   than its share of the room: then the newest calls of the client holding
-  the most get the 429. Past admission, each attention rank holds at most
-  ``--max-rank-calls`` requests (8; 0: no bound) and the front end sends the
+  the most get the 429. A client refused so, while it still holds its share,
+  has its next small calls held unread in their connections (at most 64, up
+  to ``--refused-hold-s``, default 1 s; they leave one at a time as the room
+  frees: ``fairness.HeldCalls``). Past admission, each attention rank holds at most
+  ``--max-rank-calls`` requests (default 0: no bound) and the front end sends the
   next one from the client with the fewest requests in flight
   (``frontend.RankQueue``). Memory: admitted + waiting prompt tokens, plus the
   body bound above; the HTTP layer holds nothing else per request.

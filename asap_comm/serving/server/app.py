@@ -193,8 +193,16 @@ class HttpApp:
             err = self.svc.unavailable()
             if err is not None:
                 raise err
-            call = await self._read_call(request, arrived)
-            rids, futs = await self.svc.admit(call, arrived, client_of(request))
+            client = client_of(request)
+            held = None  # a small body of a refused client waits in its connection (.fairness.HeldCalls)
+            if (request.content_length or 0) <= INLINE_BYTES:
+                held = await self.svc.held.hold(client)
+            try:
+                call = await self._read_call(request, arrived)
+                rids, futs = await self.svc.admit(call, arrived, client, held)
+            finally:
+                if held is not None:
+                    self.svc.held.unhold(client, held)
             if given is None:  # unique across restarts: a random prefix per start
                 request["asap_request_id"] = f"{self.svc.id_prefix}-{rids[0]}"
         except HttpError as e:

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "(RLIMIT_NOFILE) less 128; must be below it")
     ap.add_argument("--min-body-rate", type=int, default=16384,
                     help="bytes per second a request body must arrive at, averaged over every 5 s (408 otherwise)")
+    ap.add_argument("--refused-hold-s", type=float, default=1.0,
+                    help="a client whose call got 429 from the full waiting room while it held its share of it: "
+                         "its next small calls wait unread in their connections, up to this long, until it no "
+                         "longer holds its share (a flooding client's retries cost one call per hold, not one "
+                         "per retry); 0: answer them at once")
     ap.add_argument("--worker-stall-s", type=float, default=10.0,
                     help="/health answers 503 naming a worker whose heartbeat is older than this (not a failure)")
     ap.add_argument("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM/Ctrl-C: in-flight grace")
@@ -114,7 +119,7 @@ def service_options(args, environ) -> ServiceOptions:
                           max_waiting_tokens=args.max_waiting_tokens, worker_stall_s=args.worker_stall_s,
                           header_timeout_s=args.header_timeout_s, idle_timeout_s=args.idle_timeout_s,
                           max_connections=args.max_connections, min_body_rate=args.min_body_rate, api_key=api_key,
-                          max_rank_calls=args.max_rank_calls or None)
+                          max_rank_calls=args.max_rank_calls or None, refused_hold_s=args.refused_hold_s)
 
 
 def main(argv=None) -> int:

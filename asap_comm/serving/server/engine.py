@@ -26,7 +26,7 @@ from ...errors import TimeoutError as CommTimeoutError
 from ..frontend import FrontEnd, Rejected
 from ..heartbeat import Heartbeats
 from ..waiting_room import MAX_WAITING_CALLS
-from .fairness import LINGER_S, FairRoom, FairWaiter
+from .fairness import LINGER_S, FairRoom, FairWaiter, HeldCalls
 from .metrics import ServiceMetrics
 from .options import ServiceOptions
 from .schemas import HttpError
@@ -53,6 +53,7 @@ class Engine:
         self.client_tokens: dict = {}  # client -> its admitted prompt tokens
         self.client_of: dict = {}  # request id -> (client, its prompt tokens)
         self.linger: dict = {}  # client -> until when it counts as active after its last call ended
+        self.held = HeldCalls(self.room, opts.refused_hold_s)  # a refused client's next calls wait unread
         self.id_prefix = secrets.token_hex(4)  # response ids: unique across restarts
         self.beats = Heartbeats(ch.stats.table, range(comm.world_size - 1))
         self.stalled: set = set()  # PEs reported stalled (for the log's transitions)
@@ -218,6 +219,7 @@ class Engine:
     def _drain_room(self) -> None:
         """Admit waiting calls in turn while they fit (``.fairness``); answer those whose deadline passed."""
         if not len(self.room):
+            self.held.release()
             return
         admit, expired = self.room.take_ready(self.opts.max_queued_tokens - self.fe.queued_tokens,
                                               self.client_tokens, self.share(), time.monotonic())
@@ -228,17 +230,20 @@ class Engine:
         for w in admit:
             if not w.future.done():
                 w.future.set_result(self._start(w.call, w.deadline, w.client))
+        self.held.release()
 
     def _empty_room(self, err: HttpError) -> None:
-        """Answer every waiting call with ``err`` (the service failed or stops)."""
+        """Answer every waiting call with ``err`` (the service failed or stops); held calls go on to get it."""
+        self.held.release_all()
         for w in self.room.take_all():
             if not w.future.done():
                 w.future.set_exception(err)
 
-    async def admit(self, call, arrived: float, client: str = "") -> tuple:
+    async def admit(self, call, arrived: float, client: str = "", held=None) -> tuple:
         """Admit every prompt of a call of ``client``, or none: ``(request ids, futures)``. 413 past the bound on
         its own; waits its turn in the room (``.fairness``) when it may not start now; 429 when the room is
-        full (and the client holds its share of it)."""
+        full (and the client holds its share of it). ``held``: the call's hold, if ``self.held`` held it
+        (``.fairness.HeldCalls``)."""
         fe, bound, total = self.fe, self.opts.max_queued_tokens, call.num_tokens
         if total > bound:
             raise HttpError(413, f"prompt: {total} prompt tokens in one call are more than the admission bound of "
@@ -250,13 +255,17 @@ class Engine:
         deadline = arrived + self.opts.request_timeout_s
         w = FairWaiter(total, deadline, call.prompts, asyncio.get_running_loop().create_future(), client)
         pushed = self.room.add(w)
+        if held is not None:  # a held call of this client reached the room: the next may leave
+            self.held.unhold(client, held)
         if pushed is None:
+            self.held.refused(client)
             raise HttpError(429, f"over the admission bound: {fe.queued_tokens} prompt tokens in flight (bound "
                                  f"{bound}) and {self.room.tokens} in {len(self.room)} waiting call(s) (bound "
                                  f"{self.room.max_tokens} tokens, {self.room.max_calls} calls; this client "
                                  f"holds {self.room.held.get(client, 0)} of them); {total} more do not fit; retry "
                                  "later", retry_after=self.retry_after_s())
         for p in pushed:  # counted by the route that answers them
+            self.held.refused(p.client)
             if not p.future.done():
                 p.future.set_exception(HttpError(429, f"this call waited in a full waiting room while its client "
                                                       f"({p.client}) held more than its share of it; a call of "

@@ -23,15 +23,30 @@ bound got 413 before):
 
 A call is admitted at once exactly when it would be admitted at the head of
 its turn: the engine adds it and runs the turns.
+
+* **Held calls** (:class:`HeldCalls`, ``--refused-hold-s``). A client whose
+  call got 429 from the full room, and that still holds its share of it,
+  has its next calls held before their bodies are read (small ones: a held
+  body waits in its connection), for up to ``refused_hold_s``. They leave
+  one at a time, first held first, each as soon as the client no longer
+  holds its share and the one before it reached the room; at most
+  ``MAX_HELD_PER_CLIENT`` per client (a held call's connection is busy, which
+  the connection limit cannot reclaim). A client that
+  keeps more calls open than its share then costs the front end one call
+  per freed place, or per hold, instead of one per retry (docs/server.md
+  has the measurement).
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["FairWaiter", "FairRoom", "LINGER_S"]
+__all__ = ["FairWaiter", "FairRoom", "HeldCalls", "LINGER_S", "MAX_HELD_PER_CLIENT"]
 
 LINGER_S = 1.0  # a client stays active this long after its last call ended
+MAX_HELD_PER_CLIENT = 64  # calls of one client held at once (HeldCalls); more are answered at once
 
 
 @dataclass(eq=False)
@@ -70,6 +85,13 @@ class FairRoom:
 
     def has_room(self, tokens: int) -> bool:
         return self.calls < self.max_calls and self.tokens + tokens <= self.max_tokens
+
+    def holds_share(self, client: str) -> bool:
+        """Whether ``client`` holds its share of the room (``max_tokens`` or ``max_calls`` over the clients
+        waiting, itself counted) or more: a call of it that finds the room full makes no room (:meth:`add`)."""
+        n = len(self.queues) + (client not in self.queues)
+        return (self.held.get(client, 0) >= self.max_tokens / n
+                or len(self.queues.get(client, ())) >= self.max_calls / n)
 
     def add(self, w: FairWaiter) -> "list | None":
         """Queue ``w`` last among its client's calls, making room if the room is full and ``w``'s client holds no
@@ -173,3 +195,74 @@ class FairRoom:
         self.held.clear()
         self.tokens = self.calls = 0
         return out
+
+
+class HeldCalls:
+    """The calls held before their bodies are read (module docstring, "Held calls"), over one :class:`FairRoom`
+    (``room``). One asyncio loop owns it: :meth:`refused` when a call of a client got 429 from the full room
+    (or was pushed out of it); ``hold = await held.hold(client)`` before a call's body is read (None: not held);
+    :meth:`unhold` once that call reached the room (``room.add``, whatever it answered) or failed before;
+    :meth:`release` whenever the room may have lost calls (its owner admitted or removed some)."""
+
+    def __init__(self, room: FairRoom, hold_s: float) -> None:
+        if not (isinstance(hold_s, (int, float)) and hold_s >= 0):
+            raise ValueError(f"HeldCalls: hold_s={hold_s!r} must be a number of seconds >= 0 (0: never hold)")
+        self.room, self.hold_s = room, float(hold_s)
+        self.refused_at: dict = {}  # client -> when a call of it last got 429 from the full room
+        self.queues: dict = {}  # client -> futures of its held calls, first held first
+        self.leaving: dict = {}  # client -> the future of its released call that has not reached the room yet
+        self.count = 0  # calls held now
+
+    def __len__(self) -> int:
+        return self.count
+
+    def refused(self, client: str) -> None:
+        now = time.monotonic()
+        if len(self.refused_at) > 1024:
+            self.refused_at = {c: t for c, t in self.refused_at.items() if now - t <= self.hold_s}
+        self.refused_at[client] = now
+
+    async def hold(self, client: str) -> "asyncio.Future | None":
+        """Wait while ``client`` was refused within the last ``hold_s`` and holds its share of the room, until
+        this call's turn to leave comes or ``hold_s`` passed; None at once if it is not held. Else the call's
+        hold, for :meth:`unhold`."""
+        at = self.refused_at.get(client)
+        if not self.hold_s or at is None or time.monotonic() - at > self.hold_s or not self.room.holds_share(client):
+            return None
+        q = self.queues.setdefault(client, deque())
+        if len(q) >= MAX_HELD_PER_CLIENT:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        q.append(fut)
+        self.count += 1
+        try:
+            await asyncio.wait({fut}, timeout=self.hold_s)
+        finally:
+            self.count -= 1
+            if not fut.done():  # its time is up (or its caller left): it goes on without its turn
+                fut.cancel()
+                q.remove(fut)
+            if not q and self.queues.get(client) is q:
+                del self.queues[client]
+        return fut
+
+    def unhold(self, client: str, hold) -> None:
+        """The call of ``hold`` reached the room or failed: ``client``'s next held call may leave. Once per hold is
+        enough; more calls do nothing."""
+        if self.leaving.get(client) is hold:
+            del self.leaving[client]
+            self.release()
+
+    def release_all(self) -> None:
+        """Let every held call go on now (the service failed or stops: they get its answer at once)."""
+        for q in self.queues.values():
+            while q:
+                q.popleft().set_result(None)
+
+    def release(self) -> None:
+        """Let the first held call of each client that no longer holds its share of the room leave, one per
+        client at a time."""
+        for client, q in self.queues.items():
+            if q and client not in self.leaving and not self.room.holds_share(client):
+                fut = self.leaving[client] = q.popleft()
+                fut.set_result(None)

@@ -38,6 +38,9 @@ class ServiceMetrics:
         self.waiting_tokens = Gauge("asap_waiting_prompt_tokens", "Prompt tokens of the calls in the waiting "
                                     "room (bounded by --max-waiting-tokens)", registry=r)
         self.waiting_tokens.set_function(lambda: svc.room.tokens)
+        self.held = Gauge("asap_num_calls_held", "Calls held unread: their client got 429 from the full waiting "
+                          "room and still holds its share of it (--refused-hold-s)", registry=r)
+        self.held.set_function(lambda: len(svc.held))
         self.closed = Counter("asap_connections_closed", "Connections the service closed by reason (header_timeout, "
                               "idle, evicted: the oldest idle one at --max-connections, refused: 503 at the limit)",
                               ["reason"], registry=r)

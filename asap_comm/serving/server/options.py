@@ -19,7 +19,9 @@ class ServiceOptions:
     :func:`~.frontdoor.default_max_connections`), and a body must arrive at ``min_body_rate`` bytes/s or more
     (averaged over every ``request.BODY_RATE_WINDOW_S``; 408 otherwise). ``max_rank_calls``: the requests an
     attention rank holds at once (a chunk sent, no result yet; the others wait in the front end, where the
-    clients' chunks take turns: ``frontend.FrontEnd``); None: no bound."""
+    clients' chunks take turns: ``frontend.FrontEnd``); None: no bound. ``refused_hold_s``: how long a call
+    of a client refused a place in the full waiting room is held, unread, while its client still holds its
+    share of the room (``fairness.HeldCalls``); 0: never held."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -38,6 +40,7 @@ class ServiceOptions:
     max_connections: "int | None" = None
     min_body_rate: int = 16384
     max_rank_calls: "int | None" = None
+    refused_hold_s: float = 1.0
     api_key: "str | None" = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +57,10 @@ class ServiceOptions:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"ServiceOptions: {name}={v!r} must be a positive number of seconds")
+        if not (isinstance(self.refused_hold_s, (int, float)) and math.isfinite(self.refused_hold_s)
+                and self.refused_hold_s >= 0):
+            raise ValueError(f"ServiceOptions: refused_hold_s={self.refused_hold_s!r} must be a number of seconds "
+                             ">= 0 (0: never hold)")
         if self.mode not in ("async", "sync"):
             raise ValueError(f"ServiceOptions: mode={self.mode!r} must be 'async' or 'sync'")
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
