@@ -15,7 +15,8 @@ from asap_comm.serving.slo import SLO_MULTIPLIER, auto_slo, p90_prompt_len
 # a value other than the default for every value flag (the switches are --no-<name>: given, the field is False)
 OTHER = {"num_attention_ranks": 3, "num_expert_ranks": 5, "token_budget": 96, "max_prompt_len": 4000,
          "chunk_len": 48, "expert_token_budget": 77, "expert_deadline_s": 0.25, "lane_threshold": 300,
-         "lane_groups": 2, "lane_tokens": 1234, "lane_wait_s": 1.5, "spare_expert_ranks": 1, "sync_collectives": "shm"}
+         "lane_groups": 2, "lane_tokens": 1234, "lane_wait_s": 1.5, "lane_chunks": "cost", "spare_expert_ranks": 1,
+         "sync_collectives": "shm"}
 # the switches that are off by default (--<name>: given, the field is True)
 SWITCHES = {"attention_failover"}
 # fields a command sets itself, not a flag of the runtime's (the run's bound and progress line, the placer's weight

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from asap_comm.serving.frontend import FrontEnd
-from asap_comm.serving.lane import FrontLane, LanePool, lane_active, lane_tokens
-from asap_comm.serving.policies import Chunk, MicroBatcher, Placer, split_prompt
+from asap_comm.serving.lane import FrontLane, LanePool, lane_active, lane_groups, lane_split, lane_tokens
+from asap_comm.serving.policies import Chunk, MicroBatcher, Placer, attention_cost, split_equal_cost, split_prompt
 from asap_comm.serving.runtime import PromptRequest, RuntimeConfig, run_async
 
 from serving_utils import CFG, INFO, TinyFactory, check_against_reference, make_trace
@@ -170,6 +170,42 @@ def test_runtime_config_lane_tokens_is_checked():
     assert not lane_active(_cfg(lane_tokens=16), INFO)  # a pool of one chunk holds no lane
 
 
+def test_split_equal_cost_balances_attention_cost_and_keeps_the_bounds():
+    w = 3473.0
+    chunks = split_equal_cost(7, 85401, 24, w)
+    assert [c.index for c in chunks] == list(range(24)) and all(c.request_id == 7 and c.num_chunks == 24
+                                                               for c in chunks)
+    assert chunks[0].start == 0 and all(a.start + a.length == b.start for a, b in zip(chunks, chunks[1:]))
+    assert chunks[-1].start + chunks[-1].length == 85401
+    costs = [attention_cost(c.length, c.start, w) for c in chunks]
+    assert max(costs) / min(costs) < 1.01  # equal cost
+    assert all(a.length > b.length for a, b in zip(chunks, chunks[1:]))  # so later chunks are shorter
+    capped = split_equal_cost(7, 85401, 24, w, max_len=4096)
+    assert max(c.length for c in capped) == 4096 and sum(c.length for c in capped) == 85401
+    tail = [attention_cost(c.length, c.start, w) for c in capped if c.length < 4096]
+    assert max(tail) / min(tail) < 1.01  # the chunks after the capped ones share the rest equally
+    assert [c.length for c in split_equal_cost(0, 5, 5, 0.0)] == [1] * 5
+    with pytest.raises(ValueError, match="num_chunks=6 is more than prompt_len=5"):
+        split_equal_cost(0, 5, 6)
+    with pytest.raises(ValueError, match="cannot hold prompt_len=100"):
+        split_equal_cost(0, 100, 3, max_len=32)
+    with pytest.raises(ValueError, match="linear_weight=-1"):
+        split_equal_cost(0, 100, 3, -1)
+
+
+def test_lane_split_by_tokens_or_by_cost_and_its_groups():
+    tok, cost = _cfg(), _cfg(lane_chunks="cost", placer_linear_weight=8.0)
+    assert lane_split(tok, 3, 100, 3) == split_prompt(3, 100, 16)  # 7 chunks of near-equal length
+    assert lane_groups(tok, 3, 7) == 3 and lane_groups(tok, 5, 2) == 2
+    assert lane_groups(cost, 5, 2) == 4 and lane_groups(_cfg(lane_chunks="cost", lane_groups=2), 5, 2) == 2
+    chunks = lane_split(cost, 3, 100, 3)  # two per group would be 6: the 7 of equal length are more
+    assert len(chunks) == 7 and max(c.length for c in chunks) <= 16 and chunks[0].length > chunks[-1].length
+    assert chunks == split_equal_cost(3, 100, 7, 8.0, max_len=16)
+    assert len(lane_split(cost, 3, 40, 3)) == 6  # 3 equal-length chunks, but two per group
+    with pytest.raises(ValueError, match="lane_chunks='rows'"):
+        _cfg(lane_chunks="rows")
+
+
 # ----------------------------------------------------------------------------- the runtime
 
 @pytest.mark.slow
@@ -185,6 +221,20 @@ def test_lane_outputs_equal_the_reference_and_chunks_run_on_several_ranks(ranks)
     assert len(_lane_pes(result, 0)) == ranks
     assert len(_lane_pes(result, 1)) >= 2
     assert not any(_lane_pes(result, i) for i in range(2, len(requests)))
+
+
+@pytest.mark.slow
+def test_lane_chunks_of_equal_cost_keep_the_outputs_and_spread_over_more_ranks():
+    # lane_chunks="cost": a 100-token prompt (7 chunks of 16 by length) in 7 chunks of equal cost, later ones
+    # shorter; a 40-token one (3 by length) in 6, two per rank of 3; every output equals the reference, the KV
+    # of each comes from every rank, and the ranks import exactly the rows the front end's split says
+    requests = [_prompt(0, 100), _prompt(1, 40, 0.05)] + [_prompt(i, 9, 0.01 * i) for i in range(2, 5)]
+    cfg = _cfg(lane_threshold=30, lane_chunks="cost", placer_linear_weight=8.0, lane_tokens=256)
+    result = run_async(TinyFactory(), INFO, requests, cfg)
+    assert [r.error for r in result.records] == [None] * len(requests)
+    assert check_against_reference(requests, result) == []
+    assert len(_lane_pes(result, 0)) == 3 and len(_lane_pes(result, 1)) == 3
+    assert not any(_lane_pes(result, i) for i in range(2, 5))
 
 
 @pytest.mark.slow

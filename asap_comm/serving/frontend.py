@@ -22,7 +22,7 @@ from ..errors import PeerFailure
 from ..errors import TimeoutError as CommTimeoutError
 from .failover import READMIT_BASE, FrontAttention, FrontFailover
 from .metrics import RequestRecord
-from .lane import FrontLane
+from .lane import FrontLane, lane_split
 from .patience import DeathWatch
 from .policies import Placer, split_prompt
 from .protocol import CANCEL, HDR, STOP, PromptRequest, decode_result, encode_cancel, encode_chunk, mark_urgent, request_mailbox
@@ -365,6 +365,8 @@ class FrontEnd:
                 return
             request_id, token_ids, chunks = self.lane.waiting.popleft()
             g = self.lane.groups(len(chunks))
+            chunks = lane_split(self.cfg, request_id, a.tokens, g)  # equal-length ones as waiting, or by cost
+            a.chunks = a.unsent = len(chunks)
             ranks = self.placer.place_lane(request_id, chunks, g)
             word, extra = self.lane.open(request_id, a.tokens, ranks)
             now = time.monotonic()

@@ -40,10 +40,10 @@ import torch
 
 from ..errors import TimeoutError as CommTimeoutError
 from .hooks import model_hooks
-from .policies import split_prompt
+from .policies import check_linear_weight, split_equal_cost, split_prompt
 
-__all__ = ["LANE_WORDS", "lane_active", "lane_slots", "lane_tokens", "chunk_may_start", "LanePool", "LaneBuffers",
-           "FrontLane", "LaneRank", "LaneWait", "LaneAborted"]
+__all__ = ["LANE_WORDS", "lane_active", "lane_slots", "lane_tokens", "lane_split", "lane_groups", "chunk_may_start",
+           "LanePool", "LaneBuffers", "FrontLane", "LaneRank", "LaneWait", "LaneAborted"]
 
 LANE_WORDS = 4  # seq, prompt length, first row in the KV pool, number of ranks (then the ranks)
 
@@ -53,6 +53,27 @@ def lane_active(cfg, info) -> bool:
     least 2 attention ranks, and a model whose KV row width is known (``ModelInfo.kv_row_width``)."""
     return (cfg.long_prompt_lane and cfg.effective_chunk_len is not None and cfg.num_attention_ranks >= 2
             and info.kv_row_width > 0 and min(cfg.max_prompt_len, lane_tokens(cfg)) > cfg.effective_chunk_len)
+
+
+def lane_groups(cfg, ranks: int, num_chunks: int) -> int:
+    """How many of ``ranks`` attention ranks a lane prompt of ``num_chunks`` equal-length chunks shares:
+    ``lane_groups`` (0: all) and no more than its chunks, or twice them with ``lane_chunks="cost"``."""
+    want = 2 * num_chunks if cfg.lane_chunks == "cost" else num_chunks
+    return min(cfg.lane_groups or ranks, ranks, want)
+
+
+def lane_split(cfg, request_id: int, n_tokens: int, groups: int, linear_weight: "float | None" = None) -> list:
+    """The chunks of a lane prompt of ``n_tokens`` on ``groups`` ranks (chunk ``j`` on the ``j % groups``-th):
+    ``lane_chunks="tokens"``, ``split_prompt`` (near-equal lengths of at most ``chunk_len``); ``"cost"``, two per
+    rank (at least as many as ``split_prompt`` gives) of near-equal attention cost, later ones shorter, none
+    longer than ``chunk_len`` (``split_equal_cost``; ``linear_weight``: the placer's, None: the config's). The
+    front end and every lane rank call it with the same arguments, so they agree on every chunk."""
+    chunks = split_prompt(request_id, n_tokens, cfg.effective_chunk_len)
+    if cfg.lane_chunks == "tokens":
+        return chunks
+    w = check_linear_weight("lane_split", cfg.placer_linear_weight if linear_weight is None else linear_weight)
+    n = min(n_tokens, max(len(chunks), 2 * groups))
+    return split_equal_cost(request_id, n_tokens, n, w, max_len=cfg.effective_chunk_len)
 
 
 def lane_slots(cfg) -> int:
@@ -143,7 +164,10 @@ def chunk_may_start(index: int, ranks: list, me: int, has_put) -> bool:
 
 
 def _max_chunks(cfg) -> int:
-    return -(-cfg.max_prompt_len // cfg.effective_chunk_len)
+    n = -(-cfg.max_prompt_len // cfg.effective_chunk_len)
+    if cfg.lane_chunks == "cost":  # two per lane rank when that is more
+        n = max(n, 2 * min(cfg.lane_groups or cfg.num_attention_ranks, cfg.num_attention_ranks))
+    return n
 
 
 class LaneBuffers:
@@ -209,8 +233,8 @@ class FrontLane:
         self.W = live
 
     def groups(self, num_chunks: int) -> int:
-        """How many ranks a lane prompt of ``num_chunks`` chunks shares."""
-        return min(self.cfg.lane_groups or self.W, self.W, num_chunks)
+        """How many ranks a lane prompt of ``num_chunks`` equal-length chunks shares (:func:`lane_groups`)."""
+        return lane_groups(self.cfg, self.W, num_chunks)
 
     def fits(self, n_tokens: int) -> bool:
         """A lane of ``n_tokens`` could open now, and none waits before it."""
@@ -299,7 +323,7 @@ class LaneRank:
         ranks = [int(x) for x in toks[LANE_WORDS:LANE_WORDS + g].tolist()]
         rid = chunk.request_id
         if rid not in self.lanes:
-            chunks = split_prompt(rid, n_tokens, self.cfg.effective_chunk_len)
+            chunks = lane_split(self.cfg, rid, n_tokens, g)
             mine = sum(1 for k in range(len(chunks)) if ranks[k % g] == self.comm.rank)
             self.lanes[rid] = _Lane(-groups - 1, seq, base, chunks, ranks, mine)
         return toks[LANE_WORDS + g:].clone(), g

@@ -21,11 +21,13 @@ request's KV cache.
 """
 from __future__ import annotations
 
+import math
+
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-__all__ = ["attention_cost", "Chunk", "split_prompt", "Placer", "MicroBatcher", "ExpertBatcher"]
+__all__ = ["attention_cost", "Chunk", "split_prompt", "split_equal_cost", "Placer", "MicroBatcher", "ExpertBatcher"]
 
 LINEAR_WEIGHT = 512.0  # per-token work (projections, MLPs) in units of one query-key pair
 
@@ -100,6 +102,47 @@ def split_prompt(request_id: int, prompt_len: int, chunk_len: "int | None") -> l
         chunks.append(Chunk(request_id, i, start, length, n))
         start += length
     return chunks
+
+
+def split_equal_cost(request_id: int, prompt_len: int, num_chunks: int, linear_weight: float = LINEAR_WEIGHT,
+                     max_len: "int | None" = None) -> list[Chunk]:
+    """Split a prompt into ``num_chunks`` contiguous chunks of near-equal :func:`attention_cost` (each chunk's
+    causal attention to the chunks before it plus ``linear_weight`` per token), so later chunks are shorter;
+    none longer than ``max_len`` tokens (None: no bound), the rest of the cost then shared by the chunks after.
+
+    For a long prompt the attention to earlier tokens is most of a chunk's work (``linear_weight`` is a few
+    thousand query-key pairs a token on the profiles here, the context tens of thousands), so equal-length
+    chunks grow costlier down the prompt, and in a sequence-pipelined lane the last, costliest chunk sets the
+    pace. Each boundary in turn solves ``w*(e - s) + (e*e - s*s) / 2 = rest / chunks left``; every chunk has one
+    token at least."""
+    fn = "split_equal_cost"
+    _int(fn, "prompt_len", prompt_len, 1)
+    _int(fn, "num_chunks", num_chunks, 1)
+    if max_len is not None:
+        _int(fn, "max_len", max_len, 1)
+    if num_chunks > prompt_len:
+        raise ValueError(f"{fn}: num_chunks={num_chunks} is more than prompt_len={prompt_len} (a chunk needs a "
+                         "token)")
+    if max_len is not None and num_chunks * max_len < prompt_len:
+        raise ValueError(f"{fn}: {num_chunks} chunks of at most max_len={max_len} tokens cannot hold "
+                         f"prompt_len={prompt_len}")
+    w = check_linear_weight(fn, linear_weight)
+    cap = prompt_len if max_len is None else max_len
+
+    def cost_to(e: float) -> float:
+        return w * e + e * e / 2
+
+    bounds = [0]
+    for i in range(1, num_chunks):
+        s, left = bounds[-1], num_chunks - i + 1  # chunks left, this one included
+        share = (cost_to(prompt_len) - cost_to(s)) / left
+        e = int(round(-w + math.sqrt((s + w) ** 2 + 2 * share)))
+        # one token at least for this chunk and each after it; none past the cap, and room for the rest
+        e = max(e, s + 1, prompt_len - (left - 1) * cap)
+        e = min(e, s + cap, prompt_len - (left - 1))
+        bounds.append(e)
+    bounds.append(prompt_len)
+    return [Chunk(request_id, i, bounds[i], bounds[i + 1] - bounds[i], num_chunks) for i in range(num_chunks)]
 
 
 class Placer:

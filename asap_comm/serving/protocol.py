@@ -114,7 +114,7 @@ class ModelInfo:
 # The fields of RuntimeConfig that only one mode reads (the rest, SHARED_FIELDS, both modes read).
 ASYNC_FIELDS = ("barrier_free", "ping_pong", "token_balanced", "expert_batching", "expert_token_budget",
                 "expert_deadline_s", "long_prompt_lane", "lane_threshold", "lane_groups", "lane_tokens", "lane_wait_s",
-                "spare_expert_ranks", "attention_failover", "urgent_slot")
+                "lane_chunks", "spare_expert_ranks", "attention_failover", "urgent_slot")
 SYNC_FIELDS = ("sync_collectives", "cp_threshold")
 
 
@@ -176,6 +176,10 @@ class RuntimeConfig:
     # way, on one attention rank (the least loaded then), so a pool too small for the long prompts' arrival rate
     # does not queue them without bound; None: it waits until a lane closes
     lane_wait_s: "float | None" = None
+    # how a lane prompt is split (serving/lane.py lane_split): "tokens", chunks of near-equal length
+    # (split_prompt); "cost", two chunks per lane group of near-equal attention cost, later ones shorter, none
+    # longer than chunk_len, at least as many as "tokens" gives, on up to twice as many groups
+    lane_chunks: str = "tokens"
     # expert failover (docs/failover.md): spare expert PEs, holding no experts until one takes over the experts of
     # an expert rank whose PE died; with none left, a death fails the group as before
     spare_expert_ranks: int = 0
@@ -237,6 +241,8 @@ class RuntimeConfig:
         w = self.lane_wait_s
         if w is not None and not _is_seconds(w):
             raise ValueError(f"RuntimeConfig: lane_wait_s={w!r} must be None (wait for room) or seconds >= 0")
+        if self.lane_chunks not in ("tokens", "cost"):
+            raise ValueError(f"RuntimeConfig: lane_chunks={self.lane_chunks!r} must be 'tokens' or 'cost'")
         if not _is_int(self.spare_expert_ranks, 0):
             raise ValueError(f"RuntimeConfig: spare_expert_ranks={self.spare_expert_ranks!r} must be an int >= 0")
         if not isinstance(self.attention_failover, bool):

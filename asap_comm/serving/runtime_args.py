@@ -42,7 +42,7 @@ FLAGS = {
     "expert_batching": "--no-expert-batching", "expert_token_budget": "--expert-token-budget",
     "expert_deadline_s": "--expert-deadline-s",
     "long_prompt_lane": "--no-long-prompt-lane", "lane_threshold": "--lane-threshold", "lane_groups": "--lane-groups",
-    "lane_tokens": "--lane-tokens", "lane_wait_s": "--lane-wait-s",
+    "lane_tokens": "--lane-tokens", "lane_wait_s": "--lane-wait-s", "lane_chunks": "--lane-chunks",
     "spare_expert_ranks": "--spare-expert-ranks", "attention_failover": "--attention-failover",
     "sync_collectives": "--sync-collectives",
 }
@@ -108,6 +108,10 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, simulated: bool = False
     asap.add_argument("--lane-wait-s", type=float, default=d["lane_wait_s"], metavar="SECONDS",
                       help="a prompt that has waited this many seconds for room in the lane runs on one attention "
                            "rank instead; unset: it waits for a lane to close")
+    asap.add_argument("--lane-chunks", choices=("tokens", "cost"), default=d["lane_chunks"],
+                      help="how a lane prompt is split: tokens, chunks of near-equal length (--chunk-len); cost, "
+                           "two chunks per lane rank of near-equal attention cost (later ones shorter, none longer "
+                           "than --chunk-len), on up to twice as many ranks")
     if not simulated:
         asap.add_argument("--spare-expert-ranks", type=int, default=d["spare_expert_ranks"],
                           help="expert failover: spare expert processes, holding no experts until one takes over "

@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict, deque
 
-from ...serving.lane import LaneCounts, LanePool, chunk_may_start, lane_slots, lane_tokens
+from ...serving.lane import LaneCounts, LanePool, chunk_may_start, lane_groups, lane_slots, lane_split, lane_tokens
 from ...serving.policies import split_prompt
 from .common import _pairs, _validate
 
@@ -166,6 +166,10 @@ class Lane:
         # the runtime's admission (FrontLane): lane_slots lanes in flight at most; their chunks queue in the groups'
         # micro-batchers like any chunk (alone in a micro-batch, gated by Lane.ready_fn)
         self.fifo = self.design == "pipe" and LANE_SPLIT[0] == 1 and _ADMISSION[0] == "runtime"
+        if sim.cfg.lane_chunks != "tokens" and not self.fifo:
+            raise ValueError(f"Lane: lane_chunks={sim.cfg.lane_chunks!r} is modelled for the runtime's lane only "
+                             f"(design 'pipe', admission 'runtime', LANE_SPLIT 1; here {self.design!r}, "
+                             f"{_ADMISSION[0]!r}, {LANE_SPLIT[0]})")
         self.pool = LanePool(lane_slots(sim.cfg), lane_tokens(sim.cfg))  # slots and KV pool rows, as FrontLane
         # request id -> (request, chunks) waiting for room in the pool, first come first served (ordered: O(1) to
         # take the first, or to drop one that gives up)
@@ -175,8 +179,8 @@ class Lane:
 
     # ------------------------------------------------------------------ admission
     def groups_for(self, n_chunks: int) -> int:
-        cfg = self.sim.cfg
-        return min(cfg.lane_groups or self.sim.A, self.sim.A, n_chunks)
+        """The groups a lane prompt of ``n_chunks`` equal-length chunks shares (``serving.lane.lane_groups``)."""
+        return lane_groups(self.sim.cfg, self.sim.A, n_chunks)
 
     def idle_enough(self, chunks: list, g: int) -> int:
         """How many of the least-loaded groups the prompt should spread over: the ``k <= g`` that minimises
@@ -235,7 +239,9 @@ class Lane:
         if self.fifo:  # the runtime's front end: a slot and pool rows (or wait for them), the g least-loaded
             if r.prompt_len > self.pool.rows:  # groups, lanes may share them
                 return False
-            self.waiting[r.request_id] = (r, chunks)
+            # the lane's own chunks (RuntimeConfig.lane_chunks: equal length as above, or equal cost), as FrontLane
+            chunks = lane_split(sim.cfg, r.request_id, r.prompt_len, g, sim.placer.linear_weight)
+            self.waiting[r.request_id] = (r, chunks, g)
             self._open_waiting()
             if r.request_id in self.waiting:  # no room now: it waits (the usual way after lane_wait_s)
                 self.counts.waited += 1
@@ -269,9 +275,9 @@ class Lane:
         """Open the waiting prompts' lanes, first come first served, while the pool has room (``FrontLane``)."""
         sim = self.sim
         while self.waiting and self.pool.fits(self.waiting[next(iter(self.waiting))][0].prompt_len):
-            r, chunks = self.waiting.popitem(last=False)[1]
+            r, chunks, g = self.waiting.popitem(last=False)[1]
             self.pool.open(r.request_id, r.prompt_len)
-            ranks = sim.placer.place_lane(r.request_id, chunks, self.groups_for(len(chunks)))
+            ranks = sim.placer.place_lane(r.request_id, chunks, g)
             sim.records[r.request_id].start_s = sim.engine.now
             req = _LaneRequest(r.request_id, chunks, ranks, self.design, self.steps)
             self.live[r.request_id] = req

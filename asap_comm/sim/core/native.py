@@ -82,6 +82,8 @@ def unsupported(sim) -> "str | None":
             return "the lane is replaced"
         if not sim.lane.fifo or sim.lane.design != "pipe" or _lane.LANE_SPLIT[0] != 1:
             return "a lane design or admission other than the runtime's (pipe, runtime admission)"
+        if sim.cfg.lane_chunks != "tokens":
+            return "lane chunks of equal cost (RuntimeConfig.lane_chunks='cost')"
     return None
 
 
