@@ -427,6 +427,15 @@ def test_headline_searches_asap_as_broadly_as_the_baseline(capsys):
     assert rebind_lane_wait(waits[0], 4.0, 10.0) is waits[0] and rebind_lane_wait(syncs[0], 4.0, 1.0) is syncs[0]
     b = search_breadth(syncs, waits, dict(grid, lane_wait_slo=[None, 0.5, 2.0]))
     assert b["async"] == 6 and b["async_dimensions"]["lane_wait_slo"] == [None, 0.5, 2.0]
+    # --lane-chunks: how a lane prompt is split, one more ASAP dimension, shown in the label
+    from asap_comm.sim.studies.grids import with_lane_chunks
+
+    split = with_lane_chunks(pools, ["tokens", "cost"])
+    assert [(d.cfg.lane_tokens, d.cfg.lane_chunks) for d in split] == [
+        (None, "tokens"), (None, "cost"), (262144, "tokens"), (262144, "cost")]
+    assert split[0] is pools[0] and "lane chunks by cost" in split[1].label and "lane chunks" not in split[0].label
+    assert split[1].describe()["lane_chunks"] == "cost"
+    assert with_lane_chunks(pools) == pools
 
 
 def test_headline_rejects_bad_search_values(tmp_path, capsys):
@@ -435,6 +444,7 @@ def test_headline_rejects_bad_search_values(tmp_path, capsys):
                      (["--token-budget", "x"], "--token-budget"),
                      (["--num-requests-sensitivity", "-1"], "--num-requests-sensitivity"),
                      (["--lane-tokens", "0"], "--lane-tokens"), (["--lane-wait-slo", "-1"], "--lane-wait-slo"),
-                     (["--lane-wait-slo", "x"], "--lane-wait-slo"), (["--lane-wait-slo", ","], "--lane-wait-slo")):
+                     (["--lane-wait-slo", "x"], "--lane-wait-slo"), (["--lane-wait-slo", ","], "--lane-wait-slo"),
+                     (["--lane-chunks", "rows"], "--lane-chunks"), (["--lane-chunks", ","], "--lane-chunks")):
         rc, _, err = sim_cli(["headline", "--out", str(tmp_path), *bad], capsys)
         assert rc == 2 and msg in err, (bad, err)

@@ -286,6 +286,8 @@ class Deployment:
             lane = "" if c.lane_tokens is None or not c.long_prompt_lane else f", lane pool {c.lane_tokens}"
             if c.lane_wait_s is not None and c.long_prompt_lane:
                 lane += f", lane wait {c.lane_wait_s:.3g} s"
+            if c.lane_chunks != "tokens" and c.long_prompt_lane:
+                lane += f", lane chunks by {c.lane_chunks}"
             return f"ASAP {c.num_attention_ranks}{tp} + {c.num_expert_ranks}, {chunk}{ex}{lane}"
         tp = "" if self.par.sync_tp == 1 else f" x TP{self.par.sync_tp}"
         cp = "no CP" if self.par.cp_threshold is None else f"CP > {self.par.cp_threshold}"
@@ -299,7 +301,7 @@ class Deployment:
         if self.mode == "async":
             d.update(attention_ranks=c.num_attention_ranks, attention_tp=self.par.attention_tp,
                      expert_ranks=c.num_expert_ranks, expert_deadline_s=c.expert_deadline_s,
-                     expert_token_budget=c.expert_token_budget, lane_tokens=c.lane_tokens)
+                     expert_token_budget=c.expert_token_budget, lane_tokens=c.lane_tokens, lane_chunks=c.lane_chunks)
         else:
             d.update(sync_ranks=self.sync_ranks, sync_tp=self.par.sync_tp, cp_threshold=self.par.cp_threshold,
                      sync_overlap=self.par.sync_overlap)

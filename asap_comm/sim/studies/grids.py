@@ -109,6 +109,13 @@ def with_lane_wait(asyncs, slo_s: float, factors=(None,)) -> list:
     return out
 
 
+def with_lane_chunks(asyncs, chunkings=("tokens",)) -> list:
+    """ASAP candidates with each way of splitting a lane prompt searched (``RuntimeConfig.lane_chunks``: "tokens",
+    equal lengths; "cost", equal attention cost; ``headline --lane-chunks``)."""
+    return [d if d.cfg.lane_chunks == how else Deployment("async", dataclasses.replace(d.cfg, lane_chunks=how), d.par)
+            for d in asyncs for how in chunkings]
+
+
 def rebind_lane_wait(d, slo_s: float, new_slo_s: float):
     """``d`` with its lane wait bound (a multiple of ``slo_s``) re-scaled to ``new_slo_s``."""
     if d.mode != "async" or d.cfg.lane_wait_s is None:
@@ -121,7 +128,7 @@ def search_breadth(syncs, asyncs, grid: dict) -> dict:
     return {"async": len(asyncs), "sync": len(syncs),
             "async_dimensions": {k: grid.get(k, [None]) for k in ("experts", "attention_tp", "chunk", "budget",
                                                                   "expert_deadline", "expert_budget", "lane_tokens",
-                                                                  "lane_wait_slo")},
+                                                                  "lane_wait_slo", "lane_chunks")},
             "sync_dimensions": {k: grid[k] for k in ("sync_tp", "cp", "sync_chunk", "sync_budget", "overlap")}}
 
 

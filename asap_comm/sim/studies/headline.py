@@ -88,7 +88,7 @@ from ..costmodel.shapes import ModelShapes
 from .figures import headline_figures
 
 from .grids import (LANE, async_grid, headline_config, mooncake_trace, per_die, rebind_lane_wait,  # noqa: F401
-                    search_breadth, skew_trace, sync_grid, with_lane_wait)
+                    search_breadth, skew_trace, sync_grid, with_lane_chunks, with_lane_wait)
 
 
 def unloaded_ttft(d: Deployment, prompt: int, cost, shapes) -> float:
@@ -191,7 +191,7 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
         slo_s = f0 * unloaded
         rule = (f"{f0:g}x the unloaded TTFT of the trace's p90 prompt ({unloaded:.3g} s) on the fastest baseline "
                 f"of the grid ({slo_by.label})")
-    async_cands = with_lane_wait(asyncs, slo_s, waits)
+    async_cands = with_lane_chunks(with_lane_wait(asyncs, slo_s, waits), grid.get("lane_chunks", ["tokens"]))
     print(f"[{tag}] {trace_desc}; {D} devices; search breadth: {len(syncs)} baseline and {len(async_cands)} ASAP "
           "configurations; "
           f"SLO {slo_s:.3g} s ({rule}), {100 * target:g}% of requests", file=sys.stderr, flush=True)
@@ -220,7 +220,9 @@ def study(profile: str, model: str, n: int, n_search: int, n_side: int, grid: di
                                "sync": main["sync_sct"], "ratio": ratio, "ratio_withheld": main["ratio_withheld"],
                                "saturated": {k: found[k]["best_sweep"]["saturated"] for k in ("async", "sync")}}]
     for f in factors:
-        m = best_vs_best(syncs, with_lane_wait(asyncs, f * unloaded, waits), probe, trace, cost, shapes, f * unloaded,
+        m = best_vs_best(syncs, with_lane_chunks(with_lane_wait(asyncs, f * unloaded, waits),
+                                                 grid.get("lane_chunks", ["tokens"])), probe, trace, cost, shapes,
+                         f * unloaded,
                          start=start, target=target,
                          confirm_top=1, bisections=bis, progress=f"{tag} SLO x{f:g}")
         res["slo_sensitivity"].append({"slo_factor": f, "slo_s": f * unloaded, "async_label": m["async"].label,
@@ -381,6 +383,15 @@ def _onoff(p: argparse.ArgumentParser, value: str) -> list:
     return out
 
 
+def _lane_chunks(p, text: str) -> list:
+    """``--lane-chunks``: comma-separated ``tokens`` / ``cost``, each once."""
+    got = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    bad = [x for x in got if x not in ("tokens", "cost")]
+    if not got or bad:
+        p.error(f"--lane-chunks {text!r}: give tokens, cost or both (comma-separated)")
+    return got
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m asap_comm.sim headline", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -421,6 +432,10 @@ def main(argv=None) -> int:
                    help="ASAP: the lane's wait bounds searched, in multiples of the SLO (a long prompt that waited "
                         "that long for room in the lane runs on one attention group; none: it waits for room; each is "
                         "RuntimeConfig.lane_wait_s = SLOS x the search's SLO in seconds)")
+    p.add_argument("--lane-chunks", default="tokens", metavar="tokens|cost[,...]",
+                   help="ASAP: how a lane prompt is split, searched: tokens (equal lengths, the runtime's default), "
+                        "cost (equal attention cost, RuntimeConfig.lane_chunks; simulated on the Python loop, "
+                        "slower), or both")
     p.add_argument("--sync-chunk-len", default="4096,8192,16384", metavar="TOKENS[,TOKENS...]",
                    help="baseline: chunk sizes searched")
     p.add_argument("--sync-token-budget", default="16384", metavar="TOKENS[,TOKENS...]",
@@ -470,6 +485,7 @@ def main(argv=None) -> int:
             "expert_budget": _ints(p, "--expert-token-budget", args.expert_token_budget),
             "lane_tokens": _ints(p, "--lane-tokens", args.lane_tokens, none_ok=True),
             "lane_wait_slo": list(dict.fromkeys(_floats(p, "--lane-wait-slo", args.lane_wait_slo, none_ok=True))),
+            "lane_chunks": _lane_chunks(p, args.lane_chunks),
             "sync_chunk": _ints(p, "--sync-chunk-len", args.sync_chunk_len),
             "sync_budget": _ints(p, "--sync-token-budget", args.sync_token_budget),
             "overlap": _onoff(p, args.sync_overlap)}
@@ -487,7 +503,7 @@ def main(argv=None) -> int:
         grid = {"devices": 8, "experts": [2, 4], "attention_tp": [1, 2], "sync_tp": [1, 2], "cp": [None, 16384],
                 "chunk": [16384], "sync_chunk": [16384], "sync_budget": [16384], "overlap": [False],
                 "budget": [16384], "expert_deadline": [0.001], "expert_budget": [32768], "lane_tokens": [None],
-                "lane_wait_slo": grid["lane_wait_slo"]}
+                "lane_wait_slo": grid["lane_wait_slo"], "lane_chunks": grid["lane_chunks"]}
     if n_side == 0:  # the clipped and skewed traces left out (recorded: num_requests_sensitivity 0)
         sigmas, caps = (), ()
     try:
