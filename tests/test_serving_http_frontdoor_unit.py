@@ -116,6 +116,7 @@ def test_held_calls_of_a_refused_client_leave_one_at_a_time_as_the_room_frees():
         held.unhold("A", tasks[1].result())  # failed before the room (a bad body): the next may leave
         await asyncio.sleep(0.01)
         assert [t.done() for t in tasks] == [True, True, True] and len(held) == 0 and held.queues == {}
+        held.unhold("A", tasks[2].result())  # it reached the room (or failed)
         # the service fails or stops: every held call goes on at once
         room.add(_w("A", 100))
         more = [asyncio.ensure_future(held.hold("A")) for _ in range(2)]
@@ -124,6 +125,17 @@ def test_held_calls_of_a_refused_client_leave_one_at_a_time_as_the_room_frees():
         held.release_all()
         await asyncio.sleep(0.01)
         assert all(t.done() for t in more) and len(held) == 0
+        # a caller that leaves just after its turn came does not keep the next held call waiting for its time
+        room.add(_w("A", 100))
+        a, b = asyncio.ensure_future(held.hold("A")), asyncio.ensure_future(held.hold("A"))
+        await asyncio.sleep(0.01)
+        room.remove(room.queues["A"][0])
+        held.release()  # a's turn: it is released ...
+        a.cancel()  # ... and its caller leaves before it ran on
+        await asyncio.sleep(0.01)
+        assert a.cancelled() and b.done() and held.leaving.get("A") is b.result()
+        held.unhold("A", b.result())
+        room.add(_w("A", 100))  # b's call reached the room: full again
         # one client holds at most MAX_HELD_PER_CLIENT calls: its next ones are answered at once
         many = [asyncio.ensure_future(held.hold("A")) for _ in range(MAX_HELD_PER_CLIENT)]
         await asyncio.sleep(0.01)

@@ -237,6 +237,9 @@ class HeldCalls:
         self.count += 1
         try:
             await asyncio.wait({fut}, timeout=self.hold_s)
+        except asyncio.CancelledError:  # its caller left, perhaps just after its turn came: the next may leave
+            self.unhold(client, fut)
+            raise
         finally:
             self.count -= 1
             if not fut.done():  # its time is up (or its caller left): it goes on without its turn
