@@ -80,7 +80,7 @@ from asap_comm.serving.runtime_args import runtime_config_from_args
 from asap_comm.serving.sync import run_sync
 from asap_comm.serving.traces import FixedLengths, Request, scale_trace, synthetic_trace
 from asap_comm.sim.emulate import deploy, job  # the example's load, reference and SLO code
-from asap_comm.testing.service import Flood, hostile_scenario, ids_body
+from asap_comm.testing.service import Flood, Service, hostile_scenario, ids_body
 from asap_models import StageFactory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -335,21 +335,14 @@ FLOOD_SETTINGS = (("default (held calls, --refused-hold-s 1)", []),
                   ("--refused-hold-s 0 (429 at once)", ["--refused-hold-s", "0"]))
 
 
-def _prompt_tokens(url: str) -> float:
-    import httpx
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("asap_prompt_tokens_total"):
-            return float(line.split()[1])
-    raise RuntimeError("bench_http: /metrics has no asap_prompt_tokens_total")
-
-
 def _flood_run(extra: list, b_calls: int) -> dict:
     import random
 
     import httpx
-    args = ["--model", "tiny", "--port", "0", "--attention-ranks", "2", "--expert-ranks", "2", "--max-queued-tokens",
-            "1024", "--chunk-len", "256", "--token-budget", "512", "--request-timeout-s", "30", *extra]
-    svc = ServiceProcess(args, cwd=str(REPO))
+    args = ["--model", "tiny", "--attention-ranks", "2", "--expert-ranks", "2", "--max-queued-tokens", "1024",
+            "--chunk-len", "256", "--token-budget", "512", "--request-timeout-s", "30", *extra]
+    svc = Service(args, cwd=str(REPO))
+    tokens = "asap_prompt_tokens_total"  # prompt tokens of completed requests
     try:
         b = httpx.Client(base_url=svc.url, timeout=60, transport=httpx.HTTPTransport(local_address="127.0.0.1"))
         rnd = random.Random(21)
@@ -369,14 +362,14 @@ def _flood_run(extra: list, b_calls: int) -> dict:
         alone = serial(32)
         with Flood(svc.url, 64, 64, 8.0 + b_calls * 0.1) as flood:
             time.sleep(2.0)
-            k0, t0 = _prompt_tokens(svc.url), time.monotonic()
+            k0, t0 = svc.metric(tokens), time.monotonic()
             time.sleep(4.0)
-            k1, t1 = _prompt_tokens(svc.url), time.monotonic()
+            k1, t1 = svc.metric(tokens), time.monotonic()
             flooded = serial(b_calls)
-            k2, t2 = _prompt_tokens(svc.url), time.monotonic()
+            k2, t2 = svc.metric(tokens), time.monotonic()
         b.close()
     finally:
-        svc.stop()
+        svc.close()
     a_alone, a_beside = (k1 - k0) / (t1 - t0), (k2 - k1 - b_calls * 256) / (t2 - t1)
     return {"b_alone_p50_s": statistics.median(alone), "b_flooded_p50_s": statistics.median(flooded),
             "b_ratio": statistics.median(flooded) / statistics.median(alone),
