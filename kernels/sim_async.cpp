@@ -195,6 +195,7 @@ class AsyncCore {
       lane_wait_s = p["lane_wait_s"].cast<double>();  // < 0: None
       lane_threshold = p["lane_threshold"].cast<int64_t>();  // < 0: None
       lane_slo = p["lane_slo"].cast<bool>();
+      lane_cost = p["lane_cost"].cast<bool>();
       pool_free = p["pool_slots"].cast<int64_t>();
       int k = 0;
       for (auto s : p["seg_layers"].cast<py::list>()) {
@@ -294,6 +295,7 @@ class AsyncCore {
   double lane_wait_s = -1.0;
   int64_t lane_threshold = -1;
   bool lane_slo = false;
+  bool lane_cost = false;  // RuntimeConfig.lane_chunks == "cost"
   std::vector<std::vector<std::pair<double, bool>>> seg_layers;
   std::vector<int> offset;
 
@@ -497,6 +499,33 @@ class AsyncCore {
       chunks.push_back(Chunk{q, i, (int32_t)start, (int32_t)len, n, false, false});
       start += len;
     }
+    return first_chunk[q];
+  }
+
+  // serving.lane.lane_split with lane_chunks="cost": policies.split_equal_cost into max(split_prompt's count, two per
+  // group) chunks (at most one a token) of near-equal attention cost, none longer than chunk_len, in its float
+  // operations (Python's round: half to even, as nearbyint in the default rounding mode)
+  int32_t split_cost(int32_t q, int g) {
+    int64_t P = plen_[q];
+    int64_t n = std::min<int64_t>(P, std::max<int64_t>(num_chunks_of(P), 2 * (int64_t)g));
+    int64_t cap = chunk_len;
+    double w = linear_weight;
+    auto cost_to = [w](double e) { return w * e + e * e / 2.0; };
+    std::vector<int64_t> bounds{0};
+    for (int64_t i = 1; i < n; ++i) {
+      int64_t s = bounds.back(), left = n - i + 1;
+      double share = (cost_to((double)P) - cost_to((double)s)) / (double)left;
+      double x = (double)s + w;
+      int64_t e = (int64_t)std::nearbyint(-w + std::sqrt(x * x + 2.0 * share));
+      e = std::max(std::max(e, s + 1), P - (left - 1) * cap);
+      e = std::min(std::min(e, s + cap), P - (left - 1));
+      bounds.push_back(e);
+    }
+    bounds.push_back(P);
+    first_chunk[q] = (int32_t)chunks.size();
+    for (int64_t i = 0; i < n; ++i)
+      chunks.push_back(Chunk{q, (int32_t)i, (int32_t)bounds[i], (int32_t)(bounds[i + 1] - bounds[i]), (int32_t)n,
+                             false, false});
     return first_chunk[q];
   }
 
@@ -1008,7 +1037,8 @@ class AsyncCore {
   }
 
   // ------------------------------------------------------------------ the lane (runtime admission, "pipe")
-  int groups_for(int n) const { return std::min(std::min(lane_groups ? lane_groups : A, A), n); }
+  // serving.lane.lane_groups: of a prompt of n split_prompt chunks (twice n with lane chunks of equal cost)
+  int groups_for(int n) const { return std::min(std::min(lane_groups ? lane_groups : A, A), lane_cost ? 2 * n : n); }
 
   bool lane_arrive(int32_t q) {
     int64_t P = plen_[q];
@@ -1032,7 +1062,10 @@ class AsyncCore {
     }
     if (!wants) return false;
     if (P > pool_rows) return false;
-    split(q);
+    if (lane_cost)
+      split_cost(q, groups_for(n));
+    else
+      split(q);
     waiting.push_back(q);
     in_waiting[q] = 1;
     ++waiting_n;
@@ -1059,6 +1092,7 @@ class AsyncCore {
     in_waiting[q] = 0;
     --waiting_n;
     ++lane_gave_up;
+    if (lane_cost) first_chunk[q] = -1;  // the usual way splits by split_prompt (the lane's chunks unused)
     common_arrive(q);
   }
 
@@ -1077,7 +1111,7 @@ class AsyncCore {
       pool_at[q] = at_row;
       int32_t f = first_chunk[q];
       int32_t n = chunks[f].num;
-      int g = groups_for(n);
+      int g = groups_for(num_chunks_of(plen_[q]));  // Lane.arrive's, of the split_prompt count
       // Placer.place_lane: the g least loaded ranks (ties to the lowest), chunk j's cost on ranks[j % g]
       std::vector<int32_t> order(A);
       for (int r = 0; r < A; ++r) order[r] = r;

@@ -368,7 +368,7 @@ def test_lane_chunks_of_equal_cost_cut_the_longest_prompts_ttft():
     """``lane_chunks="cost"`` (two chunks of equal attention cost per lane group, on up to twice the groups): the
     trace's p99 prompt alone at 64 dies on 12 x TP4 + 16, 8k chunks (``bench/strict_p99_bound.py``): about 4.1 s
     against 7.1 s with chunks of equal length, under the 4.53-s strict SLO the equal-length lane misses on every
-    split. The C++ core models equal-length chunks only: the run falls back to the Python loop."""
+    split. Both run in the C++ core (tests/test_sim_native.py checks it against the Python loop)."""
     from asap_comm.sim.core.simulate import Parallelism
     from asap_comm.sim.costmodel.costs import CostModel
     from asap_comm.sim.costmodel.shapes import ModelShapes
@@ -380,7 +380,7 @@ def test_lane_chunks_of_equal_cost_cut_the_longest_prompts_ttft():
     runs = {how: simulate("async", [Request(0, 0.0, 85401)], cost, shapes,
                           dataclasses.replace(cfg, lane_chunks=how), par=Parallelism(attention_tp=4))
             for how in ("tokens", "cost")}
-    assert (runs["tokens"].core, runs["cost"].core) == ("native", "python")
+    assert (runs["tokens"].core, runs["cost"].core) == ("native", "native")
     tok, eq = (runs[h].records[0].ttft_s for h in ("tokens", "cost"))
     assert eq < 0.65 * tok and eq < 4.53, (tok, eq)
     with lane.admission("exclusive"), pytest.raises(ValueError, match="lane_chunks='cost' is modelled for the "

@@ -106,6 +106,10 @@ VARIANTS = {
     "lane-small-pool-gives-up": dict(lane_tokens=2048, lane_wait_s=0.002),
     "one-group": dict(num_attention_ranks=1),
     "short-deadline": dict(expert_deadline_s=0.0, expert_token_budget=64),
+    # lane chunks of equal attention cost (policies.split_equal_cost), alone, on two groups, and given up
+    "lane-chunks-cost": dict(lane_chunks="cost"),
+    "lane-chunks-cost-threshold-groups": dict(lane_chunks="cost", lane_threshold=600, lane_groups=2),
+    "lane-chunks-cost-gives-up": dict(lane_chunks="cost", lane_tokens=2048, lane_wait_s=0.002),
 }
 
 

@@ -153,6 +153,23 @@ def test_expert_splits_hold_the_experts_and_leave_tp8_groups():
     assert ss.expert_splits(16, 13) == [13]  # only the fewest that fit
 
 
+
+def test_the_lane_stage_searches_both_splits_and_the_winners_split_carries_over():
+    """The lane stage tries each pool and wait bound with chunks of equal length and of equal attention cost
+    (``RuntimeConfig.lane_chunks``); the winner's split goes with its knobs to other structures and sizes."""
+    base = ss._async(64, 4, 16, 8192, 16384)
+    lanes = ss.refinements(base, "lane", 4.5)
+    assert len(lanes) == len(ss.LANES) == 8
+    got = {(d.cfg.lane_tokens, d.cfg.lane_wait_s, d.cfg.lane_chunks) for d in lanes}
+    assert got == {(p, None if w is None else w * 4.5, how) for p, w, how in ss.LANES}
+    assert {how for *_, how in got} == {"tokens", "cost"}
+    assert ss.refinements(base, "lane", 4.5, lanes=[(None, 1.0)])[0].cfg.lane_chunks == "tokens"  # (pool, wait)
+    win = next(d for d in lanes if d.cfg.lane_chunks == "cost" and d.cfg.lane_tokens)
+    assert "lane chunks by cost" in win.label and len({repr(d) for d in lanes}) == 8
+    other = ss.with_knobs_of(ss._async(64, 8, 24, 16384, 16384), win)
+    assert (other.cfg.lane_chunks, other.cfg.lane_tokens, other.par.attention_tp) == ("cost", win.cfg.lane_tokens, 8)
+    assert ss.translate(win, 128).cfg.lane_chunks == "cost"
+
 # ----------------------------------------------------------------------------- the command
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):

@@ -82,8 +82,6 @@ def unsupported(sim) -> "str | None":
             return "the lane is replaced"
         if not sim.lane.fifo or sim.lane.design != "pipe" or _lane.LANE_SPLIT[0] != 1:
             return "a lane design or admission other than the runtime's (pipe, runtime admission)"
-        if sim.cfg.lane_chunks != "tokens":
-            return "lane chunks of equal cost (RuntimeConfig.lane_chunks='cost')"
     return None
 
 
@@ -145,7 +143,7 @@ def _params(sim) -> dict:
         p.update({"lane_groups": cfg.lane_groups or 0, "pool_rows": lane.pool.rows,
                   "pool_slots": len(lane.pool.free),
                   "lane_threshold": -1 if cfg.lane_threshold is None else int(cfg.lane_threshold),
-                  "lane_slo": getattr(sim, "slo_s", None) is not None,
+                  "lane_slo": getattr(sim, "slo_s", None) is not None, "lane_cost": cfg.lane_chunks == "cost",
                   "lane_wait_s": -1.0 if cfg.lane_wait_s is None else float(cfg.lane_wait_s),
                   "seg_layers": [[(float(w), bool(m)) for w, m in layers] for layers in lane.seg_layers]})
     return p

@@ -434,8 +434,7 @@ def main(argv=None) -> int:
                         "RuntimeConfig.lane_wait_s = SLOS x the search's SLO in seconds)")
     p.add_argument("--lane-chunks", default="tokens", metavar="tokens|cost[,...]",
                    help="ASAP: how a lane prompt is split, searched: tokens (equal lengths, the runtime's default), "
-                        "cost (equal attention cost, RuntimeConfig.lane_chunks; simulated on the Python loop, "
-                        "slower), or both")
+                        "cost (equal attention cost, RuntimeConfig.lane_chunks), or both")
     p.add_argument("--sync-chunk-len", default="4096,8192,16384", metavar="TOKENS[,TOKENS...]",
                    help="baseline: chunk sizes searched")
     p.add_argument("--sync-token-budget", default="16384", metavar="TOKENS[,TOKENS...]",

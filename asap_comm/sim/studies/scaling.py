@@ -222,7 +222,7 @@ def main(argv=None) -> int:
                "search": {"grid": {"tps": list((grid or {}).get("tps", TPS)), "cps": list((grid or {}).get("cps", CPS)),
                                    "chunk_budgets": [list(x) for x in (grid or {}).get("chunk_budgets", CHUNK_BUDGETS)],
                                    "expert_batching": [list(x) for x in (grid or {}).get("batching", EXPERT_BATCHING)],
-                                   "lanes (pool tokens, wait in SLOs)": [list(x) for x in (grid or {}).get("lanes", LANES)],
+                                   "lanes (pool tokens, wait in SLOs, chunks)": [list(x) for x in (grid or {}).get("lanes", LANES)],
                                    "stages": list((grid or {}).get("stages", ("chunk", "mode")))},
                           "requests_per_point": [n_min, n_max], "lattice_step": 2 ** (1 / STEPS_PER_DOUBLING)},
                "timing": []}

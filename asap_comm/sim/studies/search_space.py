@@ -10,7 +10,8 @@ it at p90 when 90% of requests do, at p99 when 99% do, so every simulated run an
 **The grids** (the same breadth on both sides, :func:`structures` and :func:`refinements`): TP degree
 (``TPS``), chunk size and micro-batch / step token budget (``CHUNK_BUDGETS``) on both; the baseline's context
 parallelism threshold (``CPS``); ASAP's attention:expert split (:func:`expert_splits`), its expert batching
-(``EXPERT_BATCHING``: deadline, rows) and its long-prompt lane (``LANES``: KV pool, wait bound in SLOs). The
+(``EXPERT_BATCHING``: deadline, rows) and its long-prompt lane (``LANES``: KV pool, wait bound in SLOs, and
+chunks of equal length or of equal attention cost, ``RuntimeConfig.lane_chunks``). The
 baseline overlaps its all_to_alls with compute (DeepSeek's two-micro-batch overlap; never slower in this model).
 Every candidate passes the memory check (``memory.deployment_problems``) or is left out.
 
@@ -68,7 +69,9 @@ CPS = (None, 4096, 8192, 16384, 32768)
 CHUNK_BUDGETS = ((4096, 4096), (4096, 16384), (8192, 8192), (8192, 16384), (16384, 16384))
 BASE_CHUNK = (8192, 16384)
 EXPERT_BATCHING = ((0.0005, 16384), (0.0005, 32768), (0.002, 16384), (0.002, 32768))
-LANES = ((None, None), (2 * MAX_PROMPT, None), (None, 1.0), (2 * MAX_PROMPT, 1.0))  # (KV pool, wait in SLOs)
+# the lane: (KV pool, wait bound in SLOs, how a lane prompt is split: RuntimeConfig.lane_chunks)
+LANES = tuple((pool, wait, how) for how in ("tokens", "cost")
+              for pool, wait in ((None, None), (2 * MAX_PROMPT, None), (None, 1.0), (2 * MAX_PROMPT, 1.0)))
 STEPS_PER_DOUBLING = 16
 
 
@@ -158,10 +161,13 @@ def _sync(dies, tp, cp, chunk, budget) -> Deployment:
                       Parallelism(sync_tp=tp, cp_threshold=cp, sync_overlap=True), sync_ranks=dies // tp)
 
 
-def _async(dies, tp, e, chunk, budget, deadline=0.0005, rows=16384, lane_tokens=None, lane_wait=None) -> Deployment:
+def _async(dies, tp, e, chunk, budget, deadline=0.0005, rows=16384, lane_tokens=None, lane_wait=None,
+           lane_chunks="tokens") -> Deployment:
     cfg = headline_config((dies - e) // tp, e, chunk, budget, rows, deadline, lane_tokens)
     if lane_wait is not None:
         cfg = dataclasses.replace(cfg, lane_wait_s=lane_wait)
+    if lane_chunks != cfg.lane_chunks:
+        cfg = dataclasses.replace(cfg, lane_chunks=lane_chunks)
     return Deployment("async", cfg, Parallelism(attention_tp=tp))
 
 
@@ -204,7 +210,8 @@ def _with(d: Deployment, **kw) -> Deployment:
         return _sync(d.devices, p.sync_tp, kw.get("cp", p.cp_threshold), chunk, budget)
     return _async(d.devices, p.attention_tp, c.num_expert_ranks, chunk, budget,
                   kw.get("deadline", c.expert_deadline_s), kw.get("rows", c.expert_token_budget),
-                  kw.get("lane_tokens", c.lane_tokens), kw.get("lane_wait", c.lane_wait_s))
+                  kw.get("lane_tokens", c.lane_tokens), kw.get("lane_wait", c.lane_wait_s),
+                  kw.get("lane_chunks", c.lane_chunks))
 
 
 def with_knobs_of(d: Deployment, w: Deployment) -> Deployment:
@@ -214,14 +221,16 @@ def with_knobs_of(d: Deployment, w: Deployment) -> Deployment:
     if d.mode == "sync":
         return _with(d, chunk=c.chunk_len, budget=c.token_budget)
     return _with(d, chunk=c.chunk_len, budget=c.token_budget, deadline=c.expert_deadline_s,
-                 rows=c.expert_token_budget, lane_tokens=c.lane_tokens, lane_wait=c.lane_wait_s)
+                 rows=c.expert_token_budget, lane_tokens=c.lane_tokens, lane_wait=c.lane_wait_s,
+                 lane_chunks=c.lane_chunks)
 
 
 def refinements(d: Deployment, stage: str, slo_s: float, chunk_budgets=CHUNK_BUDGETS, cps=CPS,
                 batching=EXPERT_BATCHING, lanes=LANES) -> list:
     """Stage 2 (``"chunk"``: every chunk/budget pair) or stage 3 (``"cp"``: the baseline's CP thresholds;
-    ``"batching"``: ASAP's expert deadline and rows; ``"lane"``: its lane's pool and wait bound, the bound in
-    multiples of ``slo_s``) around ``d``."""
+    ``"batching"``: ASAP's expert deadline and rows; ``"lane"``: its lane's pool, wait bound (in multiples of
+    ``slo_s``) and chunking, each entry of ``lanes`` ``(pool, wait)`` (chunks of equal length) or
+    ``(pool, wait, lane_chunks)``) around ``d``."""
     if stage == "chunk":
         return [_with(d, chunk=c, budget=b) for c, b in chunk_budgets]
     if stage == "cp":
@@ -231,7 +240,8 @@ def refinements(d: Deployment, stage: str, slo_s: float, chunk_budgets=CHUNK_BUD
     if stage == "batching":
         return [_with(d, deadline=dl, rows=r) for dl, r in batching]
     if stage == "lane":
-        return [_with(d, lane_tokens=lt, lane_wait=None if w is None else w * slo_s) for lt, w in lanes]
+        return [_with(d, lane_tokens=lane[0], lane_wait=None if lane[1] is None else lane[1] * slo_s,
+                      lane_chunks=lane[2] if len(lane) > 2 else "tokens") for lane in lanes]
     raise ValueError(f"refinements: stage={stage!r} must be 'chunk', 'cp', 'batching' or 'lane'")
 
 
@@ -454,7 +464,7 @@ def translate(d: Deployment, dies: int) -> "Deployment | None":
         return None
     c = d.cfg
     return _async(dies, tp, e, c.chunk_len, c.token_budget, c.expert_deadline_s, c.expert_token_budget,
-                  c.lane_tokens, c.lane_wait_s)
+                  c.lane_tokens, c.lane_wait_s, c.lane_chunks)
 
 
 def capacity_estimate(trace: list, cost, shapes, dies: int) -> float:
