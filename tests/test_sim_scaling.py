@@ -96,6 +96,45 @@ def v3():
     return CostModel.load("ascend-910c-cm384", "deepseek-v3"), ModelShapes.load("deepseek-v3")
 
 
+class KnobEv(FakeEv):
+    """An evaluator where a deployment passes up to lattice step 0 iff ``wins(d)``."""
+
+    def __init__(self, cost, shapes, wins):
+        super().__init__({})
+        self.cost, self.shapes, self.slo_s, self.wins = cost, shapes, 4.53, wins
+        self.trace = type("T", (), {"requests": [Request(0, 0.0, 99000)]})()
+
+    def passes(self, d, k, target):
+        self.calls.append((d, k))
+        return self.wins(d) and k <= 0
+
+    def result(self, d, target):
+        return {"slo_compliant_throughput": 1.0 if self.wins(d) else None}
+
+
+def test_where_no_structure_passes_the_modes_knobs_are_tried_on_every_structure(v3):
+    """A strict p99 SLO that no structure meets with the middle knobs, but one does with the lane's equal-cost
+    split: the search tries the mode's knobs on every structure and finds it (before, it gave up after (1))."""
+    cost, shapes = v3
+    grid = {"tps": (4,)}
+    ev = KnobEv(cost, shapes, lambda d: d.cfg.lane_chunks == "cost" and d.cfg.num_attention_ranks == 12)
+    r = ss.search_mode(ev, "async", 64, 0.99, grid=grid)
+    assert r["best"] is not None and r["best"].cfg.lane_chunks == "cost" and r["best"].cfg.num_attention_ranks == 12
+    stages = [c["stage"] for c in r["candidates"]]
+    assert "fallback" in stages and stages.index("fallback") > stages.index("structure")
+    # a structure that passes with the middle knobs: no fallback, the usual stages around it
+    ev = KnobEv(cost, shapes, lambda d: d.cfg.num_attention_ranks == 12)
+    r = ss.search_mode(ev, "async", 64, 0.99, grid=grid)
+    assert r["best"].cfg.num_attention_ranks == 12
+    assert "fallback" not in [c["stage"] for c in r["candidates"]]
+    # nothing passes: every knob on every structure was tried, and the answer is none
+    ev = KnobEv(cost, shapes, lambda d: False)
+    r = ss.search_mode(ev, "async", 64, 0.99, grid=grid)
+    fallback = [c for c in r["candidates"] if c["stage"] == "fallback"]
+    structs = [c for c in r["candidates"] if c["stage"] == "structure"]
+    assert r["best"] is None and len(fallback) >= len(structs) * (len(ss.LANES) + len(ss.EXPERT_BATCHING) - 2)
+
+
 def test_the_unloaded_bound_only_fails_loads_that_do_fail(v3):
     cost, shapes = v3
     tw = ss.load_windows("azure")

@@ -18,8 +18,9 @@ Every candidate passes the memory check (``memory.deployment_problems``) or is l
 **The search** (:func:`search_mode`, per mode, coordinate-wise): (1) every structure (TP x CP, TP x split) with
 the middle knobs (8k chunks, 16k budget; ASAP 0.5 ms / 16384-row expert batches, the lane's default pool and no
 wait bound); (2) the chunk/budget pairs on the two best structures; (3) on the best so far, the mode's own
-knobs (the baseline's CP thresholds; ASAP's expert batching, then its lane); (4) every structure again with the
-winner's knobs (they interact: at 384 dies ASAP's lane pool of two prompts lifted its best by half). Offered loads lie on one lattice,
+knobs (the baseline's CP thresholds; ASAP's expert batching, then its lane), and where no structure met the SLO
+in (1), each of those knobs on every structure first (the knob may be what a structure lacks: ASAP's lane split
+under a strict p99 SLO); (4) every structure again with the winner's knobs (they interact: at 384 dies ASAP's lane pool of two prompts lifted its best by half). Offered loads lie on one lattice,
 ``rate0 * 2**(k / 16)`` (steps of 4.4%), so that points are shared: across candidates, stages and percentiles
 (the :class:`Evaluator` caches every run by deployment and lattice index). The first candidate's load is
 searched coarse to fine (steps of 2x up or down, then bisection to one lattice step); every later candidate
@@ -424,9 +425,18 @@ def search_mode(ev: Evaluator, mode: str, dies: int, target: float, *, first: "l
     for d in first or []:
         if d.mode == mode and d.devices == dies:
             consider(d, "hint")
-    for d in structures(mode, dies, shapes, cost, g.get("tps", TPS), g.get("cps", CPS)):
+    structs = structures(mode, dies, shapes, cost, g.get("tps", TPS), g.get("cps", CPS))
+    for d in structs:
         consider(d, "structure")
     stages = g.get("stages", ("chunk", "mode", "restructure"))
+    if "mode" in stages and state["best"] is None:
+        # no structure meets the SLO with the middle knobs: the mode's own knobs may be what it lacks (ASAP's lane
+        # split under a strict p99 SLO), so each is tried on every structure (most fail on the unloaded bound)
+        for sub in ("cp",) if mode == "sync" else ("batching", "lane"):
+            for base in structs:
+                for d in refinements(base, sub, ev.slo_s, cps=g.get("cps", CPS),
+                                     batching=g.get("batching", EXPERT_BATCHING), lanes=g.get("lanes", LANES)):
+                    consider(d, "fallback")
     if "chunk" in stages:
         for base in list(reversed(state["order"]))[:2]:
             for d in refinements(base, "chunk", ev.slo_s, chunk_budgets=g.get("chunk_budgets", CHUNK_BUDGETS)):
