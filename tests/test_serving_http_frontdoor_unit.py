@@ -14,7 +14,7 @@ import torch
 from asap_comm.serving.frontend import FrontEnd
 from asap_comm.serving.runtime import RuntimeConfig
 from asap_comm.serving.server import build_parser, service_options
-from asap_comm.serving.server.fairness import MAX_HELD_PER_CLIENT, FairRoom, FairWaiter, HeldCalls
+from asap_comm.serving.server.fairness import FairRoom, FairWaiter, HeldCalls
 from asap_comm.serving.server.frontdoor import (AcceptErrorFilter, ConnectionGuard, check_connection_limit,
                                                 default_max_connections, remove_stale_segments)
 from asap_comm.serving.server.options import ServiceOptions
@@ -84,7 +84,7 @@ def test_fair_room_knows_a_client_at_its_share():
 def test_held_calls_of_a_refused_client_leave_one_at_a_time_as_the_room_frees():
     async def main():
         room = FairRoom(max_tokens=300, max_calls=10)
-        held = HeldCalls(room, hold_s=30.0)
+        held = HeldCalls(room, hold_s=30.0, max_held=40)
         waiters = [_w("A", 100) for _ in range(3)]
         for w in waiters:
             room.add(w)
@@ -136,11 +136,20 @@ def test_held_calls_of_a_refused_client_leave_one_at_a_time_as_the_room_frees():
         assert a.cancelled() and b.done() and held.leaving.get("A") is b.result()
         held.unhold("A", b.result())
         room.add(_w("A", 100))  # b's call reached the room: full again
-        # one client holds at most MAX_HELD_PER_CLIENT calls: its next ones are answered at once
-        many = [asyncio.ensure_future(held.hold("A")) for _ in range(MAX_HELD_PER_CLIENT)]
+        # at most max_held calls are held at once, over all clients: the next ones are answered at once
+        many = [asyncio.ensure_future(held.hold("A")) for _ in range(held.max_held)]
         await asyncio.sleep(0.01)
-        assert len(held) == MAX_HELD_PER_CLIENT and await held.hold("A") is None
+        assert len(held) == held.max_held == 40 and await held.hold("A") is None
         held.release_all()
+        await asyncio.gather(*many)
+        # no bound per client below it: a flood of 400 calls in flight is held whole (with 64 per client, as
+        # before, 336 of them were answered 429 at once and came back 50 ms later, 2,700 429s a second)
+        big = HeldCalls(room, hold_s=30.0, max_held=1000)
+        big.refused("A")
+        many = [asyncio.ensure_future(big.hold("A")) for _ in range(400)]
+        await asyncio.sleep(0.05)
+        assert len(big) == 400 and not any(t.done() for t in many)
+        big.release_all()
         await asyncio.gather(*many)
 
     asyncio.run(asyncio.wait_for(main(), 30))
@@ -150,19 +159,22 @@ def test_held_calls_wait_at_most_the_hold_and_never_with_hold_zero():
     async def main():
         room = FairRoom(max_tokens=100, max_calls=10)
         room.add(_w("A", 100))
-        held = HeldCalls(room, hold_s=0.2)
+        held = HeldCalls(room, hold_s=0.2, max_held=8)
         held.refused("A")
         t = time.monotonic()
         assert await held.hold("A") is not None  # held, and nobody released it: its time ran out
         assert time.monotonic() - t >= 0.19 and len(held) == 0 and held.queues == {}
-        off = HeldCalls(room, hold_s=0)
+        off = HeldCalls(room, hold_s=0, max_held=8)
         off.refused("A")
         assert await off.hold("A") is None
         held.refused("A")
         await asyncio.sleep(0.25)
         assert await held.hold("A") is None  # its last refusal is older than the hold
         with pytest.raises(ValueError, match="hold_s=-1"):
-            HeldCalls(room, -1)
+            HeldCalls(room, -1, 8)
+        with pytest.raises(ValueError, match="max_held=-1"):
+            HeldCalls(room, 1.0, -1)
+        assert await HeldCalls(room, 1.0, 0).hold("A") is None  # max_held 0: never held
         with pytest.raises(ValueError, match="refused_hold_s=-0.5"):
             ServiceOptions(refused_hold_s=-0.5)
         args = build_parser().parse_args(["--model", "tiny", "--refused-hold-s", "0.25"])

@@ -76,9 +76,10 @@ Behaviour (statuses of ``/v1/completions``):
   (seconds, from the recent token throughput), unless its client holds less
   than its share of the room: then the newest calls of the client holding
   the most get the 429. A client refused so, while it still holds its share,
-  has its next small calls held unread in their connections (at most 64, up
-  to ``--refused-hold-s``, default 1 s; they leave one at a time as the room
-  frees: ``fairness.HeldCalls``). Past admission, each attention rank holds at most
+  has its next small calls held unread in their connections (at most half
+  of ``--max-connections`` over all clients, up to ``--refused-hold-s``,
+  default 1 s; they leave one at a time as the room frees:
+  ``fairness.HeldCalls``). Past admission, each attention rank holds at most
   ``--max-rank-calls`` requests (default 0: no bound) and the front end sends the
   next one from the client with the fewest requests in flight
   (``frontend.RankQueue``). Memory: admitted + waiting prompt tokens, plus the

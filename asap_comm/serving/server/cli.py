@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a client whose call got 429 from the full waiting room while it held its share of it: "
                          "its next small calls wait unread in their connections, up to this long, until it no "
                          "longer holds its share (a flooding client's retries cost one call per hold, not one "
-                         "per retry); 0: answer them at once")
+                         "per retry; at most half of --max-connections held at once); 0: answer them at once")
     ap.add_argument("--worker-stall-s", type=float, default=10.0,
                     help="/health answers 503 naming a worker whose heartbeat is older than this (not a failure)")
     ap.add_argument("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM/Ctrl-C: in-flight grace")

@@ -29,9 +29,12 @@ its turn: the engine adds it and runs the turns.
   has its next calls held before their bodies are read (small ones: a held
   body waits in its connection), for up to ``refused_hold_s``. They leave
   one at a time, first held first, each as soon as the client no longer
-  holds its share and the one before it reached the room; at most
-  ``MAX_HELD_PER_CLIENT`` per client (a held call's connection is busy, which
-  the connection limit cannot reclaim). A client that
+  holds its share and the one before it reached the room. At most
+  ``max_held`` calls are held at once, over all clients (the service: half
+  of ``--max-connections``): a held call's connection is busy, which the
+  connection limit cannot reclaim, so held calls never take more than half
+  of it from the other clients' connections; past that, a call is answered
+  at once. A client that
   keeps more calls open than its share then costs the front end one call
   per freed place, or per hold, instead of one per retry (docs/server.md
   has the measurement).
@@ -43,10 +46,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["FairWaiter", "FairRoom", "HeldCalls", "LINGER_S", "MAX_HELD_PER_CLIENT"]
+__all__ = ["FairWaiter", "FairRoom", "HeldCalls", "LINGER_S"]
 
 LINGER_S = 1.0  # a client stays active this long after its last call ended
-MAX_HELD_PER_CLIENT = 64  # calls of one client held at once (HeldCalls); more are answered at once
 
 
 @dataclass(eq=False)
@@ -202,12 +204,15 @@ class HeldCalls:
     (``room``). One asyncio loop owns it: :meth:`refused` when a call of a client got 429 from the full room
     (or was pushed out of it); ``hold = await held.hold(client)`` before a call's body is read (None: not held);
     :meth:`unhold` once that call reached the room (``room.add``, whatever it answered) or failed before;
-    :meth:`release` whenever the room may have lost calls (its owner admitted or removed some)."""
+    :meth:`release` whenever the room may have lost calls (its owner admitted or removed some). ``max_held``:
+    the calls held at once at most, over all clients (more are not held)."""
 
-    def __init__(self, room: FairRoom, hold_s: float) -> None:
+    def __init__(self, room: FairRoom, hold_s: float, max_held: int) -> None:
         if not (isinstance(hold_s, (int, float)) and hold_s >= 0):
             raise ValueError(f"HeldCalls: hold_s={hold_s!r} must be a number of seconds >= 0 (0: never hold)")
-        self.room, self.hold_s = room, float(hold_s)
+        if not (isinstance(max_held, int) and not isinstance(max_held, bool) and max_held >= 0):
+            raise ValueError(f"HeldCalls: max_held={max_held!r} must be an int >= 0 (0: never hold)")
+        self.room, self.hold_s, self.max_held = room, float(hold_s), max_held
         self.refused_at: dict = {}  # client -> when a call of it last got 429 from the full room
         self.queues: dict = {}  # client -> futures of its held calls, first held first
         self.leaving: dict = {}  # client -> the future of its released call that has not reached the room yet
@@ -229,9 +234,9 @@ class HeldCalls:
         at = self.refused_at.get(client)
         if not self.hold_s or at is None or time.monotonic() - at > self.hold_s or not self.room.holds_share(client):
             return None
-        q = self.queues.setdefault(client, deque())
-        if len(q) >= MAX_HELD_PER_CLIENT:
+        if self.count >= self.max_held:
             return None
+        q = self.queues.setdefault(client, deque())
         fut = asyncio.get_running_loop().create_future()
         q.append(fut)
         self.count += 1
