@@ -223,7 +223,7 @@ def main(argv=None) -> int:
                                    "chunk_budgets": [list(x) for x in (grid or {}).get("chunk_budgets", CHUNK_BUDGETS)],
                                    "expert_batching": [list(x) for x in (grid or {}).get("batching", EXPERT_BATCHING)],
                                    "lanes (pool tokens, wait in SLOs, chunks)": [list(x) for x in (grid or {}).get("lanes", LANES)],
-                                   "stages": list((grid or {}).get("stages", ("chunk", "mode")))},
+                                   "stages": list((grid or {}).get("stages", ("chunk", "mode", "restructure")))},
                           "requests_per_point": [n_min, n_max], "lattice_step": 2 ** (1 / STEPS_PER_DOUBLING)},
                "timing": []}
     for t in traces:
