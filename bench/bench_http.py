@@ -51,11 +51,13 @@ Five measurements, each against a baseline measured in the same run:
    then while A (127.0.0.2) floods (150 calls): A keeps 400 calls of 512
    tokens in flight (large calls, each half the bound), then, in fresh
    services, 64 calls of 64 tokens (many small calls: the fault table's
-   row); A's prompt tokens/s from ``/metrics`` over 4 s alone and over B's
-   calls. Settings alternate run by run, each in a fresh service: the
-   default against ``--refused-hold-s 0`` (a refused client's calls
-   answered at once, as before the hold). Per flood and setting: B's p50
-   flooded over alone per run, A's throughput beside B and its 429s;
+   row), then 400 calls of 512 ids past the vocabulary (bad calls, each
+   answered 400); A's prompt tokens/s from ``/metrics`` over 4 s alone and
+   over B's calls. Settings alternate run by run, each in a fresh service:
+   the default against ``--refused-hold-s 0`` (a refused client's calls
+   answered at once, as before the hold), and for the bad calls against
+   ``--bad-call-delay-s 0`` (no brake). Per flood and setting: B's p50
+   flooded over alone per run, A's throughput beside B and its 4xx answers;
    medians over runs.
 
 Writes ``http.json`` and ``http.md`` under ``--out``.
@@ -336,9 +338,13 @@ def markdown_hostile(h: dict) -> list:
 # ----------------------------------------------------------------------------- 5. a flooding client
 FLOOD_SETTINGS = (("default (held calls, --refused-hold-s 1)", []),
                   ("--refused-hold-s 0 (429 at once)", ["--refused-hold-s", "0"]))
-# client A's floods: (name, calls kept in flight, prompt tokens per call)
-FLOODS = (("large calls: 400 of 512 tokens", 400, 512),
-          ("many small calls: 64 of 64 tokens", 64, 64))
+BRAKE_SETTINGS = (("default (the brake, --bad-call-delay-s 1)", []),
+                  ("--bad-call-delay-s 0 (no brake)", ["--bad-call-delay-s", "0"]))
+# client A's floods: (name, calls kept in flight, prompt tokens per call (< 0: that many ids past the
+# vocabulary, each call a 400), the settings compared)
+FLOODS = (("large calls: 400 of 512 tokens", 400, 512, FLOOD_SETTINGS),
+          ("many small calls: 64 of 64 tokens", 64, 64, FLOOD_SETTINGS),
+          ("bad calls: 400 of 512 ids past the vocabulary (each a 400)", 400, -512, BRAKE_SETTINGS))
 
 
 def _flood_run(extra: list, b_calls: int, calls: int = 64, tokens: int = 64) -> dict:
@@ -376,7 +382,7 @@ def _flood_run(extra: list, b_calls: int, calls: int = 64, tokens: int = 64) -> 
         b.close()
     finally:
         svc.close()
-    a_alone, a_beside = (k1 - k0) / (t1 - t0), (k2 - k1 - b_calls * 256) / (t2 - t1)
+    a_alone, a_beside = (k1 - k0) / (t1 - t0), max(0.0, (k2 - k1 - b_calls * 256) / (t2 - t1))
     return {"b_alone_p50_s": statistics.median(alone), "b_flooded_p50_s": statistics.median(flooded),
             "b_ratio": statistics.median(flooded) / statistics.median(alone),
             "a_tok_s_alone": a_alone, "a_tok_s_beside_b": a_beside, "b_tok_s": b_calls * 256 / (t2 - t1),
@@ -387,10 +393,10 @@ def flooding_client(quick: bool) -> dict:
     """Each flood of ``FLOODS`` with each setting of ``FLOOD_SETTINGS``, alternating, ``runs`` times."""
     runs, b_calls = (1, 60) if quick else (3, 150)
     floods = {}
-    for flood_name, calls, tokens in FLOODS:
-        rows: dict = {name: [] for name, _ in FLOOD_SETTINGS}
+    for flood_name, calls, tokens, settings in FLOODS:
+        rows: dict = {name: [] for name, _ in settings}
         for i in range(runs):
-            for name, extra in FLOOD_SETTINGS:  # alternating: the host's noise falls on both
+            for name, extra in settings:  # alternating: the host's noise falls on both
                 log(f"5/5 flooding client ({flood_name}), run {i + 1}/{runs}: {name} ...")
                 r = _flood_run(extra, b_calls, calls, tokens)
                 log(f"    B {r['b_alone_p50_s'] * 1e3:.1f} -> {r['b_flooded_p50_s'] * 1e3:.1f} ms "
@@ -400,7 +406,9 @@ def flooding_client(quick: bool) -> dict:
         summary = {name: {"b_ratio_median": statistics.median(r["b_ratio"] for r in rs),
                           "b_ratios": [r["b_ratio"] for r in rs],
                           "a_tok_s_beside_b_median": statistics.median(r["a_tok_s_beside_b"] for r in rs),
-                          "a_429_median": statistics.median(r["a_counts"].get("429", 0) for r in rs)}
+                          "a_429_median": statistics.median(r["a_counts"].get("429", 0) for r in rs),
+                          "a_4xx_median": statistics.median(sum(v for k, v in r["a_counts"].items()
+                                                                if k.startswith("4")) for r in rs)}
                    for name, rs in rows.items()}
         floods[flood_name] = {"calls": calls, "tokens": tokens, "runs": rows, "summary": summary}
     return {"floods": floods, "b_calls": b_calls, "target_b_ratio": 2.0}
@@ -412,10 +420,10 @@ def markdown_flood(f: dict) -> list:
     for flood_name, fl in f["floods"].items():
         out += [f"**A: {flood_name}** ({fl['calls']} in flight)", "",
                 "| setting | B flooded / alone, per run | median | A tok/s beside B (median) | "
-                "A's 429s per run (median) |", "|---|---|---|---|---|"]
+                "A's 4xx per run (median) |", "|---|---|---|---|---|"]
         for name, s in fl["summary"].items():
             out.append(f"| {name} | {', '.join(f'{x:.2f}x' for x in s['b_ratios'])} | **{s['b_ratio_median']:.2f}x** | "
-                       f"{s['a_tok_s_beside_b_median']:,.0f} | {s['a_429_median']:,.0f} |")
+                       f"{s['a_tok_s_beside_b_median']:,.0f} | {s['a_4xx_median']:,.0f} |")
         met = [name for name, s in fl["summary"].items() if max(s["b_ratios"]) <= f["target_b_ratio"]]
         med = [name for name, s in fl["summary"].items() if s["b_ratio_median"] <= f["target_b_ratio"]]
         out += ["", f"Target: B's p50 within {f['target_b_ratio']:g}x of alone: "

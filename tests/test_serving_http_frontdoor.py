@@ -28,6 +28,7 @@ import httpx
 import pytest
 from test_serving_http import Server, _prompt, reference  # noqa: F401  (a fixture)
 
+from asap_comm.serving.server.fairness import BRAKE_REFUSALS_PER_S
 from asap_comm.serving.server.request import default_max_body_bytes
 from asap_comm.testing.service import Flood, descendants, shm_files, wait_dead
 
@@ -201,6 +202,37 @@ def test_a_flooding_client_does_not_take_the_service_from_another(door, referenc
           f"{statistics.median(flooded) * 1e3:.1f} ms ({ratio:.2f}x); A: {counts}")
     # The latency ratio is printed, not asserted: on a loaded 2-core host every process of the service shares the
     # cores with the flood's own client, and B's p50 moved 2.4x to 12x between runs with the same share.
+
+
+def test_a_client_sending_bad_calls_fast_is_braked_and_another_is_not(door, reference):
+    """``--bad-call-delay-s`` (default 1 s, ``fairness.ErrorBrake``): from its 32nd refused call within a second, a
+    client's calls wait the delay before they are handled; another client's calls do not, and /metrics shows the
+    waiting call. (Before the brake, 400 calls of such a client kept in flight took another client's latency to
+    13.8x of alone in a run: each costs the front end a whole HTTP call, at 4,900 a second.)"""
+    bad = httpx.Client(base_url=door.url, timeout=60, headers=AUTH,
+                       transport=httpx.HTTPTransport(local_address="127.0.0.3"))
+    body = {"prompt": [10 ** 9], "max_tokens": 1}  # an id past the vocabulary: 400
+    took = []
+    while len(took) < 200 and (not took or took[-1] < 0.9):
+        t = time.monotonic()
+        assert bad.post("/v1/completions", json=body).status_code == 400
+        took.append(time.monotonic() - t)
+    assert took[-1] >= 0.9, f"no call of the bad client waited in {len(took)} refused calls"
+    assert len(took) > BRAKE_REFUSALS_PER_S and max(took[:BRAKE_REFUSALS_PER_S]) < 0.9  # not braked before
+    # while one of its calls waits: the gauge shows it, and another client is served (with the right token)
+    waiting = threading.Thread(target=lambda: bad.post("/v1/completions", json=body), daemon=True)
+    waiting.start()
+    seen = 0.0
+    for _ in range(40):
+        seen = max(seen, door.metric("asap_num_calls_braked"))
+        if seen or not waiting.is_alive():
+            break
+        time.sleep(0.02)
+    assert seen >= 1
+    _complete(door.api, _prompt(8, 8100), reference)
+    waiting.join(timeout=30)
+    assert not waiting.is_alive()
+    bad.close()
 
 
 # ----------------------------------------------------------------------------- small defects

@@ -14,7 +14,7 @@ import torch
 from asap_comm.serving.frontend import FrontEnd
 from asap_comm.serving.runtime import RuntimeConfig
 from asap_comm.serving.server import build_parser, service_options
-from asap_comm.serving.server.fairness import FairRoom, FairWaiter, HeldCalls
+from asap_comm.serving.server.fairness import BRAKE_REFUSALS_PER_S, ErrorBrake, FairRoom, FairWaiter, HeldCalls
 from asap_comm.serving.server.frontdoor import (AcceptErrorFilter, ConnectionGuard, check_connection_limit,
                                                 default_max_connections, remove_stale_segments)
 from asap_comm.serving.server.options import ServiceOptions
@@ -151,6 +151,53 @@ def test_held_calls_of_a_refused_client_leave_one_at_a_time_as_the_room_frees():
         assert len(big) == 400 and not any(t.done() for t in many)
         big.release_all()
         await asyncio.gather(*many)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_the_brake_slows_a_client_of_many_refused_calls_and_no_other():
+    async def main():
+        brake = ErrorBrake(delay_s=0.2, max_waiting=3)
+        for _ in range(BRAKE_REFUSALS_PER_S - 1):
+            brake.refused("A")
+        assert await brake.wait("A") is False  # under the rate: not braked
+        brake.refused("A")  # the 32nd within a second
+        t = time.monotonic()
+        assert await brake.wait("A") is True and time.monotonic() - t >= 0.19
+        assert await brake.wait("B") is False  # another client is never braked
+        # at most max_waiting calls wait at once, over all clients
+        brake.refused("A")  # its refusals keep coming (the 33rd in this window): braked for delay_s from now
+        waits = [asyncio.ensure_future(brake.wait("A")) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        assert len(brake) == 3
+        assert sorted(await asyncio.gather(*waits)) == [False, False, True, True, True] and len(brake) == 0
+        # a call refused after it waited holds the brake on, even in a new window of few refusals
+        brake.windows["A"][0] -= 2.0
+        await asyncio.sleep(0.25)
+        brake.refused("A", braked=True)
+        assert brake.windows["A"][1] == 1 and await brake.wait("A") is True
+        # the brake lapses delay_s after the last refusal that kept it on
+        await asyncio.sleep(0.25)
+        assert await brake.wait("A") is False
+        # refusals spread over more than a second each window do not brake
+        slow = ErrorBrake(delay_s=0.2, max_waiting=3, per_s=4)
+        for _ in range(3):
+            slow.refused("C")
+        slow.windows["C"][0] -= 1.5  # that window began 1.5 s ago: the next refusal opens a new one
+        slow.refused("C")
+        assert await slow.wait("C") is False and slow.windows["C"][1] == 1
+        off = ErrorBrake(delay_s=0, max_waiting=3)
+        for _ in range(100):
+            off.refused("A")
+        assert await off.wait("A") is False  # 0: no brake
+        for bad, match in (((-1, 3), "delay_s=-1"), ((1.0, -1), "max_waiting=-1"), ((1.0, 3, 0), "per_s=0")):
+            with pytest.raises(ValueError, match=match):
+                ErrorBrake(*bad)
+        with pytest.raises(ValueError, match="bad_call_delay_s=-1"):
+            ServiceOptions(bad_call_delay_s=-1)
+        args = build_parser().parse_args(["--model", "tiny", "--bad-call-delay-s", "0.5"])
+        assert service_options(args, {}).bad_call_delay_s == 0.5
+        assert service_options(build_parser().parse_args(["--model", "tiny"]), {}).bad_call_delay_s == 1.0
 
     asyncio.run(asyncio.wait_for(main(), 30))
 

@@ -227,7 +227,8 @@ import aiohttp
 url, key, calls, tokens, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 counts = {}
 async def one(session, stop):
-    body = {"prompt": [1 + i % 127 for i in range(tokens)], "max_tokens": 1}  # ids every preset's vocabulary holds
+    # ids every preset's vocabulary holds; with tokens < 0, -tokens ids no vocabulary holds (each call a 400)
+    body = {"prompt": [1 + i % 127 for i in range(tokens)] if tokens > 0 else [10 ** 9] * -tokens, "max_tokens": 1}
     while time.monotonic() < stop:
         try:
             async with session.post(url + "/v1/completions", json=body,
@@ -250,7 +251,8 @@ asyncio.run(main())
 
 class Flood:
     """Client A, from 127.0.0.2 (a client of its own to the service's fairness): ``calls`` calls of ``tokens``
-    tokens kept in flight for ``seconds`` (a 429 waits 50 ms), in a subprocess. ``with Flood(...) as f:`` the
+    tokens kept in flight for ``seconds`` (a 429 waits 50 ms), in a subprocess; ``tokens`` < 0: calls of
+    ``-tokens`` ids past every vocabulary (each answered 400: a flood of bad calls). ``with Flood(...) as f:`` the
     block starts once it floods; after the block (it waits for the flood's end, bounded), :attr:`counts` is
     ``{status as a string or "error": calls}``."""
 

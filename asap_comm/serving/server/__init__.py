@@ -79,7 +79,10 @@ Behaviour (statuses of ``/v1/completions``):
   has its next small calls held unread in their connections (at most half
   of ``--max-connections`` over all clients, up to ``--refused-hold-s``,
   default 1 s; they leave one at a time as the room frees:
-  ``fairness.HeldCalls``). Past admission, each attention rank holds at most
+  ``fairness.HeldCalls``). A client that had 32 calls refused as its own
+  error (a 4xx other than 429) within a second has each of its calls wait
+  ``--bad-call-delay-s`` (default 1 s) before it is handled, while its
+  refusals keep coming (``fairness.ErrorBrake``). Past admission, each attention rank holds at most
   ``--max-rank-calls`` requests (default 0: no bound) and the front end sends the
   next one from the client with the fewest requests in flight
   (``frontend.RankQueue``). Memory: admitted + waiting prompt tokens, plus the

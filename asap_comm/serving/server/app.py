@@ -109,6 +109,9 @@ class HttpApp:
     async def _guarded(self, request, handler):
         from aiohttp import web
 
+        client = client_of(request)
+        # a client sending bad calls fast waits first (.fairness.ErrorBrake); /health and /metrics never do
+        braked = request.path not in _OPEN_PATHS and await self.svc.brake.wait(client)
         if not self._authorized(request):
             self.svc.metrics.count("unauthorized")
             resp = self._json_error(self._unauthorized())
@@ -123,6 +126,8 @@ class HttpApp:
                                                   headers=headers))
         if "Content-Encoding" in request.headers and not request.content.is_eof() and not resp.prepared:
             resp.force_close()
+        if 400 <= resp.status < 500 and resp.status != 429:  # the caller's own error
+            self.svc.brake.refused(client, braked)
         return resp
     _guard.__middleware_version__ = 1  # an aiohttp new-style middleware
 

@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "its next small calls wait unread in their connections, up to this long, until it no "
                          "longer holds its share (a flooding client's retries cost one call per hold, not one "
                          "per retry; at most half of --max-connections held at once); 0: answer them at once")
+    ap.add_argument("--bad-call-delay-s", type=float, default=1.0,
+                    help="a client that had 32 calls refused as its own error (a 4xx other than 429) within a "
+                         "second: each of its calls waits this long before it is handled, while its refusals keep "
+                         "coming (a client flooding bad calls costs one call per connection per delay); 0: no brake")
     ap.add_argument("--worker-stall-s", type=float, default=10.0,
                     help="/health answers 503 naming a worker whose heartbeat is older than this (not a failure)")
     ap.add_argument("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM/Ctrl-C: in-flight grace")
@@ -119,7 +123,8 @@ def service_options(args, environ) -> ServiceOptions:
                           max_waiting_tokens=args.max_waiting_tokens, worker_stall_s=args.worker_stall_s,
                           header_timeout_s=args.header_timeout_s, idle_timeout_s=args.idle_timeout_s,
                           max_connections=args.max_connections, min_body_rate=args.min_body_rate, api_key=api_key,
-                          max_rank_calls=args.max_rank_calls or None, refused_hold_s=args.refused_hold_s)
+                          max_rank_calls=args.max_rank_calls or None, refused_hold_s=args.refused_hold_s,
+                          bad_call_delay_s=args.bad_call_delay_s)
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,7 @@ from ...errors import TimeoutError as CommTimeoutError
 from ..frontend import FrontEnd, Rejected
 from ..heartbeat import Heartbeats
 from ..waiting_room import MAX_WAITING_CALLS
-from .fairness import LINGER_S, FairRoom, FairWaiter, HeldCalls
+from .fairness import LINGER_S, ErrorBrake, FairRoom, FairWaiter, HeldCalls
 from .frontdoor import default_max_connections
 from .metrics import ServiceMetrics
 from .options import ServiceOptions
@@ -54,9 +54,11 @@ class Engine:
         self.client_tokens: dict = {}  # client -> its admitted prompt tokens
         self.client_of: dict = {}  # request id -> (client, its prompt tokens)
         self.linger: dict = {}  # client -> until when it counts as active after its last call ended
-        # a refused client's next calls wait unread, in at most half of the connection limit
-        self.held = HeldCalls(self.room, opts.refused_hold_s,
-                              (opts.max_connections or default_max_connections()) // 2)
+        # a refused client's next calls wait unread, and a client sending bad calls fast waits before each: in at
+        # most half of the connection limit each
+        half = (opts.max_connections or default_max_connections()) // 2
+        self.held = HeldCalls(self.room, opts.refused_hold_s, half)
+        self.brake = ErrorBrake(opts.bad_call_delay_s, half)
         self.id_prefix = secrets.token_hex(4)  # response ids: unique across restarts
         self.beats = Heartbeats(ch.stats.table, range(comm.world_size - 1))
         self.stalled: set = set()  # PEs reported stalled (for the log's transitions)

@@ -38,6 +38,16 @@ its turn: the engine adds it and runs the turns.
   keeps more calls open than its share then costs the front end one call
   per freed place, or per hold, instead of one per retry (docs/server.md
   has the measurement).
+* **The brake on refused calls** (:class:`ErrorBrake`,
+  ``--bad-call-delay-s``). Calls the service refuses as the caller's error
+  (a 4xx other than 429: a bad body, a missing key, an unknown path) take
+  no admission, so nothing above bounds how fast a client may send them, and
+  each costs the front end a whole HTTP call. A client that had
+  ``BRAKE_REFUSALS_PER_S`` refused in the last second has each of its calls
+  wait ``bad_call_delay_s`` before it is handled, for as long as its
+  refusals keep coming (a call refused after it waited holds the brake on); at most ``max_waiting`` calls wait at once over all
+  clients (the service: half of ``--max-connections``), past that they are
+  handled at once.
 """
 from __future__ import annotations
 
@@ -46,9 +56,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["FairWaiter", "FairRoom", "HeldCalls", "LINGER_S"]
+__all__ = ["FairWaiter", "FairRoom", "HeldCalls", "ErrorBrake", "LINGER_S", "BRAKE_REFUSALS_PER_S"]
 
 LINGER_S = 1.0  # a client stays active this long after its last call ended
+BRAKE_REFUSALS_PER_S = 32  # refused calls (4xx but 429) of one client within a second that brake it (ErrorBrake)
 
 
 @dataclass(eq=False)
@@ -274,3 +285,51 @@ class HeldCalls:
             if q and client not in self.leaving and not self.room.holds_share(client):
                 fut = self.leaving[client] = q.popleft()
                 fut.set_result(None)
+
+
+class ErrorBrake:
+    """The brake on a client's refused calls (module docstring). One asyncio loop owns it: :meth:`refused` for
+    each call answered with a 4xx other than 429; ``await brake.wait(client)`` before a call is handled (True if
+    it waited). ``delay_s`` 0: never brake."""
+
+    def __init__(self, delay_s: float, max_waiting: int, per_s: int = BRAKE_REFUSALS_PER_S) -> None:
+        if not (isinstance(delay_s, (int, float)) and delay_s >= 0):
+            raise ValueError(f"ErrorBrake: delay_s={delay_s!r} must be a number of seconds >= 0 (0: never brake)")
+        for name, v in (("max_waiting", max_waiting), ("per_s", per_s)):
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= (0 if name == "max_waiting" else 1)):
+                raise ValueError(f"ErrorBrake: {name}={v!r} must be an int >= {0 if name == 'max_waiting' else 1}")
+        self.delay_s, self.max_waiting, self.per_s = float(delay_s), max_waiting, per_s
+        self.windows: dict = {}  # client -> [start of its current 1-s window, refused calls in it]
+        self.braked_until: dict = {}  # client -> until when its calls wait
+        self.count = 0  # calls waiting now
+
+    def __len__(self) -> int:
+        return self.count
+
+    def refused(self, client: str, braked: bool = False) -> None:
+        """A call of ``client`` was refused as its own error; ``braked``: that call had waited (:meth:`wait`
+        returned True), so the brake holds on for ``delay_s`` from now."""
+        if not self.delay_s:
+            return
+        now = time.monotonic()
+        if len(self.windows) > 1024:  # forget clients quiet for a while
+            self.windows = {c: w for c, w in self.windows.items() if now - w[0] <= 1.0}
+            self.braked_until = {c: t for c, t in self.braked_until.items() if t > now}
+        w = self.windows.get(client)
+        if w is None or now - w[0] > 1.0:
+            w = self.windows[client] = [now, 0]
+        w[1] += 1
+        if braked or w[1] >= self.per_s:
+            self.braked_until[client] = now + self.delay_s
+
+    async def wait(self, client: str) -> bool:
+        """Wait ``delay_s`` if ``client`` is braked now (and fewer than ``max_waiting`` calls wait)."""
+        until = self.braked_until.get(client)
+        if until is None or time.monotonic() >= until or self.count >= self.max_waiting:
+            return False
+        self.count += 1
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.count -= 1
+        return True

@@ -41,6 +41,9 @@ class ServiceMetrics:
         self.held = Gauge("asap_num_calls_held", "Calls held unread: their client got 429 from the full waiting "
                           "room and still holds its share of it (--refused-hold-s)", registry=r)
         self.held.set_function(lambda: len(svc.held))
+        self.braked = Gauge("asap_num_calls_braked", "Calls waiting before they are handled: their client had many "
+                            "calls refused as its own error just now (--bad-call-delay-s)", registry=r)
+        self.braked.set_function(lambda: len(svc.brake))
         self.closed = Counter("asap_connections_closed", "Connections the service closed by reason (header_timeout, "
                               "idle, evicted: the oldest idle one at --max-connections, refused: 503 at the limit)",
                               ["reason"], registry=r)

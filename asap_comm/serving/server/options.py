@@ -21,7 +21,8 @@ class ServiceOptions:
     attention rank holds at once (a chunk sent, no result yet; the others wait in the front end, where the
     clients' chunks take turns: ``frontend.FrontEnd``); None: no bound. ``refused_hold_s``: how long a call
     of a client refused a place in the full waiting room is held, unread, while its client still holds its
-    share of the room (``fairness.HeldCalls``); 0: never held."""
+    share of the room (``fairness.HeldCalls``); 0: never held. ``bad_call_delay_s``: how long each call of a
+    client waits while the brake on its refused calls holds (``fairness.ErrorBrake``); 0: no brake."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -41,6 +42,7 @@ class ServiceOptions:
     min_body_rate: int = 16384
     max_rank_calls: "int | None" = None
     refused_hold_s: float = 1.0
+    bad_call_delay_s: float = 1.0
     api_key: "str | None" = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +63,10 @@ class ServiceOptions:
                 and self.refused_hold_s >= 0):
             raise ValueError(f"ServiceOptions: refused_hold_s={self.refused_hold_s!r} must be a number of seconds "
                              ">= 0 (0: never hold)")
+        if not (isinstance(self.bad_call_delay_s, (int, float)) and math.isfinite(self.bad_call_delay_s)
+                and self.bad_call_delay_s >= 0):
+            raise ValueError(f"ServiceOptions: bad_call_delay_s={self.bad_call_delay_s!r} must be a number of "
+                             "seconds >= 0 (0: no brake)")
         if self.mode not in ("async", "sync"):
             raise ValueError(f"ServiceOptions: mode={self.mode!r} must be 'async' or 'sync'")
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
