@@ -45,9 +45,9 @@ its turn: the engine adds it and runs the turns.
   each costs the front end a whole HTTP call. A client that had
   ``BRAKE_REFUSALS_PER_S`` refused in the last second has each of its calls
   wait ``bad_call_delay_s`` before it is handled, for as long as its
-  refusals keep coming (a call refused after it waited holds the brake on); at most ``max_waiting`` calls wait at once over all
-  clients (the service: half of ``--max-connections``), past that they are
-  handled at once.
+  refusals keep coming (a call refused after it waited holds the brake on);
+  at most ``max_waiting`` calls wait at once over all clients (the service:
+  half of ``--max-connections``), past that they are handled at once.
 """
 from __future__ import annotations
 
