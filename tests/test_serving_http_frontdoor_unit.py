@@ -155,6 +155,14 @@ def test_held_calls_of_a_refused_client_leave_one_at_a_time_as_the_room_frees():
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+def _check_seconds_option(flag: str, field: str, default: float) -> None:
+    """A service option in seconds: a negative value refused naming it, the flag taken, its default."""
+    with pytest.raises(ValueError, match=f"{field}=-0.5"):
+        ServiceOptions(**{field: -0.5})
+    assert getattr(service_options(build_parser().parse_args(["--model", "tiny", flag, "0.25"]), {}), field) == 0.25
+    assert getattr(service_options(build_parser().parse_args(["--model", "tiny"]), {}), field) == default
+
+
 def test_the_brake_slows_a_client_of_many_refused_calls_and_no_other():
     async def main():
         brake = ErrorBrake(delay_s=0.2, max_waiting=3)
@@ -193,11 +201,7 @@ def test_the_brake_slows_a_client_of_many_refused_calls_and_no_other():
         for bad, match in (((-1, 3), "delay_s=-1"), ((1.0, -1), "max_waiting=-1"), ((1.0, 3, 0), "per_s=0")):
             with pytest.raises(ValueError, match=match):
                 ErrorBrake(*bad)
-        with pytest.raises(ValueError, match="bad_call_delay_s=-1"):
-            ServiceOptions(bad_call_delay_s=-1)
-        args = build_parser().parse_args(["--model", "tiny", "--bad-call-delay-s", "0.5"])
-        assert service_options(args, {}).bad_call_delay_s == 0.5
-        assert service_options(build_parser().parse_args(["--model", "tiny"]), {}).bad_call_delay_s == 1.0
+        _check_seconds_option("--bad-call-delay-s", "bad_call_delay_s", default=1.0)
 
     asyncio.run(asyncio.wait_for(main(), 30))
 
@@ -222,11 +226,7 @@ def test_held_calls_wait_at_most_the_hold_and_never_with_hold_zero():
         with pytest.raises(ValueError, match="max_held=-1"):
             HeldCalls(room, 1.0, -1)
         assert await HeldCalls(room, 1.0, 0).hold("A") is None  # max_held 0: never held
-        with pytest.raises(ValueError, match="refused_hold_s=-0.5"):
-            ServiceOptions(refused_hold_s=-0.5)
-        args = build_parser().parse_args(["--model", "tiny", "--refused-hold-s", "0.25"])
-        assert service_options(args, {}).refused_hold_s == 0.25
-        assert service_options(build_parser().parse_args(["--model", "tiny"]), {}).refused_hold_s == 1.0
+        _check_seconds_option("--refused-hold-s", "refused_hold_s", default=1.0)
 
     asyncio.run(asyncio.wait_for(main(), 30))
 

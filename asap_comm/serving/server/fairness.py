@@ -295,9 +295,9 @@ class ErrorBrake:
     def __init__(self, delay_s: float, max_waiting: int, per_s: int = BRAKE_REFUSALS_PER_S) -> None:
         if not (isinstance(delay_s, (int, float)) and delay_s >= 0):
             raise ValueError(f"ErrorBrake: delay_s={delay_s!r} must be a number of seconds >= 0 (0: never brake)")
-        for name, v in (("max_waiting", max_waiting), ("per_s", per_s)):
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= (0 if name == "max_waiting" else 1)):
-                raise ValueError(f"ErrorBrake: {name}={v!r} must be an int >= {0 if name == 'max_waiting' else 1}")
+        for name, v, low in (("max_waiting", max_waiting, 0), ("per_s", per_s, 1)):
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
+                raise ValueError(f"ErrorBrake: {name}={v!r} must be an int >= {low}")
         self.delay_s, self.max_waiting, self.per_s = float(delay_s), max_waiting, per_s
         self.windows: dict = {}  # client -> [start of its current 1-s window, refused calls in it]
         self.braked_until: dict = {}  # client -> until when its calls wait

@@ -59,14 +59,10 @@ class ServiceOptions:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"ServiceOptions: {name}={v!r} must be a positive number of seconds")
-        if not (isinstance(self.refused_hold_s, (int, float)) and math.isfinite(self.refused_hold_s)
-                and self.refused_hold_s >= 0):
-            raise ValueError(f"ServiceOptions: refused_hold_s={self.refused_hold_s!r} must be a number of seconds "
-                             ">= 0 (0: never hold)")
-        if not (isinstance(self.bad_call_delay_s, (int, float)) and math.isfinite(self.bad_call_delay_s)
-                and self.bad_call_delay_s >= 0):
-            raise ValueError(f"ServiceOptions: bad_call_delay_s={self.bad_call_delay_s!r} must be a number of "
-                             "seconds >= 0 (0: no brake)")
+        for name, off in (("refused_hold_s", "never hold"), ("bad_call_delay_s", "no brake")):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"ServiceOptions: {name}={v!r} must be a number of seconds >= 0 (0: {off})")
         if self.mode not in ("async", "sync"):
             raise ValueError(f"ServiceOptions: mode={self.mode!r} must be 'async' or 'sync'")
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
